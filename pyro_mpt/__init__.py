@@ -1,0 +1,9 @@
+"""pyro_mpt: train Bayesian models by masked pre-training, a stochastic estimate of the
+log-marginal likelihood."""
+
+from pyro_mpt.diagnostics import MPTCurve, log_marginal, mpt_curve, plot_mpt_curve
+from pyro_mpt.loss import MPTLoss
+
+__version__ = "0.1.0"
+
+__all__ = ["MPTCurve", "MPTLoss", "__version__", "log_marginal", "mpt_curve", "plot_mpt_curve"]

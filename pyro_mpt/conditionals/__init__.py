@@ -1,0 +1,7 @@
+"""Strategies that compute the self-predictive conditionals ``p(x_j | x_R)``."""
+
+from pyro_mpt.conditionals.auto import STRATEGIES, Auto, as_conditionals
+from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.exact import Exact
+
+__all__ = ["Auto", "Conditionals", "Exact", "SelfPredictive", "STRATEGIES", "as_conditionals"]

@@ -1,0 +1,66 @@
+"""The interface every self-predictive conditional strategy implements."""
+
+import math
+from abc import ABC, abstractmethod
+
+__all__ = ["Conditionals", "SelfPredictive"]
+
+
+class SelfPredictive(ABC):
+    """The self-predictive conditionals ``p(x_j | x_R)`` of one batch of observations.
+
+    Built by :meth:`Conditionals.prepare` from one run of the model; :meth:`log_prob` then
+    scores any number of masks in one vectorized call.
+
+    :ivar observed: the :class:`~pyro_mpt.infer.trace_utils.ObservedSite` being scored.
+    :ivar scale: the log-probability scale per observation (plate subsampling).
+    """
+
+    def __init__(self, observed, scale):
+        self.observed = observed
+        self.scale = scale
+
+    @property
+    def num_features(self):
+        """The number of features ``D`` of one observation."""
+        return self.observed.value.shape[-1]
+
+    @property
+    def batch_shape(self):
+        """The shape of the batch of observations."""
+        return self.observed.batch_shape
+
+    @abstractmethod
+    def log_prob(self, masks):
+        """``log p(x_j | x_R)`` for every feature ``j``, with ``R`` the unmasked features.
+
+        :param torch.Tensor masks: boolean, ``True`` at masked features; shape
+            ``(P,) + batch_shape + (D,)``, or ``(P,) + (1,) * len(batch_shape) + (D,)`` to
+            share masks across the batch.
+        :returns: a tensor of shape ``(P,) + batch_shape + (D,)``; entries at unmasked
+            features are finite and meaningless.
+        """
+        raise NotImplementedError
+
+
+class Conditionals(ABC):
+    """A strategy that computes self-predictive conditionals for a Pyro model.
+
+    Strategies are configured in their constructor and are stateless between calls.
+    """
+
+    #: The name accepted by ``MPTLoss(conditionals=...)``.
+    name = None
+
+    @abstractmethod
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
+        """Runs the model (and the guide, if the strategy needs one) on a batch of data.
+
+        :returns: a :class:`SelfPredictive` for the batch.
+        :raises pyro_mpt.errors.NotApplicableError: if the strategy does not apply to this
+            model.
+        """
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"

@@ -1,0 +1,1 @@
+"""Pyro glue: reading model structure off traces, with no user-facing objects."""

@@ -1,0 +1,43 @@
+"""The masked pre-training estimator of log p(x), from per-feature conditionals.
+
+For one observation with ``D`` features and a mask ``M`` (a set of features),
+
+.. math::
+
+    \\widehat{\\log p}(x) = \\frac{D}{|M|} \\sum_{j \\in M} \\log p(x_j \\mid x_{R}),
+    \\qquad R = \\{1..D\\} \\setminus M,
+
+and ``log p(x) = sum_{M=1..D} S(x; M)`` with ``S(x; M)`` the expectation of
+``(1/M) sum_{j in mask} log p(x_j | x_R)`` over masks of size ``M``.
+
+This module is pure tensor code: no Pyro effects.
+"""
+
+import torch
+
+__all__ = ["mask_scores", "mpt_estimate"]
+
+
+def mask_scores(log_conditionals, masks):
+    """The per-mask score ``(1/M) sum_{j in mask} log p(x_j | x_R)``.
+
+    :param torch.Tensor log_conditionals: ``log p(x_j | x_R)`` for every feature, shape
+        ``S + (D,)``; entries outside the mask are ignored.
+    :param torch.Tensor masks: boolean masks, shape ``S + (D,)`` (broadcastable).
+    :returns: a tensor of shape ``S``.
+    """
+    masks = masks.expand(log_conditionals.shape)
+    total = torch.where(masks, log_conditionals, torch.zeros_like(log_conditionals)).sum(-1)
+    return total / masks.sum(-1).to(log_conditionals.dtype)
+
+
+def mpt_estimate(log_conditionals, masks):
+    """The MPT estimate ``D / M sum_{j in mask} log p(x_j | x_R)`` averaged over masks.
+
+    :param torch.Tensor log_conditionals: shape ``(P,) + batch + (D,)``, one row per mask.
+    :param torch.Tensor masks: boolean, shape ``(P,) + batch + (D,)`` (broadcastable).
+    :returns: a tensor of shape ``batch``: for each observation, the mean over its ``P``
+        masks of ``D`` times the mask score.
+    """
+    num_features = log_conditionals.shape[-1]
+    return num_features * mask_scores(log_conditionals, masks).mean(0)
