@@ -73,6 +73,19 @@ def _flatten_tail(tensor, num_dims):
     return tensor.reshape(tensor.shape[: tensor.dim() - num_dims] + (-1,))
 
 
+def _shared_across_batch(tensor, num_batch_dims):
+    """Keeps one copy of a parameter that is the same for every observation.
+
+    Probing yields a loading matrix per observation; in most models (PPCA, factor analysis)
+    all copies are equal, and one shared copy makes every later product ``N`` times
+    cheaper.
+    """
+    first = tensor[(slice(0, 1),) * num_batch_dims]
+    if torch.equal(tensor.detach(), first.detach().expand_as(tensor)):
+        return first
+    return tensor
+
+
 def _max_plate_nesting(trace):
     dims = [
         -frame.dim
@@ -247,4 +260,8 @@ def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf):
             f"The scale of observed site {obs_name!r} depends on the latent sites {latents}; "
             f"exact conditionals need a noise scale that does not."
         )
-    return GaussianForm(observed, scale, bias, weight, scales[0] ** 2, None, tuple(latents))
+    num_batch = len(observed.batch_shape)
+    weight = _shared_across_batch(weight, num_batch)
+    noise_var = _shared_across_batch(scales[0], num_batch) ** 2
+    bias = _shared_across_batch(bias, num_batch)
+    return GaussianForm(observed, scale, bias, weight, noise_var, None, tuple(latents))

@@ -60,23 +60,23 @@ def latent_gaussian_conditionals(x, weight, bias, noise_var, context):
     :returns: ``(mean, var)``, each of the broadcast batch shape ``+ (D,)``.
     """
     context = context.to(x.dtype)
-    weight_t = weight.transpose(-1, -2)  # (..., K, D)
     precision_weights = context / noise_var  # (..., D)
-    # Lambda = I + W^T diag(c / psi) W, formed as (W^T * w) @ W: O(D K^2).
-    scaled_t = weight_t * precision_weights.unsqueeze(-2)
+    # Lambda = I + W^T diag(c / psi) W: O(D K^2) per mask.
+    posterior_precision = torch.einsum("...dk,...d,...dl->...kl", weight, precision_weights, weight)
     latent_dim = weight.shape[-1]
-    eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
-    posterior_precision = eye + scaled_t @ weight
-    chol = torch.linalg.cholesky(posterior_precision)
-    residual = (x - bias).unsqueeze(-1)  # (..., D, 1)
-    rhs = scaled_t @ residual  # (..., K, 1)
-    posterior_mean = torch.cholesky_solve(rhs, chol)  # (..., K, 1)
-    mean = bias + (weight @ posterior_mean).squeeze(-1)
-    # w_j^T Lambda^{-1} w_j = || L^{-1} w_j ||^2, one triangular solve for every feature.
-    whitened = torch.linalg.solve_triangular(
-        chol, weight_t.expand(chol.shape[:-2] + weight_t.shape[-2:]), upper=False
+    posterior_precision = posterior_precision + torch.eye(
+        latent_dim, dtype=x.dtype, device=x.device
     )
-    var = noise_var + whitened.pow(2).sum(-2)
+    # Batched K x K inverses through the Cholesky factor; triangular solves against many
+    # right-hand sides are slow on CPU, so the D-sized products below are einsums instead.
+    chol = torch.linalg.cholesky(posterior_precision)
+    eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device).expand_as(chol)
+    chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    posterior_cov = chol_inv.transpose(-1, -2) @ chol_inv
+    rhs = torch.einsum("...dk,...d->...k", weight, precision_weights * (x - bias))
+    posterior_mean = (posterior_cov @ rhs.unsqueeze(-1)).squeeze(-1)
+    mean = bias + torch.einsum("...dk,...k->...d", weight, posterior_mean)
+    var = noise_var + torch.einsum("...dk,...kl,...dl->...d", weight, posterior_cov, weight)
     return mean, var
 
 

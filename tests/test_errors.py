@@ -1,0 +1,131 @@
+"""Every bad input gets a clear error, and a failing call changes nothing."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.nn import PyroModule, PyroParam
+
+from pyro_mpt import MPTLoss, log_marginal, mpt_curve
+from pyro_mpt.conditionals import Conditionals, Exact
+from pyro_mpt.errors import NotApplicableError
+
+
+def _model_factory(kind):
+    def model(x):
+        w = pyro.param("w_new", torch.ones(x.shape[-1], 2))
+        if kind == "global_latent":
+            w = pyro.sample("W", dist.Normal(torch.zeros(x.shape[-1], 2), 1.0).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            if kind == "gamma_latent":
+                z = pyro.sample("z", dist.Gamma(torch.ones(2), 1.0).to_event(1))
+            else:
+                z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            loc = z @ w.T
+            if kind == "nonlinear":
+                loc = torch.tanh(loc)
+            if kind == "heteroscedastic":
+                scale = z.exp().sum(-1, keepdim=True).expand_as(loc)
+            else:
+                scale = torch.ones_like(loc)
+            if kind == "bernoulli":
+                pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
+            elif kind == "no_obs":
+                pyro.sample("x", dist.Normal(loc, scale).to_event(1))
+            elif kind == "two_obs":
+                pyro.sample("x", dist.Normal(loc, scale).to_event(1), obs=x)
+                pyro.sample("y", dist.Normal(loc, scale).to_event(1), obs=x)
+            else:
+                pyro.sample("x", dist.Normal(loc, scale).to_event(1), obs=x)
+
+    return model
+
+
+BAD_MODELS = [
+    ("nonlinear", NotApplicableError, r"loc of observed site 'x' is not affine in .*'z'"),
+    ("heteroscedastic", NotApplicableError, r"scale of observed site 'x' depends on"),
+    ("gamma_latent", NotApplicableError, r"Latent site 'z' has a Gamma prior"),
+    ("bernoulli", NotApplicableError, r"Observed site 'x' has a Bernoulli likelihood"),
+    ("global_latent", ValueError, r"Latent site 'W' is outside the data plate \['data'\]"),
+    ("no_obs", ValueError, r"no observed sample site.*obs=x"),
+    ("two_obs", ValueError, r"found 2 observed sites \['x', 'y'\].*Concatenate"),
+]
+
+
+@pytest.mark.parametrize("kind, error, match", BAD_MODELS)
+@pytest.mark.parametrize("conditionals", ["exact", "auto"])
+def test_invalid_models_raise_and_leave_the_param_store_untouched(kind, error, match, conditionals):
+    x = torch.randn(5, 3)
+    pyro.param("existing", torch.zeros(2))
+    loss = MPTLoss(conditionals=conditionals)
+    for call in (loss.loss, loss.differentiable_loss, loss.loss_and_grads):
+        with pytest.raises(error, match=match):
+            call(_model_factory(kind), None, x)
+        assert set(pyro.get_param_store().keys()) == {"existing"}
+
+
+def test_auto_names_the_strategies_when_none_applies():
+    with pytest.raises(
+        NotApplicableError, match=r"(?s)conditionals='auto'.*'exact'.*exact: The loc"
+    ):
+        MPTLoss().loss(_model_factory("nonlinear"), None, torch.randn(4, 3))
+
+
+def test_nan_observations_raise_and_change_no_parameter():
+    class Model(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.w = PyroParam(torch.ones(3, 2))
+
+        def forward(self, x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+                pyro.sample("x", dist.Normal(z @ self.w.T, 1.0).to_event(1), obs=x)
+
+    model = Model()
+    x = torch.randn(6, 3)
+    x[2, 1] = float("nan")
+    svi = pyro.infer.SVI(model, lambda x: None, pyro.optim.Adam({"lr": 0.1}), MPTLoss())
+    before = model.w.detach().clone()
+    with pytest.raises(ValueError, match=r"Observed site 'x' contains 1 NaN values out of 18"):
+        svi.step(x)
+    assert torch.equal(model.w.detach(), before)
+    assert len(pyro.get_param_store()) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"num_masks": 0}, ValueError, r"num_masks must be at least 1, got 0"),
+        ({"num_masks": 2.5}, TypeError, r"num_masks must be a positive integer, got 2.5"),
+        ({"rate": 0}, ValueError, r"rate must lie in \(0, 1\], got 0"),
+        ({"rate": 1.01}, ValueError, r"rate must lie in \(0, 1\], got 1.01"),
+        ({"rate": (0.9, 0.1)}, ValueError, r"lo > hi"),
+        ({"conditionals": "magic"}, ValueError, r"conditionals='magic'.*'auto', 'exact'"),
+        ({"conditionals": 3}, TypeError, r"conditionals must be a strategy name.*got 3"),
+    ],
+)
+def test_bad_loss_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MPTLoss(**kwargs)
+
+
+def test_conditionals_instances_are_accepted():
+    loss = MPTLoss(conditionals=Exact())
+    assert isinstance(loss.conditionals, Exact) and isinstance(loss.conditionals, Conditionals)
+
+
+def test_log_marginal_rejects_models_without_closed_form():
+    with pytest.raises(NotApplicableError, match="not affine"):
+        log_marginal(_model_factory("nonlinear"), torch.randn(4, 3))
+
+
+def test_mpt_curve_argument_errors():
+    model = _model_factory("ok")
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"either sizes or rates"):
+        mpt_curve(model, x, sizes=[1], rates=[0.5])
+    with pytest.raises(ValueError, match=r"sizes must be .* mask sizes in 1..3, got"):
+        mpt_curve(model, x, sizes=[0, 4])
+    with pytest.raises(ValueError, match=r"rates must be a non-empty list of values in \(0, 1\]"):
+        mpt_curve(model, x, rates=[0.0, 0.5])

@@ -1,0 +1,100 @@
+"""Rate schedules, stratified mask sizes and random masks."""
+
+import pytest
+import torch
+
+from pyro_mpt.ops.masks import (
+    FixedRate,
+    RandomRate,
+    UniformRate,
+    as_rate_schedule,
+    masks_of_sizes,
+    sample_masks,
+)
+
+
+def test_as_rate_schedule_forms():
+    assert isinstance(as_rate_schedule("uniform"), UniformRate)
+    assert isinstance(as_rate_schedule((0, 1)), UniformRate)
+    assert as_rate_schedule(0.15).rate == 0.15
+    schedule = as_rate_schedule((0.2, 0.6))
+    assert (schedule.low, schedule.high) == (0.2, 0.6)
+    assert as_rate_schedule(schedule) is schedule
+    assert as_rate_schedule("uniform").unbiased and not schedule.unbiased
+
+
+@pytest.mark.parametrize(
+    "rate, error, match",
+    [
+        (0.0, ValueError, r"rate must lie in \(0, 1\], got 0.0"),
+        (-0.5, ValueError, r"rate must lie in \(0, 1\], got -0.5"),
+        (1.5, ValueError, r"rate must lie in \(0, 1\], got 1.5"),
+        (float("nan"), ValueError, r"rate must lie in \(0, 1\], got nan"),
+        ((0.8, 0.2), ValueError, r"rate=\(0.8, 0.2\) has lo > hi.*\(0.2, 0.8\)"),
+        ((0.1, 0.5, 0.9), ValueError, r"pair \(lo, hi\).*got 3 values"),
+        ((-0.1, 0.5), ValueError, r"rate\[0\] \(lo\) must lie in \[0, 1\]"),
+        ((0.1, 1.2), ValueError, r"rate\[1\] \(hi\) must lie in \[0, 1\]"),
+        ((0.0, 0.0), ValueError, r"masks nothing"),
+        ("bert", ValueError, r"rate='bert' is not a known schedule.*'uniform'"),
+        (None, TypeError, r"rate must be 'uniform'.*got None of type NoneType"),
+        (True, TypeError, r"got True of type bool"),
+        (("a", 0.5), TypeError, r"rate\[0\] \(lo\) must be a real number, got 'a'"),
+    ],
+)
+def test_bad_rates_raise_clear_errors(rate, error, match):
+    with pytest.raises(error, match=match):
+        as_rate_schedule(rate)
+
+
+def test_uniform_with_p_equal_d_uses_every_size_once():
+    num_features = 13
+    for _ in range(20):
+        sizes = UniformRate().sample_sizes(num_features, torch.Size([50]), num_features)
+        expected = torch.arange(1, num_features + 1).unsqueeze(-1).expand(-1, 50)
+        assert torch.equal(sizes, expected)
+
+
+def test_uniform_sizes_are_uniform_for_any_p():
+    num_features, draws = 7, 40_000
+    for num_masks in (1, 3):
+        sizes = UniformRate().sample_sizes(num_masks, torch.Size([draws]), num_features)
+        freq = torch.bincount(sizes.flatten(), minlength=num_features + 1)[1:].double()
+        freq = freq / sizes.numel()
+        # Binomial standard error of each frequency; 5 standard errors never flake.
+        stderr = (1 / num_features * (1 - 1 / num_features) / sizes.numel()) ** 0.5
+        assert (freq - 1 / num_features).abs().max() < 5 * stderr
+
+
+def test_stratified_sizes_cover_the_strata():
+    sizes = UniformRate().sample_sizes(4, torch.Size([1000]), 100)
+    # Mask p of 4 takes its size from the p-th quarter of 1..100.
+    for p in range(4):
+        assert sizes[p].min() >= 25 * p + 1 and sizes[p].max() <= 25 * (p + 1)
+
+
+def test_fixed_rate_sizes():
+    assert FixedRate(0.15).sizes_from_quantiles(torch.rand(5), 512).unique().tolist() == [77]
+    assert FixedRate(0.01).sizes_from_quantiles(torch.rand(5), 10).unique().tolist() == [1]
+    assert FixedRate(1.0).sizes_from_quantiles(torch.rand(5), 10).unique().tolist() == [10]
+
+
+def test_random_rate_sizes_stay_in_range():
+    sizes = RandomRate(0.2, 0.5).sample_sizes(3, torch.Size([2000]), 20)
+    assert sizes.min() >= 5 and sizes.max() <= 11
+
+
+def test_masks_have_the_requested_sizes_and_are_uniform():
+    sizes = torch.tensor([0, 1, 3, 6]).repeat(5000)
+    masks = masks_of_sizes(sizes, 6)
+    assert torch.equal(masks.sum(-1), sizes)
+    # Each feature is masked with probability M / D: check M = 3 within 5 standard errors.
+    rows = masks[sizes == 3].double()
+    stderr = (0.25 / rows.shape[0]) ** 0.5
+    assert (rows.mean(0) - 0.5).abs().max() < 5 * stderr
+
+
+def test_sample_masks_shapes_and_shared_masks():
+    masks, sizes = sample_masks(UniformRate(), 4, torch.Size([10]), 8)
+    assert masks.shape == (4, 10, 8) and sizes.shape == (4, 10)
+    masks, sizes = sample_masks(FixedRate(0.5), 2, torch.Size(), 8)
+    assert masks.shape == (2, 8) and torch.equal(masks.sum(-1), torch.tensor([4, 4]))
