@@ -217,3 +217,26 @@ def test_observed_multivariate_normal_sites(kind):
     torch.testing.assert_close(log_marginal(model, x), exact)
     draws = _estimates(MPTLoss(num_masks=3), model, x, 800).sum(1)
     assert abs(draws.mean() - exact.sum()) < 4 * draws.std() / math.sqrt(draws.numel())
+
+
+@pytest.mark.parametrize("kind", ["covariates", "per_observation_indexing", "per_obs_prior"])
+def test_per_observation_structure_is_probed_correctly(kind):
+    num_obs, weight, noise = 6, torch.randn(4, 2), 0.7
+    covariates = torch.randn(num_obs, 4)
+    prior_loc = torch.randn(num_obs, 2) if kind == "per_obs_prior" else torch.zeros(num_obs, 2)
+    perm = torch.randperm(num_obs)
+
+    def model(x):
+        with pyro.plate("data", num_obs):
+            z = pyro.sample("z", dist.Normal(prior_loc, 1.0).to_event(1))
+            if kind == "per_observation_indexing":
+                # Indexing the batch of latents needs full-size probe values.
+                z = z[..., perm, :][..., torch.argsort(perm), :]
+            loc = z @ weight.T + covariates
+            pyro.sample("x", dist.Normal(loc, noise).to_event(1), obs=x)
+
+    mean = prior_loc @ weight.T + covariates
+    cov = weight @ weight.T + noise**2 * torch.eye(4)
+    x = mean + torch.randn(num_obs, 4) @ torch.linalg.cholesky(cov).T
+    expected = torch.distributions.MultivariateNormal(mean, cov).log_prob(x)
+    torch.testing.assert_close(log_marginal(model, x), expected)

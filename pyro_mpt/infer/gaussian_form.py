@@ -73,19 +73,6 @@ def _flatten_tail(tensor, num_dims):
     return tensor.reshape(tensor.shape[: tensor.dim() - num_dims] + (-1,))
 
 
-def _shared_across_batch(tensor, num_batch_dims):
-    """Keeps one copy of a parameter that is the same for every observation.
-
-    Probing yields a loading matrix per observation; in most models (PPCA, factor analysis)
-    all copies are equal, and one shared copy makes every later product ``N`` times
-    cheaper.
-    """
-    first = tensor[(slice(0, 1),) * num_batch_dims]
-    if torch.equal(tensor.detach(), first.detach().expand_as(tensor)):
-        return first
-    return tensor
-
-
 def _max_plate_nesting(trace):
     dims = [
         -frame.dim
@@ -134,17 +121,35 @@ def _data_dims(trace, obs_name, latent_names):
     return [dim for _, dim in shared] if shared else [dim for _, dim in obs_frames]
 
 
+def _compact(tensor, num_dims):
+    """Narrows each broadcast (stride-0) dim among the leading ``num_dims`` to size 1.
+
+    Parameters that are the same for every observation then stay one copy, and every
+    later product is ``N`` times cheaper.
+    """
+    index = tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None)
+        for size, stride in zip(tensor.shape[:num_dims], tensor.stride()[:num_dims])
+    )
+    return tensor[index]
+
+
 def _whitened_prior(site, name, num_batch_dims):
-    """``(mean, scale_fn)`` with ``z = mean + scale_fn(u)`` for ``u ~ N(0, I)``, flattened."""
+    """``(mean, scale_fn)`` with ``z = mean + scale_fn(u)`` for ``u ~ N(0, I)``; the mean has
+    shape ``batch + (K,)`` with batch dims of size 1 where the prior is shared."""
     fn = unwrap_independent(site["fn"])
     full = site["fn"].batch_shape + site["fn"].event_shape
     if isinstance(fn, torch.distributions.Normal):
-        loc = fn.loc.expand(full).reshape(full[:num_batch_dims] + (-1,))
-        scale = fn.scale.expand(full).reshape(full[:num_batch_dims] + (-1,))
-        return loc, lambda u: scale * u
+        loc = _compact(fn.loc.expand(full), num_batch_dims)
+        scale = _compact(fn.scale.expand(full), num_batch_dims)
+        loc, scale = torch.broadcast_tensors(loc, scale)
+        flat = loc.shape[:num_batch_dims] + (-1,)
+        scale = scale.reshape(flat)
+        return loc.reshape(flat), lambda u: scale * u
     if isinstance(fn, torch.distributions.MultivariateNormal) and len(full) == num_batch_dims + 1:
-        loc = fn.loc.expand(full)
-        tril = fn.scale_tril.expand(full + full[-1:])
+        loc = _compact(fn.loc.expand(full), num_batch_dims)
+        tril = _compact(fn.scale_tril.expand(full + full[-1:]), num_batch_dims)
+        loc = loc.expand(torch.broadcast_shapes(loc.shape, tril.shape[:-1]))
         return loc, lambda u: (tril @ u.unsqueeze(-1)).squeeze(-1)
     raise NotGaussianError(
         f"Latent site {name!r} has a {type(fn).__name__} prior; exact conditionals need Normal "
@@ -215,53 +220,76 @@ def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf):
         site = trace.nodes[name]
         num_batch = len(observation_shape(site, data_dims)[0])
         loc, scale_fn = _whitened_prior(site, name, num_batch)
-        priors.append((name, site, loc, scale_fn))
-    sizes = [loc.shape[-1] for _, _, loc, _ in priors]
-    num_latent = sum(sizes)
+        priors.append((name, site, num_batch, loc, scale_fn))
     x = observed.value
-    points = _probe_points(num_latent, x.dtype, x.device)  # (Q, K)
-    num_probes = points.shape[0]
-
-    # Set every latent to its probe values, inside an extra plate over probe points.
+    points = _probe_points(sum(p[3].shape[-1] for p in priors), x.dtype, x.device)  # (Q, K)
     nesting = _max_plate_nesting(trace) if max_plate_nesting == math.inf else max_plate_nesting
-    probe_trace = trace.copy()
-    offset = 0
-    for (name, site, loc, scale_fn), size in zip(priors, sizes):
-        u = points[:, offset : offset + size]
-        offset += size
-        u = u.reshape((num_probes,) + (1,) * (loc.dim() - 1) + (size,))
-        z = (loc + scale_fn(u)).reshape((num_probes,) + site["value"].shape)
-        fn_dims = len(site["fn"].batch_shape)
-        pad = (1,) * (nesting - fn_dims)
-        z = z.reshape((num_probes,) + pad + site["fn"].batch_shape + site["fn"].event_shape)
-        probe_trace.nodes[name] = dict(site, value=z)
-    probe_dim = -(nesting + 1)
-    with pyro.plate(_PROBE_PLATE, num_probes, dim=probe_dim):
-        probed = poutine.trace(poutine.replay(model, trace=probe_trace)).get_trace(*args, **kwargs)
-
-    fn = probed.nodes[obs_name]["fn"]
-    base = unwrap_independent(fn)
-    full = fn.batch_shape + fn.event_shape
-    n = observed.num_feature_dims
-    locs = _flatten_tail(base.loc.expand(full), n).reshape((num_probes,) + x.shape)
-    scales = _flatten_tail(base.scale.expand(full), n).reshape((num_probes,) + x.shape)
+    try:
+        # Latents with a prior shared by every observation are probed once, not N times.
+        locs, scales = _probe(
+            model, args, kwargs, trace, obs_name, observed, priors, points, nesting, compact=True
+        )
+    except Exception:
+        # A model that indexes its latents per observation needs full-size probe values.
+        locs, scales = _probe(
+            model, args, kwargs, trace, obs_name, observed, priors, points, nesting, compact=False
+        )
+    # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
     bias = locs[0]
-    weight = (locs[1:-1] - bias).movedim(0, -1)  # batch + (D, K)
-    predicted = bias + weight @ points[-1]
+    num_latent = points.shape[-1]
+    differences = torch.cat([-torch.ones(1, num_latent), torch.eye(num_latent)]).to(x)
+    weight = torch.einsum("q...d,qk->...dk", locs[:-1], differences)
     tol = 10 * math.sqrt(torch.finfo(x.dtype).eps)
-    magnitude = locs.detach().abs().amax() + 1
-    if not torch.allclose(predicted.detach(), locs[-1].detach(), rtol=tol, atol=tol * magnitude):
+    with torch.no_grad():
+        predicted = bias + weight @ points[-1]
+        magnitude = locs.abs().amax() + 1
+        affine = torch.allclose(predicted, locs[-1], rtol=tol, atol=tol * magnitude)
+        constant_scale = torch.allclose(scales, scales[:1].expand_as(scales), rtol=tol)
+    if not affine:
         raise NotGaussianError(
             f"The loc of observed site {obs_name!r} is not affine in the latent sites "
             f"{latents}; exact conditionals need a linear-Gaussian model."
         )
-    if not torch.allclose(scales.detach(), scales[:1].detach().expand_as(scales), rtol=tol):
+    if not constant_scale:
         raise NotGaussianError(
             f"The scale of observed site {obs_name!r} depends on the latent sites {latents}; "
             f"exact conditionals need a noise scale that does not."
         )
-    num_batch = len(observed.batch_shape)
-    weight = _shared_across_batch(weight, num_batch)
-    noise_var = _shared_across_batch(scales[0], num_batch) ** 2
-    bias = _shared_across_batch(bias, num_batch)
-    return GaussianForm(observed, scale, bias, weight, noise_var, None, tuple(latents))
+    return GaussianForm(observed, scale, bias, weight, scales[0] ** 2, None, tuple(latents))
+
+
+def _probe(model, args, kwargs, trace, obs_name, observed, priors, points, nesting, compact):
+    """Runs the model with its latents at the probe points, inside a plate over the points.
+
+    :returns: the likelihood's ``(loc, scale)`` at each point, shape
+        ``(Q,) + batch + (D,)``, with batch dims of size 1 where they do not vary.
+    """
+    num_probes, offset = points.shape[0], 0
+    probe_trace = trace.copy()
+    for name, site, num_batch, loc, scale_fn in priors:
+        size = loc.shape[-1]
+        u = points[:, offset : offset + size]
+        offset += size
+        u = u.reshape((num_probes,) + (1,) * (loc.dim() - 1) + (size,))
+        z = loc + scale_fn(u)  # (Q,) + batch + (K_i,)
+        full = site["fn"].batch_shape + site["fn"].event_shape
+        batch = z.shape[1 : 1 + num_batch] if compact else full[:num_batch]
+        z = z.expand((num_probes,) + full[:num_batch] + (size,)) if not compact else z
+        pad = (1,) * (nesting - len(site["fn"].batch_shape))
+        z = z.reshape((num_probes,) + pad + batch + full[num_batch:])
+        probe_trace.nodes[name] = dict(site, value=z)
+    with pyro.plate(_PROBE_PLATE, num_probes, dim=-(nesting + 1)):
+        probed = poutine.trace(poutine.replay(model, trace=probe_trace)).get_trace(*args, **kwargs)
+    fn = probed.nodes[obs_name]["fn"]
+    base = unwrap_independent(fn)
+    full = fn.batch_shape + fn.event_shape
+    num_lead = len(full) - observed.num_feature_dims
+    target = (num_probes,) + observed.batch_shape + observed.value.shape[-1:]
+    out = []
+    for param in (base.loc, base.scale):
+        param = _compact(param.expand(full), num_lead)
+        param = _flatten_tail(param, observed.num_feature_dims)
+        param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
+        torch.broadcast_shapes(param.shape, target)  # raises if the model broke the shapes
+        out.append(param)
+    return out

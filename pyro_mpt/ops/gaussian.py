@@ -61,22 +61,35 @@ def latent_gaussian_conditionals(x, weight, bias, noise_var, context):
     """
     context = context.to(x.dtype)
     precision_weights = context / noise_var  # (..., D)
-    # Lambda = I + W^T diag(c / psi) W: O(D K^2) per mask.
-    posterior_precision = torch.einsum("...dk,...d,...dl->...kl", weight, precision_weights, weight)
-    latent_dim = weight.shape[-1]
-    posterior_precision = posterior_precision + torch.eye(
-        latent_dim, dtype=x.dtype, device=x.device
-    )
+    num_features, latent_dim = weight.shape[-2:]
+    eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
+    shared = all(size == 1 for size in weight.shape[:-2])
+    if shared:
+        # One loading matrix for the whole batch: every D-sized contraction becomes a single
+        # matrix product against the D x K^2 table of outer products w_j w_j^T.
+        weight = weight.reshape(num_features, latent_dim)
+        outer = (weight.unsqueeze(-1) * weight.unsqueeze(-2)).reshape(num_features, -1)
+        posterior_precision = eye + (precision_weights @ outer).unflatten(-1, (latent_dim,) * 2)
+    else:
+        posterior_precision = eye + torch.einsum(
+            "...dk,...d,...dl->...kl", weight, precision_weights, weight
+        )
     # Batched K x K inverses through the Cholesky factor; triangular solves against many
-    # right-hand sides are slow on CPU, so the D-sized products below are einsums instead.
+    # right-hand sides are slow on CPU, so the D-sized products below are matmuls instead.
     chol = torch.linalg.cholesky(posterior_precision)
-    eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device).expand_as(chol)
-    chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
     posterior_cov = chol_inv.transpose(-1, -2) @ chol_inv
-    rhs = torch.einsum("...dk,...d->...k", weight, precision_weights * (x - bias))
-    posterior_mean = (posterior_cov @ rhs.unsqueeze(-1)).squeeze(-1)
-    mean = bias + torch.einsum("...dk,...k->...d", weight, posterior_mean)
-    var = noise_var + torch.einsum("...dk,...kl,...dl->...d", weight, posterior_cov, weight)
+    weighted_residual = precision_weights * (x - bias)
+    if shared:
+        rhs = weighted_residual @ weight
+        posterior_mean = (posterior_cov @ rhs.unsqueeze(-1)).squeeze(-1)
+        mean = bias + posterior_mean @ weight.T
+        var = noise_var + posterior_cov.flatten(-2) @ outer.T
+    else:
+        rhs = torch.einsum("...dk,...d->...k", weight, weighted_residual)
+        posterior_mean = (posterior_cov @ rhs.unsqueeze(-1)).squeeze(-1)
+        mean = bias + torch.einsum("...dk,...k->...d", weight, posterior_mean)
+        var = noise_var + torch.einsum("...dk,...kl,...dl->...d", weight, posterior_cov, weight)
     return mean, var
 
 

@@ -210,9 +210,12 @@ def masks_of_sizes(sizes, num_features):
     :returns: a boolean tensor of shape ``S + (D,)``, ``True`` at masked features; each row
         is uniform among the masks of its size.
     """
+    # A feature is masked when its random key is among the M smallest of its row: one sort
+    # finds each row's M-th smallest key. Ties have probability zero in float32.
     keys = torch.rand(sizes.shape + (num_features,), device=sizes.device)
-    ranks = keys.argsort(dim=-1).argsort(dim=-1)
-    return ranks < sizes.unsqueeze(-1)
+    sorted_keys = keys.sort(dim=-1).values
+    threshold = sorted_keys.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+    return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
 
 
 def sample_masks(schedule, num_masks, batch_shape, num_features, device=None):
