@@ -98,3 +98,10 @@ def test_sample_masks_shapes_and_shared_masks():
     assert masks.shape == (4, 10, 8) and sizes.shape == (4, 10)
     masks, sizes = sample_masks(FixedRate(0.5), 2, torch.Size(), 8)
     assert masks.shape == (2, 8) and torch.equal(masks.sum(-1), torch.tensor([4, 4]))
+
+
+def test_numpy_and_torch_row_sorts_agree():
+    from pyro_mpt.ops.masks import _sort_rows
+
+    keys = torch.rand(7, 33)
+    assert torch.equal(_sort_rows(keys, use_numpy=True), _sort_rows(keys, use_numpy=False))

@@ -27,6 +27,7 @@ This module is pure tensor code: no Pyro effects.
 import math
 import numbers
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -202,6 +203,16 @@ def as_rate_schedule(rate):
     return FixedRate(rate)
 
 
+def _sort_rows(keys, use_numpy=None):
+    """Sorts the last dim. On CPU NumPy's vectorised sort is many times faster than
+    ``torch.sort`` for short rows; both give identical results."""
+    if use_numpy is None:
+        use_numpy = keys.device.type == "cpu"
+    if use_numpy:
+        return torch.from_numpy(np.sort(keys.numpy(), axis=-1))
+    return keys.sort(dim=-1).values
+
+
 def masks_of_sizes(sizes, num_features):
     """Uniformly random masks with the given sizes.
 
@@ -213,7 +224,7 @@ def masks_of_sizes(sizes, num_features):
     # A feature is masked when its random key is among the M smallest of its row: one sort
     # finds each row's M-th smallest key. Ties have probability zero in float32.
     keys = torch.rand(sizes.shape + (num_features,), device=sizes.device)
-    sorted_keys = keys.sort(dim=-1).values
+    sorted_keys = _sort_rows(keys)
     threshold = sorted_keys.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
     return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
 
