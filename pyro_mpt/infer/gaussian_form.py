@@ -134,6 +134,29 @@ def _compact(tensor, num_dims):
     return tensor[index]
 
 
+def _unexpanded(tensor, num_dims):
+    """The tensor that ``tensor`` was broadcast from, when it is a plain ``expand`` view
+    (as plates and ``broadcast_all`` make), left-padded to ``num_dims`` dims.
+
+    Slicing a broadcast view down would make autograd allocate the full broadcast shape in
+    the backward pass; taking the view's base keeps the graph small.
+    """
+    base = tensor._base
+    if base is not None and base.dim() <= tensor.dim():
+        padded = base.reshape((1,) * (tensor.dim() - base.dim()) + base.shape)
+        try:
+            same = padded.expand(tensor.shape)
+        except RuntimeError:
+            same = None
+        if (
+            same is not None
+            and same.stride() == tensor.stride()
+            and same.data_ptr() == tensor.data_ptr()
+        ):
+            tensor = padded
+    return tensor.reshape((1,) * (num_dims - tensor.dim()) + tensor.shape)
+
+
 def _whitened_prior(site, name, num_batch_dims):
     """``(mean, scale_fn)`` with ``z = mean + scale_fn(u)`` for ``u ~ N(0, I)``; the mean has
     shape ``batch + (K,)`` with batch dims of size 1 where the prior is shared."""
@@ -287,7 +310,8 @@ def _probe(model, args, kwargs, trace, obs_name, observed, priors, points, nesti
     target = (num_probes,) + observed.batch_shape + observed.value.shape[-1:]
     out = []
     for param in (base.loc, base.scale):
-        param = _compact(param.expand(full), num_lead)
+        param = _unexpanded(param, len(full))
+        param = _compact(param.expand(param.shape[:num_lead] + full[num_lead:]), num_lead)
         param = _flatten_tail(param, observed.num_feature_dims)
         param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
         torch.broadcast_shapes(param.shape, target)  # raises if the model broke the shapes
