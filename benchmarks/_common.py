@@ -1,0 +1,152 @@
+"""Timing, table and command-line helpers shared by the benchmark scripts.
+
+The scripts print figures; they never assert timings. Every timing is a median over
+repeats of :func:`time.perf_counter` intervals, with the device synchronised around each
+interval when it is a GPU.
+"""
+
+import contextlib
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+__all__ = [
+    "add_common_args",
+    "configure",
+    "environment",
+    "format_table",
+    "median_ms",
+    "set_default_dtype",
+    "synchronize",
+    "time_block",
+    "time_calls",
+    "write_json",
+]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def add_common_args(parser, steps=None, repeats=None):
+    """Adds ``--device``, ``--threads``, ``--json`` and, when defaults are given, ``--steps``
+    and ``--repeats`` to an :class:`argparse.ArgumentParser`."""
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the CPU (default: leave torch's choice)",
+    )
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the figures here")
+    if steps is not None:
+        parser.add_argument(
+            "--steps", type=int, default=steps, help="timed calls per repeat (default %(default)s)"
+        )
+    if repeats is not None:
+        parser.add_argument(
+            "--repeats", type=int, default=repeats, help="repeats; the median is reported"
+        )
+    return parser
+
+
+def configure(device, threads=None):
+    """Validates the device and applies the thread count; returns a :class:`torch.device`."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device} was requested but torch.cuda.is_available() is False.")
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be at least 1, got {threads}.")
+        torch.set_num_threads(threads)
+    return device
+
+
+def synchronize(device):
+    """Waits for queued GPU work, so that wall-clock intervals cover it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def set_default_dtype(dtype):
+    """Temporarily sets torch's default floating dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def time_block(fn, device, calls):
+    """Milliseconds per call of ``fn`` over ``calls`` back-to-back calls."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
+def time_calls(fns, device, steps, repeats, warmup=3):
+    """Times several callables in interleaved blocks, so that slow drifts of the machine's
+    load hit all of them alike.
+
+    :param dict fns: name -> zero-argument callable.
+    :returns: name -> list of ``repeats`` figures in milliseconds per call.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(time_block(fn, device, steps))
+    return times
+
+
+def median_ms(samples):
+    """The median of a list of timings."""
+    return statistics.median(samples)
+
+
+def format_table(headers, rows):
+    """A plain-text table with right-aligned columns (the first left-aligned)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row):
+        first = row[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "  ".join([first] + rest)
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def environment(device):
+    """Versions and machine facts recorded beside the figures."""
+    import pyro
+
+    device = torch.device(device)
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def write_json(path, payload):
+    """Writes ``payload`` as indented JSON."""
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write("\n")
+    print(f"figures written to {path}")

@@ -1,0 +1,189 @@
+"""One SVI step of ``MPTLoss`` against one of ``Trace_ELBO`` on PPCA.
+
+The model is ``pyro_mpt.models.PPCA(num_features=512, latent_dim=10,
+guide_covariance="diagonal", subsample_size=256)`` on N=4096 observations, so each step
+sees a mini-batch of 256 through the data plate's subsampling. ``MPTLoss(rate="uniform",
+num_masks=1)`` integrates the latent out exactly (Woodbury conditionals); ``Trace_ELBO``
+uses the model's mean-field amortized guide. Both losses drive the same module, each with its
+own Adam optimiser, and their steps are timed in interleaved blocks.
+
+A second table splits ``differentiable_loss`` into its forward pass and ``backward()``.
+
+Usage::
+
+    python benchmarks/bench_svi_step.py [--device cuda] [--steps 20] [--json out.json]
+"""
+
+import argparse
+import statistics
+import time
+
+import pyro
+import torch
+from _common import (
+    DTYPES,
+    add_common_args,
+    configure,
+    environment,
+    format_table,
+    median_ms,
+    set_default_dtype,
+    synchronize,
+    time_calls,
+    write_json,
+)
+from pyro.infer import SVI, Trace_ELBO
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.models import PPCA
+
+__all__ = ["main", "print_report", "run"]
+
+NUM_DATA = 4096
+NUM_FEATURES = 512
+LATENT_DIM = 10
+SUBSAMPLE_SIZE = 256
+TARGET_RATIO = 2.0
+
+
+def _make_data(num_data, num_features, latent_dim, device, dtype):
+    """Data from a PPCA with unit-scale loadings and noise scale 0.5."""
+    weight = torch.randn(num_features, latent_dim, device=device, dtype=dtype)
+    z = torch.randn(num_data, latent_dim, device=device, dtype=dtype)
+    noise = torch.randn(num_data, num_features, device=device, dtype=dtype)
+    return z @ weight.T + 0.5 * noise
+
+
+def _split_forward_backward(loss_fn, ppca, data, device, calls):
+    """Median milliseconds of ``differentiable_loss`` and of its ``backward()``."""
+    forward, backward = [], []
+    for _ in range(calls):
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = loss_fn.differentiable_loss(ppca.model, ppca.guide, data)
+        synchronize(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        synchronize(device)
+        t2 = time.perf_counter()
+        forward.append(1e3 * (t1 - t0))
+        backward.append(1e3 * (t2 - t1))
+        for p in ppca.parameters():
+            p.grad = None
+    return statistics.median(forward), statistics.median(backward)
+
+
+def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
+    """Times both losses in one dtype; returns a dict of milliseconds and the ratio."""
+    device = torch.device(device)
+    with set_default_dtype(dtype), torch.device(device):
+        pyro.clear_param_store()
+        torch.manual_seed(seed)
+        data = _make_data(NUM_DATA, NUM_FEATURES, LATENT_DIM, device, dtype)
+        ppca = PPCA(
+            num_features=NUM_FEATURES,
+            latent_dim=LATENT_DIM,
+            guide_covariance="diagonal",
+            subsample_size=SUBSAMPLE_SIZE,
+        )
+        elbo = Trace_ELBO()
+        mpt = MPTLoss(rate="uniform", num_masks=1)
+        svi_elbo = SVI(ppca.model, ppca.guide, pyro.optim.Adam({"lr": 1e-3}), loss=elbo)
+        svi_mpt = SVI(ppca.model, ppca.guide, pyro.optim.Adam({"lr": 1e-3}), loss=mpt)
+        times = time_calls(
+            {"elbo": lambda: svi_elbo.step(data), "mpt": lambda: svi_mpt.step(data)},
+            device,
+            steps,
+            repeats,
+            warmup,
+        )
+        calls = steps * repeats
+        mpt_fwd, mpt_bwd = _split_forward_backward(mpt, ppca, data, device, calls)
+        elbo_fwd, elbo_bwd = _split_forward_backward(elbo, ppca, data, device, calls)
+        pyro.clear_param_store()
+    elbo_ms = median_ms(times["elbo"])
+    mpt_ms = median_ms(times["mpt"])
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "elbo_step_ms": elbo_ms,
+        "mpt_step_ms": mpt_ms,
+        "ratio_mpt_over_elbo": mpt_ms / elbo_ms,
+        "elbo_step_ms_repeats": times["elbo"],
+        "mpt_step_ms_repeats": times["mpt"],
+        "mpt_forward_ms": mpt_fwd,
+        "mpt_backward_ms": mpt_bwd,
+        "elbo_forward_ms": elbo_fwd,
+        "elbo_backward_ms": elbo_bwd,
+    }
+
+
+def run(device="cpu", steps=20, repeats=5, warmup=5, dtypes=("float32", "float64"), seed=0):
+    """Runs the benchmark for each dtype.
+
+    :returns: ``{"config": ..., "environment": ..., "results": [one dict per dtype]}``.
+    """
+    results = [run_dtype(DTYPES[name], device, steps, repeats, warmup, seed) for name in dtypes]
+    config = {
+        "num_data": NUM_DATA,
+        "num_features": NUM_FEATURES,
+        "latent_dim": LATENT_DIM,
+        "subsample_size": SUBSAMPLE_SIZE,
+        "steps": steps,
+        "repeats": repeats,
+        "warmup": warmup,
+        "target_ratio": TARGET_RATIO,
+    }
+    return {"config": config, "environment": environment(device), "results": results}
+
+
+def print_report(report):
+    """Prints the step table and the forward/backward table."""
+    cfg = report["config"]
+    env = report["environment"]
+    print(
+        f"SVI step, PPCA D={cfg['num_features']} K={cfg['latent_dim']} "
+        f"N={cfg['num_data']} batch={cfg['subsample_size']} "
+        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']} x "
+        f"{cfg['steps']} steps)"
+    )
+    rows = [
+        (
+            r["dtype"],
+            f"{r['elbo_step_ms']:.2f}",
+            f"{r['mpt_step_ms']:.2f}",
+            f"{r['ratio_mpt_over_elbo']:.2f}x",
+            f"<= {cfg['target_ratio']:.0f}x",
+        )
+        for r in report["results"]
+    ]
+    print(format_table(["dtype", "ELBO ms/step", "MPT ms/step", "MPT/ELBO", "target"], rows))
+    print()
+    print("differentiable_loss split (median ms per call)")
+    rows = [
+        (
+            r["dtype"],
+            f"{r['mpt_forward_ms']:.2f}",
+            f"{r['mpt_backward_ms']:.2f}",
+            f"{r['elbo_forward_ms']:.2f}",
+            f"{r['elbo_backward_ms']:.2f}",
+        )
+        for r in report["results"]
+    ]
+    print(format_table(["dtype", "MPT fwd", "MPT bwd", "ELBO fwd", "ELBO bwd"], rows))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, steps=20, repeats=5)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    args = parser.parse_args(argv)
+    device = configure(args.device, args.threads)
+    report = run(device, args.steps, args.repeats, args.warmup)
+    print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Runs every benchmark in one process and prints one summary of ratios against targets.
+
+Running them together means the ratios in the summary come from one run on one machine
+state. Each benchmark's own tables are printed first.
+
+Usage::
+
+    python benchmarks/run_all.py [--device cuda] [--threads 1] [--json all.json]
+"""
+
+import argparse
+
+import bench_svi_step
+import bench_table1
+import bench_woodbury
+from _common import add_common_args, configure, environment, format_table, write_json
+
+__all__ = ["main", "summary_rows"]
+
+
+def _status(ok):
+    return "yes" if ok else "no"
+
+
+def summary_rows(reports):
+    """One row per figure with a target: ``(benchmark, measured, target, meets target)``."""
+    rows = []
+    svi = reports.get("svi_step")
+    if svi is not None:
+        target = svi["config"]["target_ratio"]
+        for r in svi["results"]:
+            ratio = r["ratio_mpt_over_elbo"]
+            rows.append(
+                (
+                    f"SVI step MPT/ELBO, {r['dtype']}",
+                    f"{ratio:.2f}x",
+                    f"<= {target:.0f}x",
+                    _status(ratio <= target),
+                )
+            )
+    woodbury = reports.get("woodbury")
+    if woodbury is not None:
+        target = woodbury["config"]["target_speedup"]
+        for r in woodbury["results"]:
+            for key, label in (
+                ("speedup_vs_dense_batched", "dense batched"),
+                ("speedup_vs_dense_loop", "dense loop"),
+            ):
+                if key in r:
+                    rows.append(
+                        (
+                            f"Woodbury speed-up vs {label}, {r['dtype']}",
+                            f"{r[key]:.3g}x",
+                            f">= {target:.0f}x",
+                            _status(r[key] >= target),
+                        )
+                    )
+    table1 = reports.get("table1")
+    if table1 is not None:
+        target = table1["config"]["target_seconds"]
+        seconds = table1["seconds"]
+        rows.append(
+            (
+                "reproduce ppca-table1 (s)",
+                f"{seconds:.1f}",
+                f"<= {target:.0f}",
+                _status(seconds <= target),
+            )
+        )
+    elif "table1" in reports:
+        rows.append(("reproduce ppca-table1 (s)", "n/a", "<= 60", "-"))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, repeats=5)
+    parser.add_argument("--svi-steps", type=int, default=20, help="SVI steps per repeat")
+    parser.add_argument("--woodbury-steps", type=int, default=10, help="Woodbury calls per repeat")
+    parser.add_argument("--no-loop", action="store_true", help="skip the per-mask Python loop")
+    parser.add_argument("--skip-table1", action="store_true", help="skip the reproduction run")
+    args = parser.parse_args(argv)
+    device = configure(args.device, args.threads)
+
+    reports = {}
+    reports["svi_step"] = bench_svi_step.run(device, args.svi_steps, args.repeats)
+    bench_svi_step.print_report(reports["svi_step"])
+    print()
+    reports["woodbury"] = bench_woodbury.run(
+        device, args.woodbury_steps, args.repeats, loop=not args.no_loop
+    )
+    bench_woodbury.print_report(reports["woodbury"])
+    if not args.skip_table1:
+        print()
+        reports["table1"] = bench_table1.run(device)
+        bench_table1.print_report(reports["table1"])
+
+    env = environment(device)
+    print()
+    print(f"Summary ({env['device']}, {env['threads']} threads, torch {env['torch']})")
+    print(format_table(["figure", "measured", "target", "meets"], summary_rows(reports)))
+    if args.json:
+        write_json(args.json, {"environment": env, "reports": reports})
+    return reports
+
+
+if __name__ == "__main__":
+    main()
