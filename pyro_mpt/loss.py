@@ -121,9 +121,13 @@ class MPTLoss(ELBO):
 
         :returns: a tensor of the data plate's batch shape (differentiable).
         """
+        return self._prepare_and_estimate(model, guide, args, kwargs)[1]
+
+    def _prepare_and_estimate(self, model, guide, args, kwargs):
+        # A failing call leaves no half-initialised parameters behind.
         with param_store_rollback():
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
-            return self._estimate(prepared)
+            return prepared, self._estimate(prepared)
 
     def _estimate(self, prepared):
         batch_shape = prepared.batch_shape
@@ -141,10 +145,8 @@ class MPTLoss(ELBO):
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a differentiable scalar tensor."""
-        with param_store_rollback():
-            prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
-            estimates = self._estimate(prepared)
-            return -(prepared.scale * estimates).sum()
+        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
+        return -(prepared.scale * estimates).sum()
 
     def loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a float (no gradients are computed)."""

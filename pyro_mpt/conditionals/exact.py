@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.infer.gaussian_form import extract_gaussian_form
 from pyro_mpt.ops.gaussian import (
@@ -39,8 +41,6 @@ class GaussianSelfPredictive(SelfPredictive):
         x = self.observed.value
         if form.covariance is None:
             return latent_gaussian_log_marginal(x, form.weight, form.loc, form.noise_var)
-        import torch
-
         return torch.distributions.MultivariateNormal(
             form.loc, covariance_matrix=form.covariance
         ).log_prob(x)

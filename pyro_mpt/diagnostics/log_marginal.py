@@ -2,8 +2,6 @@
 
 import math
 
-import torch
-
 from pyro_mpt.conditionals.exact import Exact
 
 __all__ = ["log_marginal"]
@@ -32,6 +30,4 @@ def log_marginal(model, *args, max_plate_nesting=math.inf, **kwargs):
         >>> log_marginal(ppca.model, x).shape
         torch.Size([10])
     """
-    prepared = Exact().prepare(model, None, args, kwargs, max_plate_nesting)
-    with torch.set_grad_enabled(torch.is_grad_enabled()):
-        return prepared.log_marginal()
+    return Exact().prepare(model, None, args, kwargs, max_plate_nesting).log_marginal()

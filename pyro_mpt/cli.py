@@ -1,0 +1,184 @@
+"""The ``pyro-mpt`` command line.
+
+::
+
+    pyro-mpt reproduce --list
+    pyro-mpt reproduce ppca-table1 [--out results/] [--device cpu|cuda] [--smoke | --full]
+                                   [--seed N] [--no-progress] [--data-noise paper|model]
+                                   [--threads N]
+
+``reproduce NAME`` runs one of the paper's experiments (see :mod:`pyro_mpt.reproduce`): it
+prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder.
+"""
+
+import argparse
+import difflib
+import inspect
+import os
+import sys
+
+__all__ = ["build_parser", "main"]
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _positive_int(text):
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+    return value
+
+
+def build_parser():
+    """The argument parser of ``pyro-mpt``."""
+    from pyro_mpt import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="pyro-mpt",
+        description="Masked pre-training (MPT) for Bayesian models in Pyro.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    reproduce = commands.add_parser(
+        "reproduce",
+        help="run one of the paper's experiments",
+        description=(
+            "Run one of the paper's experiments: print its table and write NAME.json and "
+            "NAME.png into the output folder. Use --list to see the experiments."
+        ),
+    )
+    reproduce.set_defaults(subparser=reproduce)
+    reproduce.add_argument("name", nargs="?", metavar="NAME", help="experiment name (see --list)")
+    reproduce.add_argument("--list", action="store_true", help="list the experiments and exit")
+    reproduce.add_argument(
+        "--out", default="results", metavar="DIR", help="output folder (default: results/)"
+    )
+    reproduce.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="torch device (default: cpu)"
+    )
+    size = reproduce.add_mutually_exclusive_group()
+    size.add_argument(
+        "--smoke", action="store_true", help="a tiny version that runs in seconds (tests, CI)"
+    )
+    size.add_argument(
+        "--full", action="store_true", help="the paper's sizes where the default is smaller"
+    )
+    reproduce.add_argument(
+        "--seed", type=_non_negative_int, default=0, metavar="N", help="base seed (default: 0)"
+    )
+    reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    reproduce.add_argument(
+        "--data-noise",
+        choices=("paper", "model"),
+        default=None,
+        help=(
+            "ppca-table1 and ppca-convergence: 'paper' adds one noise draw per observation "
+            "to all features (the paper's script; default), 'model' independent noise per "
+            "feature as the model assumes"
+        ),
+    )
+    reproduce.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help=(
+            "torch intra-op threads (default: 1; the experiments run many small tensor "
+            "operations, which extra threads slow down, badly so when other processes share "
+            "the cores)"
+        ),
+    )
+    return parser
+
+
+def _list_experiments():
+    from pyro_mpt.reproduce import EXPERIMENTS
+
+    width = max(len(name) for name in EXPERIMENTS)
+    for name, (_, description) in EXPERIMENTS.items():
+        print(f"{name.ljust(width)}  {description}")
+
+
+def _check_reproduce_args(parser, args):
+    """Checks that argparse cannot express; errors exit with status 2."""
+    import torch
+
+    from pyro_mpt.reproduce import EXPERIMENTS
+
+    known = ", ".join(EXPERIMENTS)
+    if args.name is None:
+        parser.error(f"give an experiment NAME or --list; the experiments are: {known}")
+    if args.name not in EXPERIMENTS:
+        close = difflib.get_close_matches(args.name, EXPERIMENTS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        parser.error(f"unknown experiment {args.name!r}; choose one of: {known}.{hint}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch reports no CUDA device here; use --device cpu")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} exists and is not a folder")
+
+
+def _reproduce(parser, args):
+    if args.list:
+        if args.name is not None:
+            parser.error("--list takes no experiment NAME")
+        _list_experiments()
+        return 0
+    _check_reproduce_args(parser, args)
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # a command line never needs a window
+    import torch
+
+    from pyro_mpt.reproduce import get_experiment
+    from pyro_mpt.reproduce._common import Stopwatch, num_threads
+
+    experiment = get_experiment(args.name)
+    kwargs = dict(
+        device=args.device,
+        smoke=args.smoke,
+        full=args.full,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    if args.data_noise is not None:
+        if "noise" not in inspect.signature(experiment.run).parameters:
+            parser.error(f"--data-noise does not apply to {args.name}")
+        kwargs["noise"] = args.data_noise
+    print(
+        f"pyro-mpt reproduce {args.name}: device {args.device}, seed {args.seed}, "
+        f"{'smoke' if args.smoke else 'full' if args.full else 'default'} size, "
+        f"torch {torch.__version__}, {args.threads} thread(s)",
+        flush=True,
+    )
+    watch = Stopwatch()
+    with num_threads(args.threads):
+        results = experiment.run(args.out, **kwargs)
+    outputs = results.get("outputs", {})
+    print(
+        f"wrote {outputs.get('json')} and {outputs.get('png')} ({watch.elapsed:.1f} s)",
+        flush=True,
+    )
+    return 0
+
+
+def main(argv=None):
+    """Runs ``pyro-mpt`` with ``argv`` (default: ``sys.argv[1:]``) and returns the exit
+    status; argument errors exit with status 2 and a message naming the fix."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # "reproduce" is the only command; argparse rejects any other.
+    return _reproduce(args.subparser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

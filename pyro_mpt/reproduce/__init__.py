@@ -1,0 +1,41 @@
+"""Reproductions of the paper's experiments, one module each, run by ``pyro-mpt reproduce``.
+
+Every module exposes ``run(out_dir, device="cpu", smoke=False, full=False, seed=0,
+progress=True) -> dict``, which prints a table, writes ``<name>.json`` and ``<name>.png``
+into ``out_dir`` and returns the results.
+"""
+
+import importlib
+
+__all__ = ["EXPERIMENTS", "get_experiment"]
+
+#: Experiment name -> (module, one-line description).
+EXPERIMENTS = {
+    "ppca-table1": (
+        "pyro_mpt.reproduce.ppca_table1",
+        "Table 1: cumulative MPT estimate vs true LML for P = 1, 10, 100 (PPCA D=200)",
+    ),
+    "ppca-convergence": (
+        "pyro_mpt.reproduce.ppca_convergence",
+        "Fig. 1: relative error of MPT vs P for D=5, 50 and D=512 at a fixed 15% rate",
+    ),
+    "ppca-training": (
+        "pyro_mpt.reproduce.ppca_training",
+        "Fig. 2: training PPCA with MPTLoss (uniform and fixed 20% rate) vs exact LML",
+    ),
+    "ppca-curve": (
+        "pyro_mpt.reproduce.ppca_curve",
+        "Fig. 4: MPT curves S(x; M) and their area vs exact LML (P=1, P=100, K=50)",
+    ),
+}
+
+
+def get_experiment(name):
+    """The module of experiment ``name``.
+
+    :raises ValueError: for an unknown name, listing the known ones.
+    """
+    if name not in EXPERIMENTS:
+        known = ", ".join(EXPERIMENTS)
+        raise ValueError(f"unknown experiment {name!r}; choose one of: {known}.")
+    return importlib.import_module(EXPERIMENTS[name][0])

@@ -1,0 +1,232 @@
+"""Plumbing shared by the reproductions: seeds, device and dtype, progress bars, tables, and
+output files that are never left half-written."""
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import pyro
+import torch
+from tqdm.auto import tqdm
+
+__all__ = [
+    "Stopwatch",
+    "check_size",
+    "derived_seed",
+    "float64",
+    "format_table",
+    "mean_std",
+    "new_figure",
+    "num_threads",
+    "pm",
+    "progress_bar",
+    "resolve_device",
+    "save_outputs",
+    "seed_everything",
+]
+
+
+def derived_seed(seed, *keys):
+    """A reproducible 32-bit seed for one part of an experiment, from the run's ``seed`` and
+    integer ``keys`` (panel, number of masks, repetition...), so that each part gets the same
+    random numbers whatever else runs before it."""
+    state = np.random.SeedSequence([int(seed), *(int(k) for k in keys)]).generate_state(1)
+    return int(state[0])
+
+
+def check_size(smoke, full):
+    """Rejects ``smoke=True`` together with ``full=True``."""
+    if smoke and full:
+        raise ValueError("smoke=True and full=True exclude each other; choose one size.")
+
+
+def seed_everything(seed):
+    """Seeds Python, NumPy and torch (CPU and CUDA) through :func:`pyro.set_rng_seed`."""
+    pyro.set_rng_seed(seed)
+
+
+def resolve_device(device):
+    """Checks a device name and returns a :class:`torch.device`.
+
+    :param device: ``"cpu"``, ``"cuda"`` (or ``"cuda:N"``) or a :class:`torch.device`.
+    :raises ValueError: for another name, or for CUDA on a machine without it.
+    """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r} is not a device name; use 'cpu' or 'cuda'.") from error
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} is not supported; use 'cpu' or 'cuda'.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r} was requested but torch reports no CUDA device "
+            f"(torch {torch.__version__}); use device='cpu'."
+        )
+    return device
+
+
+@contextlib.contextmanager
+def float64():
+    """Makes float64 the default dtype inside the block (models create their parameters in
+    the default dtype), restoring the previous default afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def num_threads(count):
+    """Limits torch's intra-op threads inside the block. Loops of many tiny tensor operations
+    (training a 10-feature model) run faster on one thread than on several, and much faster
+    when other processes compete for the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(count, previous)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def progress_bar(iterable=None, enabled=True, **kwargs):
+    """A tqdm progress bar (on stderr), or the bare iterable when ``enabled`` is False."""
+    return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kwargs)
+
+
+class Stopwatch:
+    """Wall-clock seconds since construction (``elapsed``) or of a ``with`` block
+    (``seconds``)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds = None
+
+    @property
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = self.elapsed
+        return False
+
+
+def mean_std(values):
+    """``(mean, sample standard deviation)`` of a list of floats (std is 0 for one value)."""
+    values = [float(v) for v in values]
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def pm(mean, std, digits=2):
+    """Formats ``mean ± std``; a std too small for ``digits`` decimals gets one significant
+    digit instead of reading as zero."""
+    std_digits = digits
+    if 0 < std < 0.5 * 10**-digits:
+        std_digits = -math.floor(math.log10(std))
+    return f"{mean:.{digits}f} ± {std:.{std_digits}f}"
+
+
+def format_table(headers, rows, title=None, notes=()):
+    """A plain-text table with aligned columns.
+
+    :param list headers: column titles.
+    :param list rows: rows of cells (converted with ``str``).
+    :param str title: a caption printed above the table.
+    :param notes: lines printed below the table.
+    :returns: the table as one string.
+    """
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row):
+        # The first column holds row labels: left-aligned; numbers are right-aligned.
+        padded = [row[0].ljust(widths[0])]
+        padded += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        return "  ".join(padded).rstrip()
+
+    rule = "-" * len(line(["-" * w for w in widths]))
+    out = [title] if title else []
+    out += [rule, line(cells[0]), rule] + [line(row) for row in cells[1:]] + [rule]
+    out += list(notes)
+    return "\n".join(out)
+
+
+def new_figure(ncols, width=5.0, height=3.8):
+    """A matplotlib figure with ``ncols`` panels, drawn by the Agg canvas without pyplot, so
+    running an experiment never changes the caller's matplotlib backend."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _jsonable(value.detach().cpu().tolist())
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None  # strict JSON has no NaN
+    if value is None or isinstance(value, str):
+        return value
+    return str(value)
+
+
+def _replace_atomically(out_dir, final_name, write):
+    """Writes through ``write(path)`` into a temporary file of ``out_dir`` and renames it to
+    ``final_name``, so a crash or interrupt never leaves a truncated output behind."""
+    fd, tmp_path = tempfile.mkstemp(dir=out_dir, prefix=f".{final_name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp_path)
+        os.replace(tmp_path, os.path.join(out_dir, final_name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp_path)
+        raise
+    return os.path.join(out_dir, final_name)
+
+
+def save_outputs(out_dir, name, results, fig):
+    """Writes ``<name>.json`` (``results``, tensors converted to lists, NaN to null) and
+    ``<name>.png`` (``fig``) into ``out_dir``, creating the folder if needed.
+
+    :returns: ``(json_path, png_path)``.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    payload = json.dumps(_jsonable(results), indent=2, allow_nan=False)
+
+    def write_json(path):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(payload + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    json_path = _replace_atomically(out_dir, f"{name}.json", write_json)
+    png_path = _replace_atomically(
+        out_dir, f"{name}.png", lambda path: fig.savefig(path, format="png", dpi=120)
+    )
+    return json_path, png_path
