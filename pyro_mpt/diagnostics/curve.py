@@ -22,7 +22,8 @@ class MPTCurve(NamedTuple):
     :ivar torch.Tensor sizes: mask sizes ``M``, shape ``(S,)``.
     :ivar torch.Tensor rates: ``M / D``.
     :ivar torch.Tensor scores: ``S(x; M)`` averaged over observations, shape ``(S,)``.
-    :ivar torch.Tensor stderr: Monte Carlo standard errors of ``scores``.
+    :ivar torch.Tensor stderr: Monte Carlo standard errors of ``scores`` over the random
+        masks, for this data (NaN when ``num_masks`` is 1).
     :ivar float area: ``D`` times the mean score: equals the sum over all mask sizes when
         ``sizes`` is ``1 ... D``, an estimate of the mean ``log p(x)`` per observation.
     :ivar int num_features: ``D``.
@@ -116,19 +117,8 @@ def mpt_curve(
                 masks = masks.reshape((count,) + (1,) * len(batch_shape) + (num_features,))
             scores.append(mask_scores(prepared.log_prob(masks), masks))
         scores = torch.cat(scores).expand((num_masks,) + batch_shape).reshape(num_masks, -1)
-        per_obs = scores.mean(0)
-        means.append(per_obs.mean())
-        # Observations are independent given the masks (unless masks are shared).
-        if share_masks:
-            spread = scores.mean(1)
-            stderrs.append(
-                spread.std() / math.sqrt(num_masks)
-                if num_masks > 1
-                else spread.new_tensor(math.nan)
-            )
-        else:
-            n = per_obs.numel()
-            stderrs.append(per_obs.std() / math.sqrt(n) if n > 1 else per_obs.new_tensor(math.nan))
+        means.append(scores.mean())
+        stderrs.append(_monte_carlo_stderr(scores, share_masks))
     scores = torch.stack(means)
     return MPTCurve(
         sizes=sizes,
@@ -138,6 +128,19 @@ def mpt_curve(
         area=float(num_features * scores.mean()),
         num_features=num_features,
     )
+
+
+def _monte_carlo_stderr(scores, share_masks):
+    """Standard error of the mean of ``scores`` (masks x observations) over random masks,
+    for the data at hand."""
+    num_masks, num_obs = scores.shape
+    if num_masks < 2:
+        return scores.new_tensor(math.nan)
+    if share_masks:
+        # Each mask serves every observation: masks are the independent draws.
+        return scores.mean(1).std() / math.sqrt(num_masks)
+    # Independent masks per observation: the variances of the per-observation means add.
+    return (scores.var(0).sum() / num_masks).sqrt() / num_obs
 
 
 def _latent_width(prepared):
