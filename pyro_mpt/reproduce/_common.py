@@ -200,6 +200,9 @@ def _replace_atomically(out_dir, final_name, write):
     ``final_name``, so a crash or interrupt never leaves a truncated output behind."""
     fd, tmp_path = tempfile.mkstemp(dir=out_dir, prefix=f".{final_name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give what open() would
     try:
         write(tmp_path)
         os.replace(tmp_path, os.path.join(out_dir, final_name))
