@@ -1,4 +1,4 @@
-"""Test configuration: float64 by default, a device chosen by ``PYRO_MPT_TEST_DEVICE``
+"""Test configuration: float64, a device chosen by ``PYRO_MPT_TEST_DEVICE``
 (``cpu`` unless set, e.g. ``PYRO_MPT_TEST_DEVICE=cuda``), and a fresh seed and param store
 for every test."""
 
@@ -9,9 +9,8 @@ import pytest
 import torch
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
-DTYPE = getattr(torch, os.environ.get("PYRO_MPT_TEST_DTYPE", "float64"))
 
-torch.set_default_dtype(DTYPE)
+torch.set_default_dtype(torch.float64)
 # The suite runs in parallel workers (pytest -n 2); one thread each avoids oversubscribing
 # the cores, which slows small batched linear algebra by orders of magnitude.
 if os.environ.get("PYTEST_XDIST_WORKER"):
