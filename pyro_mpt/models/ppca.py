@@ -33,6 +33,11 @@ class PPCA(PyroModule):
     :param str guide_covariance: ``"full"`` or ``"diagonal"``.
     :param int subsample_size: optional mini-batch size for the data plate.
 
+    .. note:: Like every ``PyroModule``, its parameters live in Pyro's global param store
+        under their attribute names, so two instances share them. To train several models
+        side by side call ``pyro.settings.set(module_local_params=True)`` first, or
+        ``pyro.clear_param_store()`` between them.
+
     Example::
 
         >>> ppca = PPCA(num_features=5, latent_dim=2)
