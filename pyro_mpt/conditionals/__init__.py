@@ -3,5 +3,14 @@
 from pyro_mpt.conditionals.auto import STRATEGIES, Auto, as_conditionals
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.conditionals.exact import Exact
+from pyro_mpt.conditionals.quadrature import Quadrature
 
-__all__ = ["Auto", "Conditionals", "Exact", "SelfPredictive", "STRATEGIES", "as_conditionals"]
+__all__ = [
+    "Auto",
+    "Conditionals",
+    "Exact",
+    "Quadrature",
+    "SelfPredictive",
+    "STRATEGIES",
+    "as_conditionals",
+]

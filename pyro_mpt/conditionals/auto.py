@@ -4,12 +4,13 @@ import math
 
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.exact import Exact
+from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
 #: Strategies by name, in the order ``"auto"`` tries them.
-STRATEGIES = {"exact": Exact}
+STRATEGIES = {"exact": Exact, "quadrature": Quadrature}
 
 
 class Auto(Conditionals):

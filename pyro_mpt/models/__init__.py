@@ -1,5 +1,7 @@
 """Ready-made Pyro models with MPT-friendly structure."""
 
 from pyro_mpt.models.ppca import PPCA, FactorAnalysis
+from pyro_mpt.models.vae import VAE, LinearVAE
 
 __all__ = ["FactorAnalysis", "PPCA"]
+__all__ += ["LinearVAE", "VAE"]

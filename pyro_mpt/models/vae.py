@@ -1,0 +1,254 @@
+"""Variational autoencoders (linear and MLP) as Pyro modules.
+
+Both models share one layout, on which the MPT conditionals rely:
+
+* ``model(x)`` and ``guide(x)`` take the data ``x`` of shape ``(N, D)`` as their first
+  argument, and put the local latent ``z`` (shape ``(N, K)``) in a ``pyro.plate("data", N)``
+  at ``dim=-1``; the observed site is ``"x"``, with the ``D`` features as one event.
+* :meth:`~LinearVAE.guide` encodes the ``x`` it is given, so feeding it a masked or filled
+  ``x`` changes the proposal for ``z``.
+* Every operation broadcasts over extra leading batch dimensions of ``x`` and ``z``: the
+  model runs inside outer plates (e.g. ``pyro.plate("particles", S, dim=-2)``), with ``z``
+  of shape ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape
+  ``(..., N, D)``.
+"""
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from pyro.distributions import constraints
+from pyro.nn import PyroModule, PyroParam, pyro_method
+
+__all__ = ["LinearVAE", "VAE"]
+
+_LIKELIHOODS = ("bernoulli", "normal")
+_MIN_SCALE = 1e-4
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+class _AutoEncoderModel(PyroModule):
+    """Shared model, guide and sampler; subclasses define :meth:`encode` and :meth:`decode`."""
+
+    def _init_common(self, num_features, latent_dim, likelihood, subsample_size):
+        if likelihood not in _LIKELIHOODS:
+            raise ValueError(f"likelihood must be 'bernoulli' or 'normal', got {likelihood!r}.")
+        self.num_features = _check_positive_int("num_features", num_features)
+        self.latent_dim = _check_positive_int("latent_dim", latent_dim)
+        self.likelihood = likelihood
+        self.subsample_size = subsample_size
+
+    def _plate(self, x):
+        return pyro.plate("data", x.shape[-2], subsample_size=self.subsample_size, dim=-1)
+
+    def _select(self, x, idx):
+        return x if self.subsample_size is None else x.index_select(-2, idx)
+
+    def _check_data(self, x):
+        if x.dim() < 2 or x.shape[-1] != self.num_features:
+            raise ValueError(
+                f"x must have shape (N, {self.num_features}) (num_features={self.num_features}),"
+                f" got {tuple(x.shape)}; pass one observation per row."
+            )
+
+    def observation_dist(self, z):
+        """The per-feature distribution of ``x`` given codes ``z`` of shape ``(..., K)``:
+        ``Bernoulli(logits)`` or ``Normal(loc, scale)``, batch shape ``(..., D)``."""
+        params = self.decode(z)
+        if self.likelihood == "bernoulli":
+            return dist.Bernoulli(logits=params)
+        return dist.Normal(params, self.noise_scale.expand(self.num_features))
+
+    @pyro_method
+    def model(self, x):
+        """The generative model; ``x`` has shape ``(N, D)``."""
+        self._check_data(x)
+        with self._plate(x) as idx:
+            z = pyro.sample("z", dist.Normal(x.new_zeros(self.latent_dim), 1.0).to_event(1))
+            pyro.sample("x", self.observation_dist(z).to_event(1), obs=self._select(x, idx))
+
+    @pyro_method
+    def guide(self, x):
+        """The amortized encoder :math:`q(z \\mid x)`, computed from the ``x`` given."""
+        self._check_data(x)
+        with self._plate(x) as idx:
+            loc, scale = self.encode(self._select(x, idx))
+            pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    @torch.no_grad()
+    def sample(self, num_samples):
+        """Draws ``num_samples`` observations from the model, shape ``(num_samples, D)``."""
+        p = next(self.parameters())
+        z = torch.randn(num_samples, self.latent_dim, dtype=p.dtype, device=p.device)
+        return self.observation_dist(z).sample()
+
+    def _init_noise(self, noise_scale, shape=()):
+        if self.likelihood == "normal":
+            self.noise_scale = PyroParam(
+                torch.full(shape, float(noise_scale)), constraint=constraints.positive
+            )
+
+
+class LinearVAE(_AutoEncoderModel):
+    """A VAE with a linear decoder and a linear amortized encoder:
+
+    .. math::
+
+        z_n \\sim \\mathcal{N}(0, I_K), \\qquad
+        x_n \\mid z_n \\sim \\prod_{j=1}^{D} \\mathrm{Bernoulli}\\big(
+            \\sigma(W z_n + b)_j\\big),
+
+    and :math:`q(z_n \\mid x_n) = \\mathcal{N}(A x_n + c, \\mathrm{diag}(s)^2)` with
+    :math:`s = \\mathrm{softplus}(\\rho) + 10^{-4}` a learnable vector shared by all
+    observations. With ``likelihood="normal"`` the observations are
+    :math:`\\mathcal{N}(W z_n + b, \\sigma^2 I_D)` with a learnable scalar :math:`\\sigma`,
+    which is :class:`~pyro_mpt.models.PPCA` with a mean-field amortized guide.
+
+    **Data conventions.** :meth:`model` and :meth:`guide` take the data ``x`` of shape
+    ``(N, D)`` as their first argument; ``z`` is a local latent in
+    ``pyro.plate("data", N, dim=-1)`` and ``"x"`` is the observed site. The guide encodes the
+    ``x`` it is given, so a masked or filled ``x`` changes the proposal. Both broadcast over
+    leading batch dimensions: the model runs inside outer plates with ``z`` of shape
+    ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape ``(..., N, D)``.
+
+    :param int num_features: ``D``.
+    :param int latent_dim: ``K``.
+    :param str likelihood: ``"bernoulli"`` (binary data) or ``"normal"``.
+    :param float init_scale: standard deviation of the random initial ``W``.
+    :param float noise_scale: initial ``sigma`` (``likelihood="normal"`` only).
+    :param int subsample_size: optional mini-batch size for the data plate.
+
+    .. note:: Parameters live in Pyro's global param store under their attribute names, so
+        two instances share them; see the note on :class:`~pyro_mpt.models.PPCA`.
+
+    Example::
+
+        >>> vae = LinearVAE(num_features=6, latent_dim=2)
+        >>> x = vae.sample(100)
+        >>> x.shape
+        torch.Size([100, 6])
+    """
+
+    def __init__(
+        self,
+        num_features,
+        latent_dim=2,
+        likelihood="bernoulli",
+        init_scale=0.1,
+        noise_scale=1.0,
+        subsample_size=None,
+    ):
+        super().__init__()
+        self._init_common(num_features, latent_dim, likelihood, subsample_size)
+        D, K = self.num_features, self.latent_dim
+        self.weight = PyroParam(init_scale * torch.randn(D, K))
+        self.bias = PyroParam(torch.zeros(D))
+        self._init_noise(noise_scale)
+        self.encoder_weight = PyroParam(torch.zeros(K, D))
+        self.encoder_bias = PyroParam(torch.zeros(K))
+        # softplus(0.5413) = 1: the encoder starts at unit scale.
+        self.encoder_scale_raw = PyroParam(torch.full((K,), 0.5413))
+
+    def decode(self, z):
+        """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
+        return z @ self.weight.T + self.bias
+
+    def encode(self, x):
+        """``(loc, scale)`` of :math:`q(z \\mid x)`, each of shape ``(..., K)``."""
+        loc = x @ self.encoder_weight.T + self.encoder_bias
+        scale = F.softplus(self.encoder_scale_raw) + _MIN_SCALE
+        return loc, scale.expand(loc.shape)
+
+
+def _mlp(in_dim, hidden_dim, out_dim, num_layers, activation):
+    layers = []
+    for i in range(num_layers):
+        layers += [PyroModule[torch.nn.Linear](in_dim if i == 0 else hidden_dim, hidden_dim)]
+        layers += [torch.nn.Tanh() if activation == "tanh" else torch.nn.ReLU()]
+    layers += [PyroModule[torch.nn.Linear](hidden_dim, out_dim)]
+    return PyroModule[torch.nn.Sequential](*layers)
+
+
+class VAE(_AutoEncoderModel):
+    """A variational autoencoder (Kingma & Welling, 2014; Rezende et al., 2014) with MLP
+    decoder and encoder:
+
+    .. math::
+
+        z_n \\sim \\mathcal{N}(0, I_K), \\qquad
+        x_n \\mid z_n \\sim \\prod_{j=1}^{D} \\mathrm{Bernoulli}\\big(
+            \\sigma(f_\\theta(z_n))_j\\big)
+        \\quad\\text{or}\\quad \\mathcal{N}\\big(f_\\theta(z_n), \\mathrm{diag}(\\sigma^2)\\big),
+
+    with :math:`q(z_n \\mid x_n) = \\mathcal{N}(\\mu_\\phi(x_n),
+    \\mathrm{diag}(\\mathrm{softplus}(\\rho_\\phi(x_n)) + 10^{-4})^2)`. Decoder and encoder
+    each have ``num_layers`` hidden layers of width ``hidden_dim``.
+
+    **Data conventions.** :meth:`model` and :meth:`guide` take the data ``x`` of shape
+    ``(N, D)`` as their first argument; ``z`` is a local latent in
+    ``pyro.plate("data", N, dim=-1)`` and ``"x"`` is the observed site. The guide encodes the
+    ``x`` it is given, so a masked or filled ``x`` changes the proposal. Both broadcast over
+    leading batch dimensions: the model runs inside outer plates with ``z`` of shape
+    ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape ``(..., N, D)``.
+
+    :param int num_features: ``D``.
+    :param int latent_dim: ``K``.
+    :param int hidden_dim: width of the hidden layers.
+    :param str likelihood: ``"bernoulli"`` (binary data) or ``"normal"``.
+    :param int num_layers: number of hidden layers in decoder and encoder (at least 1).
+    :param str activation: ``"tanh"`` or ``"relu"``.
+    :param str noise: ``"scalar"`` (one ``sigma``) or ``"feature"`` (one per feature);
+        ``likelihood="normal"`` only.
+    :param float noise_scale: initial ``sigma`` (``likelihood="normal"`` only).
+    :param int subsample_size: optional mini-batch size for the data plate.
+
+    .. note:: Parameters live in Pyro's global param store under their attribute names, so
+        two instances share them; see the note on :class:`~pyro_mpt.models.PPCA`.
+
+    Example::
+
+        >>> vae = VAE(num_features=784, latent_dim=10, hidden_dim=256)
+        >>> vae.encode(torch.zeros(3, 784))[0].shape
+        torch.Size([3, 10])
+    """
+
+    def __init__(
+        self,
+        num_features,
+        latent_dim=10,
+        hidden_dim=256,
+        likelihood="bernoulli",
+        num_layers=1,
+        activation="tanh",
+        noise="scalar",
+        noise_scale=1.0,
+        subsample_size=None,
+    ):
+        super().__init__()
+        self._init_common(num_features, latent_dim, likelihood, subsample_size)
+        hidden_dim = _check_positive_int("hidden_dim", hidden_dim)
+        num_layers = _check_positive_int("num_layers", num_layers)
+        if activation not in ("tanh", "relu"):
+            raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}.")
+        if noise not in ("scalar", "feature"):
+            raise ValueError(f"noise must be 'scalar' or 'feature', got {noise!r}.")
+        self.hidden_dim = hidden_dim
+        self.num_layers = num_layers
+        D, K = self.num_features, self.latent_dim
+        self.decoder = _mlp(K, hidden_dim, D, num_layers, activation)
+        self.encoder = _mlp(D, hidden_dim, 2 * K, num_layers, activation)
+        self._init_noise(noise_scale, () if noise == "scalar" else (D,))
+
+    def decode(self, z):
+        """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
+        return self.decoder(z)
+
+    def encode(self, x):
+        """``(loc, scale)`` of :math:`q(z \\mid x)`, each of shape ``(..., K)``."""
+        loc, raw = self.encoder(x).split(self.latent_dim, dim=-1)
+        return loc, F.softplus(raw) + _MIN_SCALE

@@ -1,0 +1,163 @@
+"""Quadrature conditionals against exact Gaussian conditionals and brute-force integrals."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import Exact, Quadrature
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.ops.quadrature import gauss_hermite_grid
+
+
+def _linear_model(weight, bias, likelihood):
+    latent_dim = weight.shape[-1]
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(latent_dim), 1.0).to_event(1))
+            eta = z @ weight.T + bias
+            if likelihood == "normal":
+                fn = dist.Normal(eta, 0.8)
+            elif likelihood == "bernoulli":
+                fn = dist.Bernoulli(logits=eta)
+            elif likelihood == "poisson":
+                fn = dist.Poisson(eta.exp())
+            else:  # categorical: three classes per feature
+                fn = dist.Categorical(logits=torch.stack([eta, -eta, 0.5 * eta], -1))
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    return model
+
+
+def test_gauss_hermite_grid_integrates_polynomials():
+    nodes, log_w = gauss_hermite_grid(8, 2)
+    w = log_w.exp()
+    assert nodes.shape == (64, 2) and w.sum().item() == pytest.approx(1.0)
+    # E[u1^2 u2^4] = 1 * 3 under N(0, I).
+    assert (w * nodes[:, 0] ** 2 * nodes[:, 1] ** 4).sum().item() == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("latent_dim", [1, 2])
+def test_quadrature_matches_exact_conditionals_on_a_gaussian_model(latent_dim):
+    weight, bias = 0.6 * torch.randn(5, latent_dim), torch.randn(5)
+    model = _linear_model(weight, bias, "normal")
+    x = torch.randn(4, 5)
+    masks = masks_of_sizes(torch.randint(1, 6, (3, 4)), 5)
+    exact = Exact().prepare(model, None, (x,), {})
+    quad = Quadrature(num_points=60).prepare(model, None, (x,), {})
+    diff = torch.where(masks, exact.log_prob(masks) - quad.log_prob(masks), 0.0)
+    assert diff.abs().max() < 1e-6
+    torch.testing.assert_close(quad.log_marginal(), exact.log_marginal(), atol=1e-6, rtol=0)
+
+
+def _brute_force_log_conditionals(model_weight, bias, likelihood, x, mask):
+    """``log p(x_j | x_R)`` for one observation by a fine trapezoid rule over a 1-d latent."""
+    z = torch.linspace(-9, 9, 20001)
+    log_prior = -0.5 * z**2 - 0.5 * math.log(2 * math.pi)
+    eta = z[:, None] * model_weight[:, 0] + bias
+    if likelihood == "bernoulli":
+        ll = dist.Bernoulli(logits=eta).log_prob(x)
+    elif likelihood == "poisson":
+        ll = dist.Poisson(eta.exp()).log_prob(x)
+    else:
+        ll = dist.Categorical(logits=torch.stack([eta, -eta, 0.5 * eta], -1)).log_prob(x)
+    dz = z[1] - z[0]
+    context = (ll * (~mask)).sum(-1) + log_prior
+    log_den = torch.logsumexp(context, 0) + dz.log()
+    log_num = torch.logsumexp(context[:, None] + ll, 0) + dz.log()
+    return log_num - log_den
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "poisson", "categorical"])
+def test_quadrature_matches_brute_force_integrals(likelihood):
+    weight, bias = 0.8 * torch.randn(6, 1), 0.3 * torch.randn(6)
+    model = _linear_model(weight, bias, likelihood)
+    trace = pyro.poutine.trace(model).get_trace(torch.zeros(3, 6))
+    x = trace.nodes["x"]["fn"].sample()  # data of the right support
+    masks = masks_of_sizes(torch.tensor([[2, 4, 6]]), 6)
+    quad = Quadrature(num_points=200).prepare(model, None, (x,), {}).log_prob(masks)
+    for n in range(3):
+        expected = _brute_force_log_conditionals(weight, bias, likelihood, x[n], masks[0, n])
+        got = quad[0, n]
+        assert torch.allclose(got[masks[0, n]], expected[masks[0, n]], atol=1e-6)
+
+
+def test_conditionals_differ_from_the_marginals_when_features_are_dependent():
+    """Scoring masked pixels by their marginal, ignoring x_R, is not the MPT conditional."""
+    weight, bias = 3.0 * torch.ones(8, 1), torch.zeros(8)
+    model = _linear_model(weight, bias, "bernoulli")
+    x = torch.ones(2, 8)
+    masks = masks_of_sizes(torch.tensor([[1, 1]]), 8)
+    prepared = Quadrature(num_points=60).prepare(model, None, (x,), {})
+    conditional = prepared.log_prob(masks)[masks]
+    marginal = prepared.log_prob(torch.ones_like(masks))[masks]  # empty context
+    # Seven ones in the context make another one far more likely than its marginal 1/2.
+    assert torch.allclose(marginal, torch.tensor(math.log(0.5)), atol=1e-6)
+    assert (conditional > math.log(0.9)).all()
+
+
+def test_svi_with_quadrature_raises_the_lml_and_reaches_every_parameter():
+    true_weight = 1.5 * torch.randn(10, 2)
+    truth = _linear_model(true_weight, torch.zeros(10), "bernoulli")
+    x = pyro.poutine.trace(truth).get_trace(torch.zeros(200, 10)).nodes["x"]["fn"].sample()
+
+    def model(data):
+        weight = pyro.param("weight", 0.1 * torch.randn(10, 2))
+        bias = pyro.param("bias", torch.zeros(10))
+        _linear_model(weight, bias, "bernoulli")(data)
+
+    quad = Quadrature(num_points=20)
+    loss = MPTLoss(conditionals=quad, num_masks=2)
+    svi = pyro.infer.SVI(model, lambda data: None, pyro.optim.Adam({"lr": 0.05}), loss)
+
+    def lml():
+        with torch.no_grad():
+            return quad.prepare(model, None, (x,), {}).log_marginal().mean().item()
+
+    svi.step(x)
+    before = lml()
+    for _ in range(150):
+        svi.step(x)
+    assert lml() > before + 0.3
+    grads = torch.autograd.grad(
+        loss.differentiable_loss(model, None, x), [pyro.param("weight"), pyro.param("bias")]
+    )
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_auto_picks_quadrature_for_small_non_gaussian_models():
+    model = _linear_model(torch.randn(4, 2), torch.zeros(4), "bernoulli")
+    loss = MPTLoss()
+    loss.loss(model, None, torch.ones(3, 4))
+    assert isinstance(loss.conditionals.chosen, Quadrature)
+
+
+def test_latent_too_large_for_quadrature_names_the_limit():
+    model = _linear_model(torch.randn(4, 5), torch.zeros(4), "bernoulli")
+    with pytest.raises(NotApplicableError, match=r"at most 3 latent dimensions.*K=5.*importance"):
+        Quadrature().prepare(model, None, (torch.ones(3, 4),), {})
+
+
+def test_non_factorising_likelihood_is_rejected():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            cov = torch.eye(3) + 0.5
+            pyro.sample(
+                "x", dist.MultivariateNormal(z[..., None].expand(z.shape + (3,)) ** 3, cov), obs=x
+            )
+
+    with pytest.raises(NotApplicableError, match=r"does not factorise over features"):
+        Quadrature().prepare(model, None, (torch.zeros(2, 3),), {})
+
+
+def test_bad_num_points():
+    with pytest.raises(ValueError, match=r"num_points must be at least 1, got 0"):
+        Quadrature(num_points=0)
+    with pytest.raises(TypeError, match=r"num_points must be an integer, got 2.5"):
+        Quadrature(num_points=2.5)
