@@ -161,3 +161,48 @@ def test_bad_num_points():
         Quadrature(num_points=0)
     with pytest.raises(TypeError, match=r"num_points must be an integer, got 2.5"):
         Quadrature(num_points=2.5)
+
+
+def test_guide_centred_nodes_agree_with_exact_using_few_nodes():
+    """Nodes placed at q(z | x) integrate a narrow posterior that prior nodes miss."""
+    weight, bias = 4.0 * torch.randn(12, 2), torch.randn(12)
+    model = _linear_model(weight, bias, "normal")
+    x = pyro.poutine.trace(model).get_trace(torch.zeros(5, 12)).nodes["x"]["fn"].sample()
+    exact = Exact().prepare(model, None, (x,), {}).log_marginal()
+    # The exact posterior of u given x, as an amortized Normal guide (its diagonal).
+    precision = torch.eye(2) + weight.T @ weight / 0.64
+    post_cov = torch.linalg.inv(precision)
+    post_mean = (x - bias) @ weight / 0.64 @ post_cov
+
+    def guide(data):
+        with pyro.plate("data", data.shape[0]):
+            pyro.sample("z", dist.Normal(post_mean, post_cov.diagonal().sqrt()).to_event(1))
+
+    guided = Quadrature(num_points=12, center="guide").prepare(model, guide, (x,), {})
+    prior = Quadrature(num_points=12).prepare(model, guide, (x,), {})
+    guided_error = (guided.log_marginal() - exact).abs().max()
+    assert guided_error < 1e-3
+    assert (prior.log_marginal() - exact).abs().max() > 100 * guided_error
+
+
+def test_adapted_nodes_integrate_against_the_standard_normal():
+    from pyro_mpt.ops.quadrature import adapted_nodes
+
+    nodes, log_w = gauss_hermite_grid(30, 2)
+    u, log_w2 = adapted_nodes(nodes, log_w, torch.tensor([[0.5, -1.0]]), torch.tensor([[0.7, 1.3]]))
+    # E[u1^2 + u2] = 1 under N(0, I), computed with the moved rule.
+    estimate = (log_w2.exp() * (u[..., 0] ** 2 + u[..., 1])).sum(0)
+    assert estimate.item() == pytest.approx(1.0, abs=1e-8)
+
+
+def test_guide_centred_nodes_need_normal_guides():
+    model = _linear_model(torch.randn(4, 1), torch.zeros(4), "bernoulli")
+
+    def guide(data):
+        with pyro.plate("data", data.shape[0]):
+            pyro.sample("z", dist.Laplace(torch.zeros(1), 1.0).to_event(1))
+
+    with pytest.raises(NotApplicableError, match=r"Normal guide distribution for latent site 'z'"):
+        Quadrature(center="guide").prepare(model, guide, (torch.ones(3, 4),), {})
+    with pytest.raises(ValueError, match=r"center must be 'prior' or 'guide', got 'mode'"):
+        Quadrature(center="mode")

@@ -3,6 +3,9 @@
 import math
 import numbers
 
+import pyro.poutine as poutine
+import torch
+
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.latent_probe import (
@@ -13,6 +16,7 @@ from pyro_mpt.infer.latent_probe import (
 )
 from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.ops.quadrature import (
+    adapted_nodes,
     gauss_hermite_grid,
     quadrature_log_conditionals,
     quadrature_log_marginal,
@@ -56,6 +60,12 @@ class Quadrature(Conditionals):
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
         (``num_points ** K`` nodes; the default 3).
+    :param str center: where the nodes go. ``"prior"`` places them under the latent prior.
+        ``"guide"`` centres and scales them per observation at the guide's ``q(z | x)``
+        (the weights absorb the density ratio, so the rule still integrates against the
+        prior): far more accurate when the posterior is much narrower than the prior, as
+        for images with hundreds of pixels. Needs ``Normal`` priors and a guide with
+        ``Normal`` latents; no gradient flows into the guide.
 
     .. note:: Latents must have ``Normal`` or ``MultivariateNormal`` priors and sit inside
         the data plate. For larger latents use ``conditionals="importance"``.
@@ -69,16 +79,19 @@ class Quadrature(Conditionals):
 
     name = "quadrature"
 
-    def __init__(self, num_points=20, max_latent_dim=3):
+    def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
         if isinstance(num_points, bool) or not isinstance(num_points, numbers.Integral):
             raise TypeError(f"num_points must be an integer, got {num_points!r}.")
         if num_points < 1:
             raise ValueError(f"num_points must be at least 1, got {num_points}, e.g. 20.")
+        if center not in ("prior", "guide"):
+            raise ValueError(f"center must be 'prior' or 'guide', got {center!r}.")
         self.num_points = int(num_points)
         self.max_latent_dim = int(max_latent_dim)
+        self.center = center
 
     def __repr__(self):
-        return f"Quadrature(num_points={self.num_points})"
+        return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         local = trace_local_model(model, args, kwargs, max_plate_nesting)
@@ -107,6 +120,9 @@ class Quadrature(Conditionals):
         nodes, log_weights = gauss_hermite_grid(
             self.num_points, latent_dim, mean.dtype, mean.device
         )
+        if self.center == "guide":
+            center, scale = _guide_in_whitened_coordinates(guide, args, kwargs, local, priors)
+            nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         fn = run_at_latent_points(model, args, kwargs, local, priors, nodes)
         value = obs_site["value"]
         ll = unwrap_independent(fn).log_prob(value)
@@ -114,3 +130,32 @@ class Quadrature(Conditionals):
         ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
         ll = ll.reshape((nodes.shape[0],) + local.observed.batch_shape + (-1,))
         return QuadratureSelfPredictive(local.observed, local.scale, log_weights, ll)
+
+
+def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):
+    """The guide's mean and scale of every latent in the prior's whitened coordinates
+    ``u = (z - prior_mean) / prior_scale``, concatenated: ``batch + (K,)`` each, detached."""
+    if guide is None:
+        raise NotApplicableError("quadrature with center='guide' needs a guide.")
+    with torch.no_grad():
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        centers, scales = [], []
+        for prior in priors:
+            prior_fn = unwrap_independent(prior.site["fn"])
+            site = guide_trace.nodes.get(prior.name)
+            q = unwrap_independent(site["fn"]) if site is not None else None
+            if not isinstance(prior_fn, torch.distributions.Normal) or not isinstance(
+                q, torch.distributions.Normal
+            ):
+                raise NotApplicableError(
+                    f"quadrature with center='guide' needs a Normal prior and a Normal guide "
+                    f"distribution for latent site {prior.name!r}; use center='prior'."
+                )
+            shape = prior.mean.shape[:-1] + (-1,)
+            full = site["fn"].batch_shape + site["fn"].event_shape
+            q_loc = q.loc.expand(full).reshape(local.observed.batch_shape + (-1,))
+            q_scale = q.scale.expand(full).reshape(local.observed.batch_shape + (-1,))
+            prior_scale = prior.scale_fn(torch.ones_like(prior.mean)).reshape(shape)
+            centers.append((q_loc - prior.mean) / prior_scale)
+            scales.append(q_scale / prior_scale)
+    return torch.cat(centers, -1), torch.cat(scales, -1)

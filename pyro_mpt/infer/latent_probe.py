@@ -227,7 +227,8 @@ def whitened_priors(local):
 
 
 def run_at_latent_points(model, args, kwargs, local, priors, points):
-    """Runs ``model`` with its latents at whitened ``points`` of shape ``(Q, K)``.
+    """Runs ``model`` with its latents at whitened ``points`` of shape ``(Q, K)`` (shared by
+    every observation) or ``(Q,) + batch + (K,)`` (points per observation).
 
     :returns: the observed site's distribution, with a leading batch dim of size ``Q``.
     """
@@ -261,9 +262,10 @@ def _probe(model, args, kwargs, local, priors, points, compact):
     for prior in priors:
         site, num_batch, loc = prior.site, prior.num_batch_dims, prior.mean
         size = loc.shape[-1]
-        u = points[:, offset : offset + size]
+        u = points[..., offset : offset + size]
         offset += size
-        u = u.reshape((num_probes,) + (1,) * (loc.dim() - 1) + (size,))
+        if u.dim() == 2:  # the same points for every observation
+            u = u.reshape((num_probes,) + (1,) * (loc.dim() - 1) + (size,))
         z = loc + prior.scale_fn(u)  # (Q,) + batch + (K_i,)
         full = site["fn"].batch_shape + site["fn"].event_shape
         batch = z.shape[1 : 1 + num_batch] if compact else full[:num_batch]

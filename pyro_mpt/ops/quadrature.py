@@ -18,7 +18,12 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["gauss_hermite_grid", "quadrature_log_conditionals", "quadrature_log_marginal"]
+__all__ = [
+    "adapted_nodes",
+    "gauss_hermite_grid",
+    "quadrature_log_conditionals",
+    "quadrature_log_marginal",
+]
 
 
 def gauss_hermite_grid(num_points, dim, dtype=None, device=None):
@@ -41,10 +46,34 @@ def gauss_hermite_grid(num_points, dim, dtype=None, device=None):
     return nodes, log_weights
 
 
+def adapted_nodes(nodes, log_weights, center, scale):
+    """Moves a rule for ``N(0, I)`` to ``N(center, diag(scale^2))`` while still integrating
+    against ``N(0, I)``: the weights absorb the density ratio.
+
+    .. math::
+
+        u_g = c + s \\odot v_g, \\qquad
+        \\log w'_g = \\log w_g - \\tfrac12 \\lVert u_g \\rVert^2
+            + \\tfrac12 \\lVert v_g \\rVert^2 + \\sum_k \\log s_k.
+
+    :param torch.Tensor nodes: ``v_g``, shape ``(G, K)``.
+    :param torch.Tensor log_weights: shape ``(G,)``.
+    :param torch.Tensor center: ``c``, shape ``batch + (K,)``.
+    :param torch.Tensor scale: ``s > 0``, shape ``batch + (K,)``.
+    :returns: nodes of shape ``(G,) + batch + (K,)`` and log weights ``(G,) + batch``.
+    """
+    shape = (nodes.shape[0],) + (1,) * (center.dim() - 1) + nodes.shape[-1:]
+    v = nodes.reshape(shape)
+    u = center + scale * v
+    log_w = log_weights.reshape(shape[:-1]) - 0.5 * u.pow(2).sum(-1) + 0.5 * v.pow(2).sum(-1)
+    return u, log_w + scale.log().sum(-1)
+
+
 def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     """``log p(x_j | x_R)`` for every feature, by quadrature.
 
-    :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``.
+    :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``, or ``(G,) + batch`` for
+        nodes placed per observation.
     :param torch.Tensor log_likelihoods: ``l_gj``, shape ``(G,) + batch + (D,)``.
     :param torch.Tensor context: 1/True at observed features, shape
         ``(P,) + batch + (D,)`` (batch dims may be 1 to share masks).
@@ -58,7 +87,7 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     context = context.to(ll.dtype)
     # a_g = log w_g + sum_{k in R} l_gk, shape (P,) + batch + (G,).
     context_ll = torch.einsum("g...d,p...d->p...g", ll, context)
-    a = log_weights + context_ll
+    a = log_weights.movedim(0, -1) + context_ll
     a_max = a.amax(-1, keepdim=True)
     wa = (a - a_max).exp()
     ll_max = ll.amax(0)  # batch + (D,)
@@ -68,7 +97,8 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
 
 
 def quadrature_log_marginal(log_weights, log_likelihoods):
-    """``log p(x) = LSE_g(log w_g + sum_j l_gj)``, shape ``batch``."""
+    """``log p(x) = LSE_g(log w_g + sum_j l_gj)``, shape ``batch``; ``log_weights`` of shape
+    ``(G,)`` or ``(G,) + batch``."""
     total = log_likelihoods.sum(-1)  # (G,) + batch
-    shape = (-1,) + (1,) * (total.dim() - 1)
-    return torch.logsumexp(log_weights.reshape(shape) + total, dim=0)
+    log_weights = log_weights.reshape(log_weights.shape + (1,) * (total.dim() - log_weights.dim()))
+    return torch.logsumexp(log_weights + total, dim=0)
