@@ -54,3 +54,14 @@ def test_plot_mpt_curve_draws_the_area_in_the_legend():
     text = ax.get_legend().get_texts()[0].get_text()
     assert text.startswith("PPCA: area") and "log p(x) -1.50" in text
     assert len(ax.lines) == 1
+
+
+def test_log_marginal_by_quadrature_matches_exact():
+    from pyro_mpt.conditionals import Quadrature
+
+    pyro.clear_param_store()
+    model = PPCA(5, 2, init_scale=1.0, noise_scale=0.8)
+    x = model.sample(6)
+    exact = log_marginal(model.model, x)
+    quad = log_marginal(model.model, x, conditionals=Quadrature(num_points=150))
+    torch.testing.assert_close(quad, exact, atol=1e-6, rtol=0)

@@ -1,26 +1,32 @@
-"""Reference evaluator of the exact log-marginal likelihood."""
+"""Reference evaluators of the log-marginal likelihood."""
 
 import math
 
-from pyro_mpt.conditionals.exact import Exact
+from pyro_mpt.conditionals.auto import as_conditionals
 
 __all__ = ["log_marginal"]
 
 
-def log_marginal(model, *args, max_plate_nesting=math.inf, **kwargs):
-    """The exact ``log p(x)`` of every observation of a linear-Gaussian model.
+def log_marginal(
+    model, *args, conditionals="exact", guide=None, max_plate_nesting=math.inf, **kwargs
+):
+    """The ``log p(x)`` of every observation, with the local latents integrated out.
 
-    The latents are integrated out in closed form (Woodbury identity and matrix determinant
-    lemma for latent models, a Cholesky factor for dense multivariate normals):
+    ``conditionals`` chooses how: ``"exact"`` (the default) for linear-Gaussian models, in
+    closed form (Woodbury identity and matrix determinant lemma, or a Cholesky factor for
+    dense multivariate normals); a :class:`~pyro_mpt.conditionals.Quadrature` rule for
+    latents of dimension up to 3 (use many nodes, or ``center="guide"``, for a reference
+    value); or any strategy whose prepared conditionals offer ``log_marginal()``.
 
-    .. math:: \\log p(x_n) = \\log \\mathcal{N}(x_n \\mid b, W W^\\top + \\Psi).
+    .. math:: \\log p(x_n) = \\log \\int p(x_n \\mid z)\\, p(z)\\, dz.
 
-    :param callable model: a Pyro model to which :class:`~pyro_mpt.conditionals.Exact`
-        applies (see there).
+    :param callable model: the Pyro model.
     :param args: the model's arguments.
+    :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`.
+    :param callable guide: the guide, for strategies that use one.
     :param kwargs: the model's keyword arguments.
     :returns: a tensor of the data plate's batch shape (differentiable).
-    :raises ValueError: if the model has no closed-form marginal likelihood.
+    :raises ValueError: if the strategy does not apply to the model.
 
     Example::
 
@@ -30,4 +36,11 @@ def log_marginal(model, *args, max_plate_nesting=math.inf, **kwargs):
         >>> log_marginal(ppca.model, x).shape
         torch.Size([10])
     """
-    return Exact().prepare(model, None, args, kwargs, max_plate_nesting).log_marginal()
+    strategy = as_conditionals(conditionals)
+    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    if not hasattr(prepared, "log_marginal"):
+        raise ValueError(
+            f"conditionals={strategy!r} gives no log-marginal likelihood; use 'exact', a "
+            f"Quadrature rule, or Importance."
+        )
+    return prepared.log_marginal()
