@@ -2,13 +2,17 @@
 
 from pyro_mpt.conditionals.auto import STRATEGIES, Auto, as_conditionals
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
+from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 
 __all__ = [
     "Auto",
     "Conditionals",
+    "EncodeDecode",
     "Exact",
+    "Importance",
     "Quadrature",
     "SelfPredictive",
     "STRATEGIES",

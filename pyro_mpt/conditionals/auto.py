@@ -3,18 +3,34 @@
 import math
 
 from pyro_mpt.conditionals.base import Conditionals
+from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
+from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
-#: Strategies by name, in the order ``"auto"`` tries them.
-STRATEGIES = {"exact": Exact, "quadrature": Quadrature}
+#: Strategies by name, in the order ``"auto"`` tries them. ``"auto"`` skips those whose
+#: class sets ``auto = False`` (approximations such as ``"encode-decode"``), which are
+#: selectable by name only.
+STRATEGIES = {
+    "exact": Exact,
+    "quadrature": Quadrature,
+    "importance": Importance,
+    "encode-decode": EncodeDecode,
+}
+
+
+def _tried_by_auto(strategy_cls):
+    return getattr(strategy_cls, "auto", True)
 
 
 class Auto(Conditionals):
-    """Tries each strategy in :data:`STRATEGIES` order and uses the first that applies.
+    """Tries each strategy in :data:`STRATEGIES` order and uses the first that applies:
+    ``"exact"`` (linear-Gaussian models), ``"quadrature"`` (latents of dimension up to 3),
+    then ``"importance"`` (any model, when a guide is given). ``"encode-decode"`` is never
+    tried: it is an approximation, selectable by name.
 
     :ivar chosen: the strategy used by the last call, or None before the first.
     """
@@ -26,8 +42,9 @@ class Auto(Conditionals):
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         reasons = []
-        for name, strategy_cls in STRATEGIES.items():
-            strategy = strategy_cls()
+        names = [name for name, cls in STRATEGIES.items() if _tried_by_auto(cls)]
+        for name in names:
+            strategy = STRATEGIES[name]()
             try:
                 prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError as error:
@@ -37,7 +54,7 @@ class Auto(Conditionals):
             return prepared
         raise NotApplicableError(
             "conditionals='auto' found no strategy for this model. Available strategies: "
-            + ", ".join(repr(name) for name in STRATEGIES)
+            + ", ".join(repr(name) for name in names)
             + ". Why each does not apply:\n"
             + "\n".join(reasons)
         )

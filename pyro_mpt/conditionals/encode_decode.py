@@ -1,0 +1,195 @@
+"""Approximate self-predictive conditionals by recursive encoding and decoding."""
+
+import math
+import numbers
+
+import torch
+
+from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.importance import (
+    check_count,
+    describe_guide,
+    observed_tensor,
+    prepare_guided,
+    run_guided,
+)
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
+
+__all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
+
+
+class EncodeDecodeSelfPredictive(SelfPredictive):
+    """Conditionals of one batch by recursive encoding and decoding."""
+
+    def __init__(self, guided, num_iterations, num_samples, fill):
+        super().__init__(guided.local.observed, guided.local.scale)
+        self.guided = guided
+        self.num_iterations = num_iterations
+        self.num_samples = num_samples
+        self.fill = fill
+
+    def _decode(self, filled):
+        """The observed site's base distribution and value at ``z ~ q(z | filled)``."""
+        _, model_trace = run_guided(self.guided, filled, self.num_samples)
+        site = model_trace.nodes[self.observed.name]
+        return unwrap_independent(site["fn"]), site["value"]
+
+    def log_prob(self, masks):
+        x = self.observed.value
+        lead = (self.num_samples, masks.shape[0])
+        filled = fill_masked(x, masks, self.fill)  # (P,) + batch + (D,)
+        for _ in range(self.num_iterations):
+            mean = observed_tensor(self._decode(filled)[0].mean, self.guided, lead)
+            filled = torch.where(masks, mean, x)  # (S, P) + batch + (D,): one chain per sample
+        fn, value = self._decode(filled)
+        return importance_log_marginal(observed_tensor(fn.log_prob(value), self.guided, lead))
+
+
+def _latent_parameters(trace, names):
+    """The tensor parameters of the named sites' distributions, in a fixed order."""
+    params = []
+    for name in names:
+        fn = unwrap_independent(trace.nodes[name]["fn"])
+        for key in sorted(type(fn).arg_constraints):
+            value = getattr(fn, key, None)
+            if torch.is_tensor(value):
+                params.append(value)
+    return params
+
+
+def _ignores_data(guided):
+    """Whether the guide's ``q(z)`` ignores the data it is given: run from the same random
+    state, it gives the same distributions at every latent site for two different fillings
+    of the data, and (for floating-point data) no gradient path leads from the data to
+    them. A linear encoder that starts at zero weights passes."""
+    x = guided.local.observed.value
+    second = torch.zeros_like(x)
+    fillings = [x, x + 1 if torch.equal(x, second) else second]
+    devices = [x.device] if x.device.type == "cuda" else []
+    params = []
+    with torch.enable_grad():
+        for i, filled in enumerate(fillings):
+            filled = filled.detach().unsqueeze(0)
+            if filled.is_floating_point():
+                filled.requires_grad_(True)
+            # Common random numbers: each run starts from the caller's random state.
+            with torch.random.fork_rng(devices=devices):
+                trace = run_guided(guided, filled, 1, False)[0]
+            params.append(_latent_parameters(trace, latent_sites(trace)))
+            fillings[i] = filled
+    if not params[0] or len(params[0]) != len(params[1]):
+        return False  # nothing to compare: no verdict
+    for a, b in zip(*params):
+        try:
+            if not torch.equal(*torch.broadcast_tensors(a, b)):
+                return False
+        except RuntimeError:
+            return False
+    outputs = [p for p in params[0] if p.requires_grad]
+    if fillings[0].requires_grad and outputs:
+        grads = torch.autograd.grad([p.sum() for p in outputs], fillings[0], allow_unused=True)
+        return grads[0] is None
+    return True
+
+
+def _check_amortized(guided):
+    """:raises ValueError: naming the guide and the fix, if the guide ignores its data."""
+    if _ignores_data(guided):
+        latents = ", ".join(guided.local.latent_names)
+        raise ValueError(
+            f"conditionals='encode-decode' encodes filled copies of the data with the guide, "
+            f"but the guide {describe_guide(guided.guide)} gives the same q({latents}) for "
+            f"different data: it ignores its data argument (e.g. AutoNormal, or free "
+            f"per-observation parameters). Amortize the guide on x (compute the parameters of "
+            f"q(z | x) from its first argument, as LinearVAE.guide does), or use "
+            f"conditionals='importance' or 'quadrature'."
+        )
+
+
+class EncodeDecode(Conditionals):
+    """Approximate conditionals by recursive encoding–decoding (Rezende et al., 2014,
+    appendix F).
+
+    For every mask: fill the masked features (zeros or feature means), then ``T`` times
+    encode the data with the guide, ``z ~ q(z | x_fill)``, decode, and refill the masked
+    features with the decoder's mean ``E[x_j | z]`` (Bernoulli ``probs``, Normal ``loc``);
+    each of the ``S`` samples runs its own chain. Finally encode once more and score the
+    masked features under the decoder at these codes,
+
+    .. math::
+
+        \\log p(x_j \\mid x_R) \\approx \\operatorname{LSE}_s \\log p(x_j \\mid z^{(s)})
+            - \\log S, \\qquad z^{(s)} \\sim q(z \\mid x^{(T)}_s).
+
+    ``num_iterations=0`` encodes the filled data once and scores it.
+
+    **This is an approximation**, not a consistent estimate of ``p(x_j | x_R)``: it is as
+    good as the guide is at encoding partially imputed data, and refilling with the decoder
+    *mean* (not a sample) underestimates the spread of the masked features. For PPCA with the
+    exact posterior as guide the chain's mean converges to the exact conditional mean
+    ``W_j E[z | x_R] + mu_j`` as ``T`` grows, but the codes' covariance converges to
+    ``sigma^2 (M - H M^{-1} H)^{-1}`` (``M = W^T W + sigma^2 I``,
+    ``H = W_m^T W_m`` over the masked features ``m``) instead of the exact posterior
+    covariance ``sigma^2 (M - H)^{-1}``, so the predictive variance is too small. Use
+    ``conditionals="importance"`` for a consistent estimate.
+
+    **Data conventions.** The strategy relies on the guide being an amortized encoder:
+
+    * the model and the guide take the data tensor as their first positional argument (the
+      tensor observed at the likelihood site);
+    * the guide computes ``q(z | x)`` from the tensor it is given; a guide that ignores it
+      (``AutoNormal``, free per-observation parameters) raises a ``ValueError``;
+    * both broadcast over extra leading dims: the guide is called with data of shape
+      ``(P,) + x.shape`` or ``(S, P) + x.shape`` inside plates over samples and masks (size
+      the data plate with ``x.shape[-2]``), and the model runs with latents of shape
+      ``(S, P) + z.shape``;
+    * the likelihood factorises over features and its distribution has a ``mean``.
+
+    :class:`~pyro_mpt.models.LinearVAE` and :class:`~pyro_mpt.models.VAE` follow them.
+
+    :param int num_iterations: ``T``, refills of the masked features (0 or more).
+    :param int num_samples: ``S``, chains per mask and observation.
+    :param str fill: the initial value of masked features: ``"zeros"`` or ``"mean"``.
+
+    Example::
+
+        >>> from pyro_mpt import MPTLoss
+        >>> loss = MPTLoss(rate="uniform", conditionals="encode-decode")
+    """
+
+    name = "encode-decode"
+    #: Selectable by name only: ``conditionals="auto"`` never picks an approximation.
+    auto = False
+
+    def __init__(self, num_iterations=5, num_samples=1, fill="zeros"):
+        if isinstance(num_iterations, bool) or not isinstance(num_iterations, numbers.Integral):
+            raise TypeError(f"num_iterations must be an integer, got {num_iterations!r}.")
+        if num_iterations < 0:
+            raise ValueError(f"num_iterations must be 0 or more, got {num_iterations}.")
+        self.num_iterations = int(num_iterations)
+        self.num_samples = check_count("num_samples", num_samples)
+        self.fill = check_fill(fill)
+
+    def __repr__(self):
+        return (
+            f"EncodeDecode(num_iterations={self.num_iterations}, "
+            f"num_samples={self.num_samples}, fill={self.fill!r})"
+        )
+
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
+        guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, "encode-decode")
+        obs_fn = unwrap_independent(guided.local.trace.nodes[guided.local.observed.name]["fn"])
+        try:
+            has_mean = not torch.isnan(obs_fn.mean).any()
+        except NotImplementedError:
+            has_mean = False
+        if not has_mean:
+            raise NotApplicableError(
+                f"encode-decode refills masked features with the decoder mean, and the "
+                f"{type(obs_fn).__name__} likelihood of site {guided.local.observed.name!r} "
+                f"has none; use conditionals='importance'."
+            )
+        _check_amortized(guided)
+        return EncodeDecodeSelfPredictive(guided, self.num_iterations, self.num_samples, self.fill)

@@ -1,0 +1,250 @@
+"""Importance-sampled conditionals against exact Gaussian conditionals and quadrature."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt.conditionals import Exact, Importance, Quadrature, as_conditionals
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.models import PPCA, LinearVAE
+from pyro_mpt.ops.importance import (
+    fill_masked,
+    importance_log_conditionals,
+    importance_log_marginal,
+)
+from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.ops.quadrature import quadrature_log_conditionals
+
+
+def _ppca(num_features=6, latent_dim=2, noise_scale=0.7, num_data=8):
+    """A PPCA model with random weights, data drawn from it, and the exact posterior."""
+    pyro.clear_param_store()  # PyroModules share parameters by name
+    ppca = PPCA(num_features, latent_dim, noise_scale=noise_scale)
+    with torch.no_grad():
+        ppca.weight.copy_(0.8 * torch.randn(num_features, latent_dim))
+        ppca.loc.copy_(0.5 * torch.randn(num_features))
+    w, var = ppca.weight.detach(), ppca.noise_scale.detach() ** 2
+    precision = w.T @ w + var * torch.eye(latent_dim)
+    encoder = torch.linalg.solve(precision, w.T)  # A = (W^T W + s^2 I)^-1 W^T
+    posterior_cov = var * torch.linalg.inv(precision)
+    return ppca, ppca.sample(num_data), encoder, posterior_cov
+
+
+def _amortized_guide(ppca):
+    """PPCA's amortized Gaussian encoder, written to broadcast over leading dims of x."""
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            loc = (x - ppca.loc) @ ppca.encoder_weight.T + ppca.encoder_bias
+            pyro.sample("z", dist.MultivariateNormal(loc, scale_tril=ppca.encoder_scale_tril))
+
+    return guide
+
+
+def _replicates(prepared, masks, num_replicates):
+    """Independent estimates for the same masks (repeated along the mask dim), stacked on a
+    leading dim and restricted to the masked features."""
+    repeated = masks.repeat((num_replicates,) + (1,) * (masks.dim() - 1))
+    with torch.no_grad():
+        estimates = prepared.log_prob(repeated)
+    return estimates.reshape((num_replicates,) + masks.shape)[:, masks]
+
+
+def _assert_within_monte_carlo_error(estimates, expected):
+    """The mean of the replicates is within 6 standard errors of ``expected``, plus
+    ``sd^2``: the order of the bias of a log ratio estimate (a ratio of two means)."""
+    sd = estimates.std(0)
+    tolerance = 6 * sd / math.sqrt(estimates.shape[0]) + sd**2
+    assert ((estimates.mean(0) - expected).abs() < tolerance).all()
+    return sd
+
+
+def test_ops_reduce_to_quadrature_with_equal_weights():
+    ll = torch.randn(50, 3, 4, 5)  # (S, P, N, D)
+    context = torch.rand(3, 4, 5) > 0.4
+    got = importance_log_conditionals(torch.zeros(50, 3, 4), ll, context)
+    per_mask = [
+        quadrature_log_conditionals(torch.full((50,), -math.log(50)), ll[:, p], context[p : p + 1])
+        for p in range(3)
+    ]
+    torch.testing.assert_close(got, torch.cat(per_mask))
+    log_w = torch.randn(50, 4)
+    expected = (log_w.exp().mean(0)).log()
+    torch.testing.assert_close(importance_log_marginal(log_w), expected)
+
+
+def test_fill_masked_zeros_and_means_without_the_masked_values():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    masks = torch.tensor([[[True, False], [False, False], [False, True]]])
+    assert torch.equal(fill_masked(x, masks)[0], torch.tensor([[0.0, 2.0], [3.0, 4.0], [5.0, 0.0]]))
+    filled = fill_masked(x, masks, "mean")[0]
+    # Feature 0 is observed in rows 1 and 2 (mean 4), feature 1 in rows 0 and 1 (mean 3).
+    assert torch.equal(filled, torch.tensor([[4.0, 2.0], [3.0, 4.0], [5.0, 3.0]]))
+    with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got 'median'"):
+        fill_masked(x, masks, "median")
+
+
+@pytest.mark.parametrize("fill", ["zeros", "mean"])
+def test_importance_agrees_with_exact_within_its_monte_carlo_error(fill):
+    ppca, x, encoder, _ = _ppca()
+    # The guide family contains the exact posterior; its covariance is set to the prior's so
+    # that the proposal covers p(z | x_R) for every mask.
+    with torch.no_grad():
+        ppca.encoder_weight.copy_(encoder)
+    masks = masks_of_sizes(torch.randint(1, 7, (2, 8)), 6)
+    exact = Exact().prepare(ppca.model, None, (x,), {}).log_prob(masks)[masks]
+    prepared = Importance(num_samples=4000, fill=fill).prepare(
+        ppca.model, _amortized_guide(ppca), (x,), {}
+    )
+    sd = _assert_within_monte_carlo_error(_replicates(prepared, masks, 16), exact)
+    assert sd.mean() < 0.05  # the tolerance is a few hundredths of a nat
+
+
+def test_importance_error_shrinks_with_the_number_of_samples():
+    ppca, x, encoder, _ = _ppca()
+    with torch.no_grad():
+        ppca.encoder_weight.copy_(encoder)
+    masks = masks_of_sizes(torch.randint(1, 7, (2, 8)), 6)
+    exact = Exact().prepare(ppca.model, None, (x,), {}).log_prob(masks)[masks]
+    errors = {}
+    for num_samples in (16, 1024):
+        prepared = Importance(num_samples).prepare(ppca.model, _amortized_guide(ppca), (x,), {})
+        estimates = _replicates(prepared, masks, 8)
+        errors[num_samples] = (estimates - exact).abs().mean().item()
+    # Monte Carlo error falls like 1/sqrt(S): 8 times from S=16 to S=1024.
+    assert errors[1024] < errors[16] / 4
+
+
+def test_log_marginal_is_exact_with_the_exact_posterior_as_proposal():
+    ppca, x, encoder, posterior_cov = _ppca()
+    with torch.no_grad():
+        ppca.encoder_weight.copy_(encoder)
+    ppca.encoder_scale_tril = torch.linalg.cholesky(posterior_cov)
+    guide = _amortized_guide(ppca)
+    exact = log_marginal(ppca.model, x)
+    # Every weight p(x, z) / q(z | x) equals p(x): zero variance.
+    estimate = log_marginal(ppca.model, x, conditionals="importance", guide=guide)
+    torch.testing.assert_close(estimate, exact, atol=1e-8, rtol=0)
+
+
+def test_bernoulli_linear_vae_agrees_with_quadrature():
+    vae = LinearVAE(num_features=8, latent_dim=2, init_scale=1.5)
+    with torch.no_grad():
+        vae.encoder_weight.copy_(0.3 * torch.randn(2, 8))
+    x = vae.sample(6)
+    masks = masks_of_sizes(torch.randint(1, 9, (2, 6)), 8)
+    quad = Quadrature(num_points=40).prepare(vae.model, None, (x,), {}).log_prob(masks)[masks]
+    prepared = as_conditionals("importance").prepare(vae.model, vae.guide, (x,), {})
+    assert isinstance(prepared.log_prob(masks), torch.Tensor)
+    prepared.num_samples = 4000
+    _assert_within_monte_carlo_error(_replicates(prepared, masks, 16), quad)
+
+
+def test_gradients_reach_every_encoder_and_decoder_parameter():
+    vae = LinearVAE(num_features=7, latent_dim=3)
+    x = vae.sample(5)
+    masks = masks_of_sizes(torch.randint(1, 8, (2, 5)), 7)
+    prepared = Importance(num_samples=16).prepare(vae.model, vae.guide, (x,), {})
+    params = list(vae.parameters())
+    assert len(params) == 5  # weight, bias and three encoder parameters
+    grads = torch.autograd.grad(prepared.log_prob(masks)[masks].sum(), params)
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_svi_with_importance_reaches_the_lml_of_the_true_parameters():
+    quad = Quadrature(num_points=20)
+
+    def lml(vae):
+        with torch.no_grad():
+            return quad.prepare(vae.model, None, (x,), {}).log_marginal().mean().item()
+
+    truth = LinearVAE(num_features=12, latent_dim=2, init_scale=2.5)
+    x = truth.sample(150)
+    target = lml(truth)
+    pyro.clear_param_store()
+    vae = LinearVAE(num_features=12, latent_dim=2)
+    loss = MPTLoss(conditionals=Importance(num_samples=16), num_masks=2)
+    svi = pyro.infer.SVI(vae.model, vae.guide, pyro.optim.Adam({"lr": 0.05}), loss)
+    svi.step(x)
+    before = lml(vae)
+    for _ in range(100):
+        svi.step(x)
+    assert lml(vae) > before + 1.0
+    assert lml(vae) > target - 0.25
+
+
+def test_auto_picks_importance_for_a_large_latent_with_a_guide():
+    vae = LinearVAE(num_features=6, latent_dim=5)
+    x = vae.sample(4)
+    loss = MPTLoss()
+    loss.loss(vae.model, vae.guide, x)
+    assert isinstance(loss.conditionals.chosen, Importance)
+    with pytest.raises(NotApplicableError, match=r"(?s)'importance'.*importance: .*no guide"):
+        MPTLoss().loss(vae.model, None, x)
+
+
+def test_guide_errors_name_the_fix():
+    vae = LinearVAE(num_features=6, latent_dim=5)
+    x = vae.sample(4)
+    with pytest.raises(NotApplicableError, match=r"no guide was given.*amortized guide"):
+        Importance().prepare(vae.model, None, (x,), {})
+    with pytest.raises(NotApplicableError, match=r"samples no site \['z'\]"):
+        Importance().prepare(vae.model, lambda data: None, (x,), {})
+    ppca, x, _, _ = _ppca()
+    # PPCA.guide sizes its plate with x.shape[0], so it cannot take a batch of filled copies.
+    with pytest.raises(
+        NotApplicableError, match=r"PPCA.guide failed on a batch of filled copies.*x\.shape\[-2\]"
+    ):
+        Importance().prepare(ppca.model, ppca.guide, (x,), {})
+
+
+def test_a_guide_that_ignores_the_data_is_a_valid_proposal():
+    ppca, x, _, _ = _ppca(num_data=4)
+    guide = AutoNormal(ppca.model)
+    masks = masks_of_sizes(torch.tensor([[1, 3, 5, 6]]), 6)
+    guide(x)  # set up its parameters on the full data
+    prepared = Importance(num_samples=32).prepare(ppca.model, guide, (x,), {})
+    assert torch.isfinite(prepared.log_prob(masks)).all()
+
+
+def test_models_outside_its_scope_are_rejected():
+    def global_latent(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("x", dist.Normal(w, 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    with pytest.raises(ValueError, match=r"Latent site 'w' is outside the data plate"):
+        Importance().prepare(global_latent, guide, (torch.zeros(4, 3),), {})
+
+    def dense(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample(
+                "x",
+                dist.MultivariateNormal(z[..., None].expand(z.shape + (3,)), torch.eye(3)),
+                obs=x,
+            )
+
+    with pytest.raises(NotApplicableError, match=r"site 'x'.*does not factorise over features"):
+        Importance().prepare(dense, guide, (torch.zeros(4, 3),), {})
+    vae = LinearVAE(num_features=6, latent_dim=2, subsample_size=2)
+    with pytest.raises(NotApplicableError, match=r"subsampled data plates are not supported"):
+        Importance().prepare(vae.model, vae.guide, (vae.sample(4),), {})
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"num_samples must be at least 1, got 0"):
+        Importance(num_samples=0)
+    with pytest.raises(TypeError, match=r"num_samples must be an integer, got 2.5"):
+        Importance(num_samples=2.5)
+    with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got 'ones'"):
+        Importance(fill="ones")
+    assert repr(Importance()) == "Importance(num_samples=64, fill='zeros')"
