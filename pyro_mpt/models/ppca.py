@@ -86,24 +86,26 @@ class PPCA(PyroModule):
         return self.noise_scale
 
     def _plate(self, x):
-        return pyro.plate("data", x.shape[0], subsample_size=self.subsample_size, dim=-1)
+        return pyro.plate("data", x.shape[-2], subsample_size=self.subsample_size, dim=-1)
 
     @pyro_method
     def model(self, x):
-        """The generative model; ``x`` has shape ``(N, D)``."""
+        """The generative model; ``x`` has shape ``(N, D)`` (extra leading dims broadcast)."""
         with self._plate(x) as idx:
             z = pyro.sample(
                 "z",
                 dist.Normal(x.new_zeros(self.latent_dim), 1.0).to_event(1),
             )
             loc = z @ self.weight.T + self.loc
-            pyro.sample("x", dist.Normal(loc, self._noise()).to_event(1), obs=x[idx])
+            pyro.sample(
+                "x", dist.Normal(loc, self._noise()).to_event(1), obs=x.index_select(-2, idx)
+            )
 
     @pyro_method
     def guide(self, x):
         """An amortized Gaussian encoder for ``z`` (used by ``Trace_ELBO``)."""
         with self._plate(x) as idx:
-            loc = (x[idx] - self.loc) @ self.encoder_weight.T + self.encoder_bias
+            loc = (x.index_select(-2, idx) - self.loc) @ self.encoder_weight.T + self.encoder_bias
             if self.guide_covariance == "full":
                 q = dist.MultivariateNormal(loc, scale_tril=self.encoder_scale_tril)
             else:
