@@ -6,14 +6,14 @@ import numbers
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.conditionals.importance import (
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.guided_model import (
     check_count,
     describe_guide,
     observed_tensor,
     prepare_guided,
     run_guided,
 )
-from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
 
