@@ -1,0 +1,16 @@
+"""Masked pre-training for Hugging Face ``transformers`` models.
+
+The same rate schedules as :class:`pyro_mpt.MPTLoss` (``"uniform"``, a fixed rate, a
+``(lo, hi)`` range) applied to masked language models (BERT, RoBERTa) and to ViT-MAE, with
+the MPT curve and its area as diagnostics. Needs the optional extra::
+
+    pip install "pyro-mpt[transformers]"
+
+``import pyro_mpt`` never imports ``transformers``; this subpackage does, on first use.
+"""
+
+from pyro_mpt.transformers._requirements import require
+
+require("transformers")
+
+__all__ = []
