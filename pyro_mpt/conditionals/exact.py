@@ -54,8 +54,10 @@ class Exact(Conditionals):
     ``Normal`` site affinely (PPCA, factor analysis), and to models whose observed site is a
     ``MultivariateNormal`` or ``LowRankMultivariateNormal``. Conditioning goes through the
     ``K``-dimensional latent posterior (Woodbury): ``O(D K^2 + K^3)`` per mask, never a
-    ``D x D`` inverse, except for a dense ``MultivariateNormal`` observation, which needs one
-    ``D x D`` Cholesky per mask.
+    ``D x D`` inverse. A dense ``MultivariateNormal`` observation (a GP decoder's, whose
+    features are data points) is conditioned through each mask's active set: one
+    ``|R| x |R|`` Cholesky of the context block and the predictive variances of the masked
+    features only.
 
     The guide is not used: the latents are integrated out exactly.
 

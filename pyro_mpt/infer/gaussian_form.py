@@ -5,7 +5,10 @@ Exact self-predictive conditionals need the model in one of two closed forms:
 * **latent linear-Gaussian**: Gaussian latent sites inside the data plate and an observed
   ``Normal`` site whose ``loc`` is affine in them, with a scale that does not depend on them
   (PPCA, factor analysis), or an observed ``LowRankMultivariateNormal``;
-* **dense Gaussian**: an observed ``MultivariateNormal`` with no latent sites.
+* **dense Gaussian**: an observed ``MultivariateNormal`` with no latent sites (a GPyTorch
+  ``MultivariateNormal`` included: its covariance is read without being factorised). When
+  a plate broadcasts one covariance, the form keeps it as a single matrix with size-one
+  batch dims.
 
 The affine map is found by *probing* (:mod:`pyro_mpt.infer.latent_probe`): the model runs
 once more inside an extra plate of ``K + 2`` probe points, with the latents set to the prior
@@ -48,7 +51,7 @@ class GaussianForm(NamedTuple):
     :ivar torch.Tensor loc: ``batch + (D,)``.
     :ivar torch.Tensor weight: ``batch + (D, K)`` or None.
     :ivar torch.Tensor noise_var: ``batch + (D,)`` or None.
-    :ivar torch.Tensor covariance: ``batch + (D, D)`` or None.
+    :ivar torch.Tensor covariance: ``batch + (D, D)`` (broadcastable) or None.
     :ivar tuple latent_names: the latent sites integrated out.
     """
 
@@ -70,6 +73,15 @@ def _probe_points(num_latent, dtype, device):
     return torch.cat([eye.new_zeros(1, num_latent), eye, check.unsqueeze(0)])
 
 
+def _drop_broadcast_dims(matrix):
+    """Narrows every expanded (stride-zero) batch dim to size one, so a covariance shared by
+    a plate stays one matrix and a mask shared by the plate is factorised once."""
+    for dim in range(matrix.dim() - 2):
+        if matrix.stride(dim) == 0 and matrix.shape[dim] > 1:
+            matrix = matrix.narrow(dim, 0, 1)
+    return matrix
+
+
 def _no_latent_form(site, observed, scale):
     fn = unwrap_independent(site["fn"])
     name = observed.name
@@ -80,7 +92,9 @@ def _no_latent_form(site, observed, scale):
             observed, scale, fn.loc.expand(shape), factor, fn.cov_diag.expand(shape)
         )
     if isinstance(fn, torch.distributions.MultivariateNormal):
-        cov = fn.covariance_matrix.expand(shape + shape[-1:])
+        # ``covariance_matrix`` reads the matrix without factorising it (a lazy GPyTorch
+        # MultivariateNormal never does), and broadcast dims stay views of one matrix.
+        cov = _drop_broadcast_dims(fn.covariance_matrix.expand(shape + shape[-1:]))
         return GaussianForm(observed, scale, fn.loc.expand(shape), covariance=cov)
     if isinstance(fn, torch.distributions.Normal):
         # Independent features: the conditionals are the marginals (a zero loading matrix).

@@ -7,8 +7,9 @@ Two model families:
   ``z ~ N(m, L L^T)`` reduces to this form with ``W = A L`` and ``b = b_A + A m``.
   Conditioning on the context ``x_R`` goes through the ``K``-dimensional posterior of ``u``
   (Woodbury): ``O(D K^2 + K^3)`` per mask and never a ``D x D`` matrix.
-* **dense multivariate normal** ``x ~ N(mu, Sigma)``: one ``D x D`` Cholesky per mask. This is
-  the reference the latent path is tested against.
+* **dense multivariate normal** ``x ~ N(mu, Sigma)``: one ``|R| x |R|`` Cholesky of the
+  context block per mask (:mod:`pyro_mpt.ops.active_set`), and only the diagonal of the
+  masked block. This is also the reference the latent path is tested against.
 
 Masks enter as 0/1 context weights, so a single batched computation serves every mask: the
 context ``c`` has shape ``batch + (D,)`` and broadcasts against the model parameters.
@@ -22,6 +23,8 @@ This module is pure tensor code: no Pyro effects.
 import math
 
 import torch
+
+from pyro_mpt.ops.active_set import active_set_conditionals
 
 __all__ = [
     "latent_gaussian_conditionals",
@@ -119,33 +122,38 @@ def latent_gaussian_log_marginal(x, weight, bias, noise_var):
 def dense_gaussian_conditionals(x, loc, covariance, context):
     """Conditionals ``p(x_j | x_R)`` of a dense multivariate normal ``N(loc, covariance)``.
 
-    The context block is inverted through the bordered matrix
-    ``C = diag(c) Sigma diag(c) + diag(1 - c)``, whose inverse is ``Sigma_RR^{-1}`` on the
-    context and the identity elsewhere, so masks of different sizes share one batched
-    Cholesky:
+    Each mask is conditioned through its own active set
+    (:func:`pyro_mpt.ops.active_set.active_set_conditionals`): one ``|R| x |R|`` Cholesky
+    factor of the context block, the cross-covariances of the masked features with the
+    context, and only the diagonal of the masked block,
 
     .. math::
 
-        m_j = \\mu_j + \\Sigma_{j,:} c \\odot C^{-1} (c \\odot (x - \\mu)), \\qquad
-        v_j = \\Sigma_{jj} - \\Sigma_{j,:} \\mathrm{diag}(c) C^{-1} \\mathrm{diag}(c) \\Sigma_{:,j}.
+        m_j = \\mu_j + \\Sigma_{jR} \\Sigma_{RR}^{-1} (x_R - \\mu_R), \\qquad
+        v_j = \\Sigma_{jj} - \\Sigma_{jR} \\Sigma_{RR}^{-1} \\Sigma_{Rj}.
+
+    Masks of different sizes in one batch are padded to the largest context, so a batch
+    costs ``O(R_max^3 + T_max R_max^2)`` per mask and never an ``N x N`` factor.
 
     :param torch.Tensor x: observations, shape ``batch + (D,)``.
     :param torch.Tensor loc: mean, shape ``batch + (D,)`` (broadcastable).
-    :param torch.Tensor covariance: ``Sigma``, shape ``batch + (D, D)`` (broadcastable).
+    :param torch.Tensor covariance: ``Sigma``, shape ``batch + (D, D)`` (broadcastable; keep
+        shared covariances unexpanded so that shared masks factorise once).
     :param torch.Tensor context: context weights (1 observed, 0 masked), ``batch + (D,)``.
-    :returns: ``(mean, var)``; ``var`` is set to 1 on context features, where the
-        conditional is degenerate.
+    :returns: ``(mean, var)`` of the broadcast batch shape ``+ (D,)``; on context features
+        ``mean`` is ``loc`` and ``var`` is 1, where the conditional is degenerate.
     """
-    context = context.to(x.dtype)
-    masked = 1 - context
-    bordered = context.unsqueeze(-1) * covariance * context.unsqueeze(-2)
-    bordered = bordered + torch.diag_embed(masked)
-    chol = torch.linalg.cholesky(bordered)
-    context_cov = context.unsqueeze(-1) * covariance  # rows of the context, (..., D, D)
-    residual = (context * (x - loc)).unsqueeze(-1)
-    mean = loc + (covariance @ torch.cholesky_solve(residual, chol)).squeeze(-1)
-    solved = torch.cholesky_solve(context_cov, chol)
-    explained = (context_cov * solved).sum(-2)
-    var = covariance.diagonal(dim1=-2, dim2=-1) - explained
-    var = torch.where(context > 0, torch.ones_like(var), var)
+    masks = context == 0
+    active, target_mean, target_var = active_set_conditionals(x, loc, covariance, masks)
+    batch = target_mean.shape[:-1]
+    num_features = covariance.shape[-1]
+    shape = batch + (num_features,)
+    index = active.target_index.expand(batch + active.target_index.shape[-1:])
+    # Padded target slots point at context features, which are overwritten below.
+    mean = loc.expand(shape).scatter(-1, index, target_mean)
+    var = torch.ones(shape, dtype=target_var.dtype, device=target_var.device)
+    var = var.scatter(-1, index, target_var)
+    masks = masks.expand(shape)
+    mean = torch.where(masks, mean, loc.expand(shape))
+    var = torch.where(masks, var, torch.ones_like(var))
     return mean, var

@@ -1,0 +1,171 @@
+"""Gaussian conditionals through an active set: only the context block is ever factorised.
+
+For a Gaussian vector ``x ~ N(mu, Sigma)`` of ``N`` tokens (features of an observation, or the
+data points of one output dimension of a Gaussian process) and a mask that hides the targets
+``T`` and keeps the context (active set) ``R``, every masked token has the predictive
+
+.. math::
+
+    p(x_j \\mid x_R) = \\mathcal{N}\\big(x_j \\mid \\mu_j + \\Sigma_{jR}\\Sigma_{RR}^{-1}
+        (x_R - \\mu_R),\\; \\Sigma_{jj} - \\Sigma_{jR}\\Sigma_{RR}^{-1}\\Sigma_{Rj}\\big).
+
+The cost is one ``|R| x |R|`` Cholesky factor, an ``|T| x |R|`` triangular solve and the
+``|T|`` diagonal entries of ``Sigma_TT``: neither an ``N x N`` factor nor the joint
+covariance of the targets is formed. Masks of different sizes in one batch are padded to the
+largest context and target sets; padded context slots hold an identity block and a zero
+residual, so they change nothing.
+
+The helpers are split so that callers with a lazily evaluated covariance (a kernel matrix)
+can gather the three blocks themselves and share :func:`active_set_predictive`.
+
+This module is pure tensor code: no Pyro effects.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "ActiveSet",
+    "split_masks",
+    "gather_blocks",
+    "active_set_predictive",
+    "active_set_conditionals",
+]
+
+
+class ActiveSet(NamedTuple):
+    """Context and target indices of a batch of masks, padded to common lengths.
+
+    :ivar torch.Tensor context_index: ``batch + (R_max,)`` long indices of context tokens.
+    :ivar torch.Tensor context_valid: ``batch + (R_max,)`` bool, False at padding.
+    :ivar torch.Tensor target_index: ``batch + (T_max,)`` long indices of masked tokens; the
+        indices of one row are distinct.
+    :ivar torch.Tensor target_valid: ``batch + (T_max,)`` bool, False at padding.
+    """
+
+    context_index: torch.Tensor
+    context_valid: torch.Tensor
+    target_index: torch.Tensor
+    target_valid: torch.Tensor
+
+
+def split_masks(masks):
+    """Splits boolean masks into padded context and target index sets.
+
+    :param torch.Tensor masks: boolean, ``True`` at masked tokens, shape ``batch + (N,)``.
+    :returns: an :class:`ActiveSet`.
+
+    Example::
+
+        >>> active = split_masks(torch.tensor([[True, False, False, True]]))
+        >>> active.context_index.tolist(), active.target_index.tolist()
+        ([[1, 2]], [[0, 3]])
+    """
+    num_tokens = masks.shape[-1]
+    # A stable sort puts each row's context first and its targets last, both in index order.
+    order = torch.argsort(masks.to(torch.uint8), dim=-1, stable=True)
+    num_masked = masks.sum(-1, keepdim=True)
+    num_context = num_tokens - num_masked
+    max_context = int(num_context.max()) if masks.numel() else 0
+    max_masked = int(num_masked.max()) if masks.numel() else 0
+    positions = torch.arange(num_tokens, device=masks.device)
+    context_valid = positions[:max_context] < num_context
+    target_valid = positions[num_tokens - max_masked :] >= num_context
+    return ActiveSet(
+        order[..., :max_context],
+        context_valid,
+        order[..., num_tokens - max_masked :],
+        target_valid,
+    )
+
+
+def _batch_indices(batch_shape, full_shape, device):
+    """One broadcastable index tensor per batch dim of a tensor of shape ``batch_shape``."""
+    num_dims = len(full_shape)
+    offset = num_dims - len(batch_shape)
+    indices = []
+    for dim, size in enumerate(batch_shape):
+        view = [1] * (num_dims + 2)
+        view[offset + dim] = size
+        indices.append(torch.arange(size, device=device).reshape(view))
+    return indices
+
+
+def gather_blocks(covariance, rows, cols):
+    """The blocks ``covariance[..., rows[..., :, None], cols[..., None, :]]`` with the batch
+    dims of ``covariance`` and of the indices broadcast, without copying ``covariance``.
+
+    :param torch.Tensor covariance: ``batch + (N, N)``, any broadcastable batch shape.
+    :param torch.Tensor rows: ``batch + (r,)`` long.
+    :param torch.Tensor cols: ``batch + (c,)`` long.
+    :returns: a tensor of shape ``broadcast(batch) + (r, c)``.
+    """
+    batch = torch.broadcast_shapes(covariance.shape[:-2], rows.shape[:-1], cols.shape[:-1])
+    # Size-one batch dims of the covariance are indexed at 0 and broadcast by the indices.
+    index = _batch_indices(covariance.shape[:-2], batch, covariance.device)
+    return covariance[(*index, rows.unsqueeze(-1), cols.unsqueeze(-2))]
+
+
+def active_set_predictive(context_cov, cross_cov, target_var, context_residual, context_valid):
+    """Predictive means (as offsets) and variances of the targets given an active set.
+
+    .. math::
+
+        m_T = \\Sigma_{TR}\\Sigma_{RR}^{-1} r_R, \\qquad
+        v_T = \\mathrm{diag}(\\Sigma_{TT}) - \\mathrm{diag}(\\Sigma_{TR}\\Sigma_{RR}^{-1}\\Sigma_{RT}).
+
+    :param torch.Tensor context_cov: ``Sigma_RR``, shape ``batch + (R, R)``.
+    :param torch.Tensor cross_cov: ``Sigma_TR``, shape ``batch + (T, R)``.
+    :param torch.Tensor target_var: ``diag(Sigma_TT)``, shape ``batch + (T,)``.
+    :param torch.Tensor context_residual: ``x_R - mu_R``, shape ``batch + (R,)``.
+    :param torch.Tensor context_valid: bool ``batch + (R,)``; padded slots are replaced by an
+        identity block and a zero residual.
+    :returns: ``(mean_offset, var)``, each ``batch + (T,)``; add ``mu_T`` to the mean.
+    """
+    valid = context_valid.to(context_cov.dtype)
+    pair = valid.unsqueeze(-1) * valid.unsqueeze(-2)
+    padding = torch.diag_embed(1 - valid)
+    context_cov = context_cov * pair + padding
+    cross_cov = cross_cov * valid.unsqueeze(-2)
+    context_residual = context_residual * valid
+    chol = torch.linalg.cholesky(context_cov)
+    # whitened[..., :, t] = L^{-1} Sigma_{R t}; the variance reduction is its squared norm.
+    whitened = torch.linalg.solve_triangular(chol, cross_cov.transpose(-1, -2), upper=False)
+    whitened_residual = torch.linalg.solve_triangular(
+        chol, context_residual.unsqueeze(-1), upper=False
+    )
+    mean_offset = (whitened * whitened_residual).sum(-2)
+    var = target_var - whitened.pow(2).sum(-2)
+    return mean_offset, var
+
+
+def active_set_conditionals(x, loc, covariance, masks):
+    """Conditionals ``p(x_j | x_R)`` of the masked tokens of ``N(loc, covariance)``.
+
+    :param torch.Tensor x: values, shape ``batch + (N,)``.
+    :param torch.Tensor loc: mean, shape ``batch + (N,)`` (broadcastable).
+    :param torch.Tensor covariance: ``batch + (N, N)`` (broadcastable; never copied whole).
+    :param torch.Tensor masks: boolean, ``True`` at masked tokens, ``batch + (N,)``.
+    :returns: ``(active, mean, var)``: the :class:`ActiveSet` and the predictive means and
+        variances of its targets, each ``batch + (T_max,)`` (padding slots are finite).
+    """
+    active = split_masks(masks)
+    residual = x - loc
+    batch = torch.broadcast_shapes(residual.shape[:-1], masks.shape[:-1])
+    residual = residual.expand(batch + residual.shape[-1:])
+    loc = loc.expand(batch + loc.shape[-1:])
+    context_index = active.context_index.expand(batch + active.context_index.shape[-1:])
+    target_index = active.target_index.expand(batch + active.target_index.shape[-1:])
+    context_cov = gather_blocks(covariance, context_index, context_index)
+    cross_cov = gather_blocks(covariance, target_index, context_index)
+    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
+    target_var = diagonal.expand(batch + diagonal.shape[-1:]).gather(-1, target_index)
+    mean_offset, var = active_set_predictive(
+        context_cov,
+        cross_cov,
+        target_var,
+        residual.gather(-1, context_index),
+        active.context_valid,
+    )
+    return active, loc.gather(-1, target_index) + mean_offset, var
