@@ -13,4 +13,7 @@ from pyro_mpt.transformers._requirements import require
 
 require("transformers")
 
+from pyro_mpt.transformers.collator import MPTDataCollator  # noqa: E402
+
 __all__ = []
+__all__ += ["MPTDataCollator"]

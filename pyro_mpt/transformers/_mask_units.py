@@ -1,0 +1,105 @@
+"""Pure tensor helpers of :class:`~pyro_mpt.transformers.MPTDataCollator`: grouping maskable
+tokens into units (tokens or whole words), drawing a mask size per sequence from a rate
+schedule, and choosing that many units uniformly at random or as spans.
+
+Sequences in a batch have different numbers ``U_i`` of maskable units, so every helper works
+on ragged rows: a row's units are the first ``U_i`` columns of a ``(B, U_max)`` tensor.
+"""
+
+import torch
+
+from pyro_mpt.ops.masks import _sort_rows
+
+__all__ = []
+
+
+def unit_index(maskable, continues_word=None):
+    """The unit of every token: its rank among the row's maskable tokens, or, with
+    ``continues_word``, the rank of its word (a maskable token that does not continue a word,
+    or follows a non-maskable one, starts a new word).
+
+    :param torch.Tensor maskable: boolean ``(B, L)``.
+    :param torch.Tensor continues_word: optional boolean ``(B, L)``.
+    :returns: ``(index, counts)``: long ``(B, L)`` with ``-1`` at non-maskable tokens, and the
+        number of units per row, long ``(B,)``.
+    """
+    starts = maskable
+    if continues_word is not None:
+        previous = torch.zeros_like(maskable)
+        previous[:, 1:] = maskable[:, :-1]
+        starts = maskable & (~continues_word | ~previous)
+    index = starts.long().cumsum(-1) - 1
+    index = torch.where(maskable, index, torch.full_like(index, -1))
+    return index, starts.sum(-1)
+
+
+def sizes_for_rows(schedule, counts):
+    """One mask size per row from the shared rate schedule, for rows of different lengths.
+
+    :param RateSchedule schedule: the schedule (``as_rate_schedule(rate)``).
+    :param torch.Tensor counts: positive units per row, long ``(B,)``.
+    :returns: long ``(B,)`` sizes in ``1 ... counts[i]``.
+    """
+    quantiles = torch.rand(counts.shape, dtype=torch.float64, device=counts.device)
+    lengths, inverse = torch.unique(counts, return_inverse=True)
+    if lengths.numel() == 1:
+        return schedule.sizes_from_quantiles(quantiles, int(lengths[0])).to(counts.device)
+    sizes = torch.empty_like(counts)
+    for k, length in enumerate(lengths.tolist()):
+        rows = inverse == k
+        sizes[rows] = schedule.sizes_from_quantiles(quantiles[rows], length).to(counts.device)
+    return sizes
+
+
+def uniform_subsets(counts, sizes, width):
+    """Row ``i`` gets ``sizes[i]`` of its first ``counts[i]`` columns, uniformly at random.
+
+    :returns: boolean ``(B, width)``.
+    """
+    columns = torch.arange(width, device=counts.device)
+    valid = columns < counts.unsqueeze(-1)
+    keys = torch.rand(counts.shape + (width,), device=counts.device)
+    keys = keys.masked_fill(~valid, 2.0)  # never among the smallest ``sizes`` of a row
+    threshold = _sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+    return (keys <= threshold) & valid & (sizes > 0).unsqueeze(-1)
+
+
+def geometric_spans(counts, sizes, width, p, max_length):
+    """Row ``i`` gets ``sizes[i]`` of its first ``counts[i]`` columns as non-overlapping spans
+    (SpanBERT): span lengths are ``Geometric(p)`` clipped at ``max_length``, drawn until
+    they cover ``sizes[i]`` (the last one cut to fit), and the spans are placed uniformly
+    among all non-overlapping arrangements.
+
+    :returns: boolean ``(B, width)``.
+    """
+    device = counts.device
+    num_draws = max(int(sizes.max()), 1)  # every span covers at least one unit
+    uniform = torch.rand(sizes.shape + (num_draws,), dtype=torch.float64, device=device)
+    lengths = torch.floor(torch.log1p(-uniform) / torch.log1p(torch.tensor(-p))).long() + 1
+    lengths = lengths.clamp(1, max_length)
+    covered = lengths.cumsum(-1)
+    num_spans = (covered < sizes.unsqueeze(-1)).sum(-1) + 1
+    before = torch.cat([torch.zeros_like(covered[:, :1]), covered[:, :-1]], -1)
+    lengths = torch.minimum(lengths, sizes.unsqueeze(-1) - before).clamp(min=0)
+    # Spans in random order, so the one cut to fit is not always the last.
+    order_keys = torch.rand(lengths.shape, device=device)
+    order_keys = order_keys.masked_fill(lengths == 0, 2.0)
+    lengths = lengths.gather(-1, order_keys.argsort(-1))
+    # An arrangement is a sequence of counts - sizes unmasked units and num_spans spans; the
+    # spans' places in it form a uniform subset of its slots.
+    slots = counts - sizes + num_spans
+    chosen = uniform_subsets(slots, num_spans, int(slots.max()))
+    slot_of_span = torch.sort(
+        torch.where(chosen, torch.arange(chosen.shape[-1], device=device), chosen.shape[-1]), -1
+    ).values[:, :num_draws]
+    if slot_of_span.shape[-1] < num_draws:
+        pad = slot_of_span.new_full((slot_of_span.shape[0], num_draws - slot_of_span.shape[-1]), 0)
+        slot_of_span = torch.cat([slot_of_span, pad], -1)
+    shift = torch.cat([torch.zeros_like(lengths[:, :1]), (lengths - 1).cumsum(-1)[:, :-1]], -1)
+    starts = slot_of_span + shift
+    real = lengths > 0
+    # Mark [start, start + length) through a difference array and a running sum.
+    edges = torch.zeros(sizes.shape + (width + 1,), dtype=torch.long, device=device)
+    edges.scatter_add_(-1, torch.where(real, starts, width), real.long())
+    edges.scatter_add_(-1, torch.where(real, starts + lengths, width), -real.long())
+    return edges.cumsum(-1)[:, :width] > 0

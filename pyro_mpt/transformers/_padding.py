@@ -1,0 +1,84 @@
+"""Padding lists of tokenized examples into a batch of tensors, without a tokenizer call per
+batch (``tokenizer.pad`` converts every example one by one, which dominates a collator's
+cost)."""
+
+import numbers
+
+import torch
+
+__all__ = []
+
+#: Feature -> value that pads it; features not listed pad with 0.
+_PAD_VALUES = {"attention_mask": 0, "special_tokens_mask": 1, "word_ids": -1, "labels": -100}
+
+
+def _as_list(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "tolist"):  # NumPy arrays
+        return value.tolist()
+    return list(value)
+
+
+def _pad_rows(rows, width, value, left):
+    out = []
+    for row in rows:
+        fill = [value] * (width - len(row))
+        out.append(fill + row if left else row + fill)
+    return out
+
+
+def pad_examples(examples, pad_token_id, padding_side="right", pad_to_multiple_of=None):
+    """Stacks ``examples`` into ``(B, L)`` tensors, padding each sequence feature to the
+    longest one (rounded up to ``pad_to_multiple_of``).
+
+    :param examples: dicts with ``input_ids`` (and any per-token features such as
+        ``attention_mask``, ``token_type_ids``, ``special_tokens_mask``, ``word_ids``,
+        ``offset_mapping``; per-example scalars such as ``label`` are stacked), or sequences
+        of token ids.
+    :returns: a dict of tensors that always holds ``input_ids`` and ``attention_mask``.
+    """
+    if isinstance(examples, (str, bytes)) or len(examples) == 0:
+        raise ValueError("examples must be a non-empty list of tokenized examples.")
+    first = examples[0]
+    if not hasattr(first, "keys"):
+        examples = [{"input_ids": example} for example in examples]
+        first = examples[0]
+    elif "input_ids" not in first:
+        raise ValueError(
+            f"examples must hold 'input_ids', got keys {sorted(first.keys())}; tokenize the "
+            "texts first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True)."
+        )
+    ids = [_as_list(example["input_ids"]) for example in examples]
+    lengths = [len(row) for row in ids]
+    width = max(lengths)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    if width > min(lengths) and pad_token_id is None:
+        raise ValueError(
+            "the examples differ in length but the tokenizer has no pad token; set one, e.g. "
+            "tokenizer.pad_token = tokenizer.eos_token, or give sequences of equal length."
+        )
+    left = padding_side == "left"
+    batch = {"input_ids": torch.tensor(_pad_rows(ids, width, pad_token_id, left))}
+    for key in first.keys():
+        if key == "input_ids":
+            continue
+        values = [example[key] for example in examples]
+        if isinstance(values[0], numbers.Number) or (
+            isinstance(values[0], torch.Tensor) and values[0].dim() == 0
+        ):
+            batch[key] = torch.tensor([float(v) if isinstance(v, float) else v for v in values])
+        elif key == "offset_mapping":
+            rows = [[list(pair) for pair in _as_list(v)] for v in values]
+            batch[key] = torch.tensor(_pad_rows(rows, width, [0, 0], left))
+        elif key == "word_ids":
+            rows = [[-1 if w is None else w for w in _as_list(v)] for v in values]
+            batch[key] = torch.tensor(_pad_rows(rows, width, -1, left))
+        else:
+            rows = [_as_list(v) for v in values]
+            batch[key] = torch.tensor(_pad_rows(rows, width, _PAD_VALUES.get(key, 0), left))
+    if "attention_mask" not in batch:
+        ones = [[1] * n for n in lengths]
+        batch["attention_mask"] = torch.tensor(_pad_rows(ones, width, 0, left))
+    return batch

@@ -1,0 +1,235 @@
+"""``MPTDataCollator``: masked-language-model batches whose masking rate follows an MPT rate
+schedule, with the per-sequence weights that turn the masked log-likelihood into the MPT
+estimate of ``log p(x)``."""
+
+import numbers
+
+import torch
+
+from pyro_mpt.ops.masks import as_rate_schedule
+from pyro_mpt.transformers import _mask_units
+from pyro_mpt.transformers._padding import pad_examples
+
+__all__ = ["MPTDataCollator"]
+
+#: Markers that open a word in byte-level BPE (RoBERTa, GPT-2) and SentencePiece vocabularies.
+_WORD_START_MARKERS = ("Ġ", "▁")
+
+
+def _check_probability(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {value!r}.")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {value!r}.")
+    return float(value)
+
+
+def _check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+class MPTDataCollator:
+    """Masked-language-model batches with an MPT mask-size schedule: a drop-in replacement for
+    ``transformers.DataCollatorForLanguageModeling`` that also emits MPT weights.
+
+    For each sequence ``i`` the collator counts its ``D_i`` maskable units (tokens that are
+    neither special nor padding; whole words with ``whole_word_mask=True``), draws a mask size
+    ``M_i`` from the rate schedule (the same schedules as :class:`pyro_mpt.MPTLoss`, through
+    :func:`pyro_mpt.ops.masks.as_rate_schedule`), and masks ``M_i`` units uniformly at random,
+    or as SpanBERT spans with ``span_masking=True``. Masked tokens are corrupted as in BERT
+    (``[MASK]`` with probability ``mask_replace_prob``, a random non-special token with
+    probability ``random_replace_prob``, else kept; one draw per unit) and scored: ``labels``
+    holds the original token there and ``-100`` elsewhere. ``mpt_weights`` holds
+    ``D_i / M_i``, so that
+
+    .. math::
+
+        \\widehat{\\log p}(x_i) = \\frac{D_i}{M_i} \\sum_{j \\in \\mathcal{M}_i}
+            \\log q_\\theta(x_{ij} \\mid \\tilde x_i)
+
+    is the MPT estimate of ``log p(x_i)`` (unbiased for the model's pseudo-joint with
+    ``rate="uniform"``); :func:`pyro_mpt.transformers.mpt_mlm_loss` computes it from the
+    logits. With whole words a word's log-probability is the sum over its tokens, and ``D``
+    and ``M`` count words. A span mask is not uniform given its size, so with
+    ``span_masking=True`` the weight keeps the estimate's scale but not its unbiasedness.
+
+    :param tokenizer: a ``transformers`` tokenizer with a mask token (and a pad token when
+        sequences differ in length).
+    :param rate: ``"uniform"``, a fixed rate such as ``0.15``, or a pair ``(lo, hi)`` (a
+        random rate per sequence, R2MAE); see :func:`pyro_mpt.ops.masks.as_rate_schedule`.
+    :param float mask_replace_prob: chance that a masked unit becomes the mask token.
+    :param float random_replace_prob: chance that it becomes random non-special tokens.
+    :param bool whole_word_mask: mask whole words. Word boundaries come from a ``word_ids``
+        feature (``encoding.word_ids()``), an ``offset_mapping`` feature, or the vocabulary
+        (WordPiece ``##`` continuations, ``Ġ``/``▁`` word starts).
+    :param bool span_masking: mask contiguous spans of units (SpanBERT).
+    :param float span_geometric_p: the parameter ``p`` of the geometric span lengths.
+    :param int max_span_length: span lengths are clipped at this many units.
+    :param int pad_to_multiple_of: pad each batch to a multiple of this length.
+
+    Example::
+
+        >>> from pyro_mpt.transformers import MPTDataCollator
+        >>> collator = MPTDataCollator(tokenizer, rate="uniform")  # doctest: +SKIP
+        >>> batch = collator([tokenizer("a few words"), tokenizer("more")])  # doctest: +SKIP
+        >>> sorted(batch)  # doctest: +SKIP
+        ['attention_mask', 'input_ids', 'labels', 'mpt_weights', 'token_type_ids']
+
+    Random numbers come from torch's global generator (seed it with ``torch.manual_seed``);
+    each ``DataLoader`` worker gets its own stream.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        rate="uniform",
+        mask_replace_prob=0.8,
+        random_replace_prob=0.1,
+        whole_word_mask=False,
+        span_masking=False,
+        span_geometric_p=0.2,
+        max_span_length=10,
+        pad_to_multiple_of=None,
+    ):
+        if getattr(tokenizer, "mask_token_id", None) is None:
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no mask token, which masked "
+                "pre-training needs; add one, e.g. tokenizer.add_special_tokens("
+                "{'mask_token': '[MASK]'}) and resize the model's embeddings."
+            )
+        self.schedule = as_rate_schedule(rate)
+        self.mask_replace_prob = _check_probability(mask_replace_prob, "mask_replace_prob")
+        self.random_replace_prob = _check_probability(random_replace_prob, "random_replace_prob")
+        if self.mask_replace_prob + self.random_replace_prob > 1.0:
+            raise ValueError(
+                f"mask_replace_prob + random_replace_prob must not exceed 1, got "
+                f"{mask_replace_prob!r} + {random_replace_prob!r}; the rest is the chance of "
+                "keeping a masked token unchanged."
+            )
+        p = _check_probability(span_geometric_p, "span_geometric_p")
+        if p == 0.0:
+            raise ValueError("span_geometric_p must be positive, got 0.0; SpanBERT uses 0.2.")
+        self.span_geometric_p = p
+        self.max_span_length = _check_positive_int(max_span_length, "max_span_length")
+        if pad_to_multiple_of is not None:
+            pad_to_multiple_of = _check_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.whole_word_mask = bool(whole_word_mask)
+        self.span_masking = bool(span_masking)
+        self.tokenizer = tokenizer
+        self.mask_token_id = int(tokenizer.mask_token_id)
+        self.pad_token_id = tokenizer.pad_token_id
+        vocab_size = len(tokenizer)
+        special = torch.zeros(vocab_size, dtype=torch.bool)
+        special[[i for i in tokenizer.all_special_ids if 0 <= i < vocab_size]] = True
+        self._special_ids = special
+        self._replacement_ids = torch.nonzero(~special).squeeze(-1)
+        self._continues_word = None  # vocabulary table, built on first need
+
+    def __repr__(self):
+        return (
+            f"MPTDataCollator(rate={self.schedule!r}, mask_replace_prob={self.mask_replace_prob},"
+            f" random_replace_prob={self.random_replace_prob}, whole_word_mask="
+            f"{self.whole_word_mask}, span_masking={self.span_masking})"
+        )
+
+    def __call__(self, examples):
+        """Pads ``examples`` (dicts with ``input_ids``, or lists of token ids) into a batch and
+        masks it.
+
+        :returns: a dict of tensors: the padded features, ``input_ids`` corrupted, ``labels``
+            and ``mpt_weights``.
+        """
+        batch = pad_examples(
+            examples, self.pad_token_id, self.tokenizer.padding_side, self.pad_to_multiple_of
+        )
+        special = batch.pop("special_tokens_mask", None)
+        word_ids = batch.pop("word_ids", None)
+        offsets = batch.pop("offset_mapping", None)
+        input_ids = batch["input_ids"]
+        if special is None:
+            special = self._special_ids.to(input_ids.device)[input_ids.clamp(0, None)]
+        maskable = ~special.bool() & batch["attention_mask"].bool()
+        continues = None
+        if self.whole_word_mask:
+            continues = self._word_continuations(input_ids, word_ids, offsets)
+        batch["input_ids"], batch["labels"], batch["mpt_weights"] = self.mask_tokens(
+            input_ids, maskable, continues
+        )
+        return batch
+
+    def mask_tokens(self, input_ids, maskable, continues_word=None):
+        """Masks a padded batch of token ids.
+
+        :param torch.Tensor input_ids: long ``(B, L)``.
+        :param torch.Tensor maskable: boolean ``(B, L)``, ``True`` where a token may be masked.
+        :param torch.Tensor continues_word: optional boolean ``(B, L)``, ``True`` where a
+            token continues the word of the token before it (whole-word masking).
+        :returns: ``(corrupted_ids, labels, weights)``: long ``(B, L)``, long ``(B, L)`` with
+            ``-100`` at unmasked positions, and float ``(B,)`` weights ``D_i / M_i``.
+        :raises ValueError: if a sequence has no maskable token.
+        """
+        units, counts = _mask_units.unit_index(maskable, continues_word)
+        empty = torch.nonzero(counts == 0).squeeze(-1)
+        if empty.numel():
+            raise ValueError(
+                f"sequence(s) {empty.tolist()} of the batch have no maskable token (every token "
+                "is special or padding); drop empty texts before collating, e.g. filter on "
+                "len(input_ids) > 2 for BERT."
+            )
+        sizes = _mask_units.sizes_for_rows(self.schedule, counts)
+        width = int(counts.max())
+        if self.span_masking:
+            chosen = _mask_units.geometric_spans(
+                counts, sizes, width, self.span_geometric_p, self.max_span_length
+            )
+        else:
+            chosen = _mask_units.uniform_subsets(counts, sizes, width)
+        # One corruption draw per unit: 0 = mask token, 1 = random token, 2 = keep.
+        draw = torch.rand(chosen.shape, device=chosen.device)
+        action = (draw >= self.mask_replace_prob).long()
+        action += draw >= self.mask_replace_prob + self.random_replace_prob
+        safe_units = units.clamp(min=0)
+        masked = maskable & chosen.gather(-1, safe_units)
+        action = action.gather(-1, safe_units)
+        labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
+        corrupted = torch.where(masked & (action == 0), self.mask_token_id, input_ids)
+        to_random = masked & (action == 1)
+        if self.random_replace_prob > 0 and to_random.any():
+            pool = self._replacement_ids.to(input_ids.device)
+            picks = torch.randint(len(pool), (int(to_random.sum()),), device=input_ids.device)
+            corrupted = corrupted.masked_scatter(to_random, pool[picks])
+        weights = counts.to(torch.float32) / sizes
+        return corrupted, labels, weights
+
+    def _word_continuations(self, input_ids, word_ids, offsets):
+        if word_ids is not None:
+            previous = torch.full_like(word_ids, -1)
+            previous[:, 1:] = word_ids[:, :-1]
+            return (word_ids >= 0) & (word_ids == previous)
+        if offsets is not None:
+            previous_end = torch.full_like(offsets[..., 1], -1)
+            previous_end[:, 1:] = offsets[:, :-1, 1]
+            return offsets[..., 0] == previous_end
+        if self._continues_word is None:
+            self._continues_word = self._vocabulary_continuations()
+        table = self._continues_word.to(input_ids.device)
+        return table[input_ids.clamp(0, len(table) - 1)]
+
+    def _vocabulary_continuations(self):
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        tokens = [t if isinstance(t, str) else "" for t in tokens]
+        if any(t.startswith("##") for t in tokens):
+            flags = [t.startswith("##") for t in tokens]
+        elif any(t.startswith(_WORD_START_MARKERS) for t in tokens):
+            flags = [not t.startswith(_WORD_START_MARKERS) for t in tokens]
+        else:
+            raise ValueError(
+                f"whole_word_mask=True needs word boundaries, but the vocabulary of "
+                f"{type(self.tokenizer).__name__} marks none ('##' continuations or 'Ġ'/'▁' "
+                "word starts); pass features with 'word_ids' (encoding.word_ids()) or "
+                "'offset_mapping' (return_offsets_mapping=True), or use whole_word_mask=False."
+            )
+        return torch.tensor(flags, dtype=torch.bool) & ~self._special_ids
