@@ -13,7 +13,8 @@ from pyro_mpt.transformers._requirements import require
 
 require("transformers")
 
-from pyro_mpt.transformers.collator import MPTDataCollator  # noqa: E402
-
 __all__ = []
-__all__ += ["MPTDataCollator"]
+
+from pyro_mpt.transformers.curve import MaskedCurve, default_rates, mpt_curve  # noqa: E402
+
+__all__ += ["MaskedCurve", "default_rates", "mpt_curve"]

@@ -1,0 +1,309 @@
+"""The MPT curve of a Hugging Face masked language model: the mean log-probability of the
+masked tokens at each masking rate, and its area, an estimate of log p(x)."""
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.ops.masks import FixedRate, masks_of_sizes
+
+__all__ = ["MaskedCurve", "mpt_curve", "default_rates"]
+
+
+class MaskedCurve(NamedTuple):
+    """The MPT curve of a transformer on a set of sequences (or images).
+
+    Mirrors :class:`pyro_mpt.MPTCurve` for observations of different sizes: at rate ``r``
+    sequence ``i`` has ``M_i = max(1, round(r D_i))`` of its ``D_i`` maskable tokens masked
+    (the sizes of :class:`~pyro_mpt.ops.masks.FixedRate`).
+
+    :ivar torch.Tensor rates: the masking rates, shape ``(R,)``.
+    :ivar torch.Tensor scores: ``S(r)``, the mean log-probability of a masked token, averaged
+        over masks and then over sequences, shape ``(R,)``.
+    :ivar torch.Tensor stderr: Monte Carlo standard errors of ``scores`` over the random masks,
+        for these sequences (NaN when ``num_masks`` is 1).
+    :ivar float area: the mean over sequences of ``D_i`` times the mean over rates of the
+        sequence's scores; with rates evenly covering ``(0, 1]`` it estimates the mean
+        ``log p(x)`` per sequence (paper Table 2).
+    :ivar torch.Tensor num_features: ``D_i``, the maskable tokens of each sequence, ``(N,)``.
+    :ivar torch.Tensor masked_fraction: the mean over sequences of ``M_i / D_i``, ``(R,)``.
+    :ivar torch.Tensor sequence_scores: per-sequence scores averaged over masks, ``(N, R)``.
+    """
+
+    rates: torch.Tensor
+    scores: torch.Tensor
+    stderr: torch.Tensor
+    area: float
+    num_features: torch.Tensor
+    masked_fraction: torch.Tensor
+    sequence_scores: torch.Tensor
+
+
+def default_rates(low=0.01, high=0.99, step=0.01):
+    """Evenly spaced masking rates ``low, low + step, ..., high`` (the paper's 1%...99%)."""
+    count = int(round((high - low) / step)) + 1
+    return torch.tensor([round(low + k * step, 10) for k in range(count)], dtype=torch.float64)
+
+
+def check_rates(rates, name="rates"):
+    """``rates`` as a float64 tensor of values in ``(0, 1]``, or a ValueError naming it."""
+    try:
+        values = torch.as_tensor(rates, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{name} must be a sequence of floats in (0, 1], got {rates!r}.") from error
+    if values.numel() == 0 or not bool(((values > 0) & (values <= 1)).all()):
+        raise ValueError(
+            f"{name} must be a non-empty sequence of masking rates in (0, 1], got "
+            f"{values.tolist()}; e.g. pyro_mpt.transformers.default_rates() for 1%...99%."
+        )
+    return values
+
+
+def check_count(value, name):
+    """A positive int, or a ValueError/TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+    return int(value)
+
+
+def rate_sizes(rates, num_features):
+    """Mask sizes ``max(1, round(r D))`` of each rate, by :class:`FixedRate`, shape ``(R,)``."""
+    zero = torch.zeros(1, dtype=torch.float64)
+    return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])
+
+
+def _encode(tokenizer, texts, max_length):
+    if isinstance(texts, (str, bytes)) or not hasattr(texts, "__len__") or len(texts) == 0:
+        raise ValueError(
+            f"texts must be a non-empty list of strings or of lists of token ids, got {texts!r}."
+        )
+    if all(isinstance(t, str) for t in texts):
+        kwargs = dict(truncation=max_length is not None, add_special_tokens=True)
+        if max_length is not None:
+            kwargs["max_length"] = max_length
+        return [list(ids) for ids in tokenizer(list(texts), **kwargs)["input_ids"]]
+    encoded = []
+    for index, ids in enumerate(texts):
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if isinstance(ids, str) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+        ):
+            raise TypeError(
+                f"texts[{index}] must be a string or a list of token ids; texts mixes kinds or "
+                f"holds {type(ids).__name__}. Pass all strings or all lists of ints."
+            )
+        encoded.append([int(t) for t in ids][:max_length])
+    return encoded
+
+
+class _Plan:
+    """The sequences, their maskable positions and the mask sizes of every rate."""
+
+    def __init__(self, tokenizer, texts, rates, num_masks, max_length):
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no mask token (mask_token_id is "
+                "None); the MPT curve needs a masked language model's tokenizer, e.g. BERT's."
+            )
+        pad_id = tokenizer.pad_token_id
+        self.mask_id = mask_id
+        self.pad_id = pad_id if pad_id is not None else mask_id
+        self.rates = check_rates(rates)
+        self.num_masks = check_count(num_masks, "num_masks")
+        special = set(tokenizer.all_special_ids)
+        self.ids = _encode(tokenizer, texts, max_length)
+        self.positions = []
+        for index, ids in enumerate(self.ids):
+            positions = [j for j, t in enumerate(ids) if t not in special]
+            if not positions:
+                raise ValueError(
+                    f"texts[{index}] has no maskable token (only special tokens: {ids}); "
+                    "remove it or give it some content."
+                )
+            self.positions.append(torch.tensor(positions))
+        self.num_features = torch.tensor([len(p) for p in self.positions])
+        cache = {}
+        self.sizes = torch.stack(
+            [cache.setdefault(d, rate_sizes(self.rates, d)) for d in self.num_features.tolist()]
+        )
+        # Longest first, so padding within a batch is small and memory peaks early.
+        self.order = sorted(range(len(self.ids)), key=lambda i: -len(self.ids[i]))
+        self.rows_per_sequence = len(self.rates) * self.num_masks
+
+    @property
+    def num_rows(self):
+        return len(self.ids) * self.rows_per_sequence
+
+    def sequence_rows(self, index, device):
+        """Masked copies of sequence ``index``: ``(ids, masked)``, each ``(R P, L_i)``; row
+        ``r P + p`` is mask ``p`` of rate ``r``."""
+        positions = self.positions[index]
+        sizes = self.sizes[index].repeat_interleave(self.num_masks)
+        masks = masks_of_sizes(sizes, len(positions))
+        masked = torch.zeros(len(sizes), len(self.ids[index]), dtype=torch.bool)
+        masked[:, positions] = masks
+        ids = torch.tensor(self.ids[index]).expand(len(sizes), -1)
+        return ids.to(device), masked.to(device)
+
+    def batches(self, batch_size, device):
+        """Yields ``(input_ids, attention_mask, masked, labels, owners)`` for consecutive rows
+        of the sequences (longest first): ``owners`` holds each row's (sequence, row)."""
+        pending, count = [], 0
+        for index in self.order:
+            ids, masked = self.sequence_rows(index, device)
+            start = 0
+            while start < len(ids):
+                take = min(batch_size - count, len(ids) - start)
+                pending.append((index, start, ids[start : start + take], masked[start:][:take]))
+                count += take
+                start += take
+                if count == batch_size:
+                    yield self._collate(pending, device)
+                    pending, count = [], 0
+        if pending:
+            yield self._collate(pending, device)
+
+    def _collate(self, pieces, device):
+        width = max(piece[2].shape[1] for piece in pieces)
+        rows = sum(piece[2].shape[0] for piece in pieces)
+        labels = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        masked = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        attention = torch.zeros(rows, width, dtype=torch.long, device=device)
+        owners, at = [], 0
+        for index, start, ids, mask in pieces:
+            n, length = ids.shape
+            labels[at : at + n, :length] = ids
+            masked[at : at + n, :length] = mask
+            attention[at : at + n, :length] = 1
+            owners.append(torch.stack([torch.full((n,), index), torch.arange(start, start + n)]))
+            at += n
+        input_ids = labels.masked_fill(masked, self.mask_id)
+        return input_ids, attention, masked, labels, torch.cat(owners, 1).T
+
+
+def _model_device(model):
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def masked_token_scores(logits, masked, labels):
+    """Mean log-probability of the masked tokens of each row.
+
+    :param torch.Tensor logits: ``(B, L, V)`` in any float dtype (softmax runs in float32 or
+        wider).
+    :param torch.Tensor masked: ``(B, L)`` bool, at least one True per row.
+    :param torch.Tensor labels: ``(B, L)`` token ids.
+    :returns: float tensor ``(B,)``.
+    """
+    rows, cols = masked.nonzero(as_tuple=True)
+    picked = logits[rows, cols]
+    dtype = torch.promote_types(picked.dtype, torch.float32)
+    log_probs = picked.to(dtype).log_softmax(-1)
+    token = log_probs.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1)
+    totals = torch.zeros(masked.shape[0], dtype=dtype, device=logits.device)
+    totals.index_add_(0, rows, token)
+    return totals / masked.sum(1).to(dtype)
+
+
+def summarise(rates, scores, num_features, sizes):
+    """Builds a :class:`MaskedCurve` from per-row scores ``(N, R, P)``, the sizes ``(N, R)``
+    and the features ``D_i``."""
+    num_masks = scores.shape[-1]
+    per_sequence = scores.mean(-1)
+    if num_masks > 1:
+        # Independent masks per sequence: the variances of the per-sequence means add.
+        variance = scores.var(-1) / num_masks
+        stderr = variance.sum(0).sqrt() / scores.shape[0]
+    else:
+        stderr = torch.full_like(rates, math.nan)
+    d = num_features.to(per_sequence.dtype)
+    area = float((d * per_sequence.mean(1)).mean())
+    fraction = (sizes.double() / num_features.double().unsqueeze(1)).mean(0)
+    return MaskedCurve(
+        rates=rates.to(per_sequence.dtype),
+        scores=per_sequence.mean(0),
+        stderr=stderr.to(per_sequence.dtype),
+        area=area,
+        num_features=num_features,
+        masked_fraction=fraction,
+        sequence_scores=per_sequence,
+    )
+
+
+@torch.no_grad()
+def mpt_curve(
+    model,
+    tokenizer,
+    texts,
+    rates=None,
+    num_masks=4,
+    batch_size=64,
+    max_length=None,
+    progress=True,
+):
+    """The MPT curve of a masked language model (any ``*ForMaskedLM``) on ``texts``.
+
+    For each rate ``r`` and sequence ``x`` with ``D`` maskable (non-special) tokens,
+    ``num_masks`` masks of ``M = max(1, round(r D))`` tokens each are drawn uniformly
+    (:func:`~pyro_mpt.ops.masks.masks_of_sizes`), replaced by the mask token, and scored by
+    one forward pass:
+
+    .. math::
+
+        \\mathcal{S}(x; r) = \\mathbb{E}_{|\\mathcal{M}| = M}\\Big[\\frac{1}{M}
+            \\sum_{j \\in \\mathcal{M}} \\log q(x_j \\mid x_\\mathcal{R})\\Big],
+        \\qquad \\text{area} = D \\cdot \\operatorname{mean}_r \\mathcal{S}(x; r)
+            \\approx \\sum_{M=1}^{D} \\mathcal{S}(x; M) = \\log p(x).
+
+    Masked copies of all sequences are packed into batches of ``batch_size`` rows (longest
+    sequences first, padded within a batch) and run under :func:`torch.no_grad` on the
+    model's device, in its dtype; the log-softmax of the masked positions runs in float32.
+
+    :param model: a masked language model, e.g. :class:`transformers.BertForMaskedLM`; it
+        is put in ``eval()`` mode.
+    :param tokenizer: its tokenizer; needs a mask token.
+    :param texts: a list of strings (tokenized with special tokens) or of lists of token ids
+        (used as given; special tokens among them are never masked).
+    :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%).
+    :param int num_masks: random masks per sequence and rate.
+    :param int batch_size: masked sequences per forward pass.
+    :param int max_length: truncate sequences to this many tokens.
+    :param bool progress: show a progress bar over forward passes.
+    :returns: a :class:`MaskedCurve`.
+
+    Example::
+
+        >>> from transformers import BertConfig, BertForMaskedLM
+        >>> model = BertForMaskedLM(BertConfig(vocab_size=25, hidden_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+        >>> curve = mpt_curve(model, tokenizer, ["E V Q L V E S", "Q V Q L"],
+        ...                   rates=[0.2, 0.5], progress=False)  # doctest: +SKIP
+        >>> curve.scores.shape
+        torch.Size([2])
+    """
+    rates = default_rates() if rates is None else rates
+    batch_size = check_count(batch_size, "batch_size")
+    if max_length is not None:
+        max_length = check_count(max_length, "max_length")
+    plan = _Plan(tokenizer, texts, rates, num_masks, max_length)
+    device = _model_device(model)
+    model.eval()
+    scores = torch.zeros(len(plan.ids), plan.rows_per_sequence, dtype=torch.float64)
+    total = math.ceil(plan.num_rows / batch_size)
+    for input_ids, attention, masked, labels, owners in tqdm(
+        plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
+    ):
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        row_scores = masked_token_scores(logits, masked, labels).double().cpu()
+        scores[owners[:, 0], owners[:, 1]] = row_scores
+    scores = scores.reshape(len(plan.ids), len(plan.rates), plan.num_masks)
+    return summarise(plan.rates, scores, plan.num_features, plan.sizes)

@@ -1,0 +1,200 @@
+"""``pyro_mpt.transformers.mpt_curve`` on tiny BERTs built from configs (nothing downloaded)."""
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import BertConfig, BertForMaskedLM, BertTokenizer  # noqa: E402
+
+from pyro_mpt.ops.masks import FixedRate  # noqa: E402
+from pyro_mpt.transformers import MaskedCurve, default_rates, mpt_curve  # noqa: E402
+
+DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vocab")
+    (folder / "vocab.txt").write_text("\n".join(SPECIAL + list(LETTERS)) + "\n")
+    return BertTokenizer.from_pretrained(str(folder), do_lower_case=False)
+
+
+def _bert(vocab_size, seed=0, hidden=32, layers=2):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
+    return BertForMaskedLM(config).to(DEVICE).eval()
+
+
+def _texts(count, low, high, seed=0):
+    """Random letter strings with lengths in ``[low, high]``, space-separated."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    return [" ".join(LETTERS[i] for i in torch.randint(26, (n,), generator=gen)) for n in lengths]
+
+
+def test_random_bert_gives_a_flat_curve_at_minus_log_v(tokenizer):
+    model = _bert(len(tokenizer))
+    texts = _texts(24, 20, 40)
+    curve = mpt_curve(model, tokenizer, texts, rates=default_rates(0.05, 0.95, 0.1), num_masks=8)
+    assert isinstance(curve, MaskedCurve) and curve.scores.shape == (10,)
+    log_v = math.log(len(tokenizer))
+    # Tolerance, derived: the LM head's LayerNorm output h has |h|^2 = H and the tied output
+    # embeddings are N(0, s0^2) with zero bias, so the logits are N(0, s^2), s^2 = s0^2 H.
+    # Then E log p(x_j) = -log V - s^2/2 + O(s^2/V). For one draw of the weights, token x's
+    # logit l_x = h . e_x carries an offset of sd s shared by its occurrences; the mean over
+    # the data's tokens (frequencies f) has sd s sqrt(sum f^2): allow 4 of those, plus 4
+    # Monte Carlo standard errors over the masks.
+    config = model.config
+    s = config.initializer_range * math.sqrt(config.hidden_size)
+    ids = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    freq = torch.bincount(torch.tensor(ids)).double() / len(ids)
+    model_sd = s * float(freq.pow(2).sum().sqrt())
+    tol = s**2 / 2 + 4 * model_sd + 4 * curve.stderr
+    assert (curve.scores + log_v).abs().le(tol).all(), (curve.scores + log_v, tol)
+    assert float(tol.max()) < 0.05 * log_v  # the check is tight: within 5% of log V
+    # The area: the mean over sequences of D_i times the sequence's mean score.
+    mean_d = float(curve.num_features.double().mean())
+    area_tol = mean_d * (s**2 / 2 + 4 * model_sd + 4 * float(curve.stderr.max()))
+    assert abs(curve.area + mean_d * log_v) < area_tol
+    expected_area = (curve.num_features * curve.sequence_scores.mean(1)).mean()
+    assert curve.area == pytest.approx(float(expected_area), rel=1e-12)
+
+
+def test_rate_one_masks_everything_and_matches_a_hand_forward_pass(tokenizer):
+    model = _bert(len(tokenizer), seed=1)
+    texts = _texts(3, 5, 12, seed=1)
+    curve = mpt_curve(model, tokenizer, texts, rates=[1.0], num_masks=2, progress=False)
+    for i, text in enumerate(texts):
+        enc = tokenizer(text, return_tensors="pt")
+        ids = enc["input_ids"].to(DEVICE)
+        inner = torch.arange(1, ids.shape[1] - 1)
+        masked = ids.clone()
+        masked[0, inner] = tokenizer.mask_token_id
+        with torch.no_grad():
+            logp = model(input_ids=masked).logits[0].log_softmax(-1)
+        expected = logp[inner, ids[0, inner]].mean()
+        torch.testing.assert_close(curve.sequence_scores[i, 0], expected.double().cpu())
+    # Both masks at rate 1 are the same: no Monte Carlo spread.
+    assert float(curve.stderr[0]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_sequence_scores_the_same_alone_or_padded_in_a_batch(tokenizer):
+    model = _bert(len(tokenizer), seed=2)
+    short, long = _texts(1, 4, 4, seed=2)[0], _texts(1, 30, 30, seed=3)[0]
+    alone = mpt_curve(model, tokenizer, [short], rates=[1.0], num_masks=1, progress=False)
+    both = mpt_curve(model, tokenizer, [long, short], rates=[1.0], num_masks=1, progress=False)
+    torch.testing.assert_close(both.sequence_scores[1], alone.sequence_scores[0])
+
+
+def test_single_token_masks_estimate_the_exact_leave_one_out_score(tokenizer):
+    """S(x; 1) = mean_j log q(x_j | x_-j): the curve at M = 1 is an unbiased estimate."""
+    model = _bert(len(tokenizer), seed=3)
+    text = _texts(1, 10, 10, seed=4)[0]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"].to(DEVICE)
+    exact = []
+    for j in range(1, ids.shape[1] - 1):
+        masked = ids.clone()
+        masked[0, j] = tokenizer.mask_token_id
+        with torch.no_grad():
+            exact.append(model(input_ids=masked).logits[0, j].log_softmax(-1)[ids[0, j]])
+    exact = float(torch.stack(exact).mean())
+    curve = mpt_curve(model, tokenizer, [text], rates=[0.1], num_masks=200, progress=False)
+    assert curve.masked_fraction.tolist() == [0.1]
+    assert abs(float(curve.scores[0]) - exact) < 4 * float(curve.stderr[0])
+
+
+def test_each_row_masks_the_rate_s_share_of_non_special_tokens(tokenizer):
+    model = _bert(len(tokenizer), seed=4)
+    texts = _texts(5, 7, 23, seed=5)
+    rates = [0.01, 0.15, 0.33, 0.5, 0.8, 0.99]
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append((kwargs["input_ids"].cpu(), kwargs["attention_mask"].cpu()))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        curve = mpt_curve(model, tokenizer, texts, rates=rates, num_masks=3, batch_size=7)
+    finally:
+        handle.remove()
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    num_features = [n - 2 for n in lengths]
+    assert curve.num_features.tolist() == num_features
+    zero = torch.zeros(1, dtype=torch.float64)
+    sizes = {
+        d: [int(FixedRate(r).sizes_from_quantiles(zero, d)) for r in rates] for d in num_features
+    }
+    expected_fraction = torch.tensor(
+        [[sizes[d][k] / d for k in range(len(rates))] for d in num_features]
+    ).mean(0)
+    torch.testing.assert_close(curve.masked_fraction, expected_fraction.double())
+    counts = {}
+    mask_id, cls_id = tokenizer.mask_token_id, tokenizer.cls_token_id
+    sep_id = tokenizer.sep_token_id
+    for input_ids, attention in seen:
+        assert input_ids.shape[0] <= 7
+        for row, keep in zip(input_ids, attention):
+            row = row[keep.bool()]
+            # [CLS] and [SEP] stay in place; padding sits outside the attention mask.
+            assert row[0] == cls_id and row[-1] == sep_id
+            counts.setdefault(len(row) - 2, []).append(int((row == mask_id).sum()))
+    assert sum(len(v) for v in counts.values()) == len(texts) * len(rates) * 3
+    for d, observed in counts.items():
+        per_text = num_features.count(d)
+        assert sorted(observed) == sorted(sizes[d] * 3 * per_text)
+
+
+def test_ids_and_strings_and_batch_sizes_give_the_same_curve(tokenizer):
+    model = _bert(len(tokenizer), seed=5)
+    texts = _texts(4, 6, 15, seed=6)
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    curves = []
+    for inputs, batch in ((texts, 64), (ids, 3), ([torch.tensor(i) for i in ids], 1)):
+        torch.manual_seed(7)
+        curves.append(mpt_curve(model, tokenizer, inputs, rates=[0.2, 0.6], batch_size=batch))
+    for other in curves[1:]:
+        torch.testing.assert_close(other.sequence_scores, curves[0].sequence_scores)
+        assert other.area == pytest.approx(curves[0].area, rel=1e-10)
+
+
+def test_default_rates_are_the_paper_s_one_to_ninety_nine_percent():
+    rates = default_rates()
+    assert len(rates) == 99 and rates[0] == 0.01 and rates[-1] == 0.99
+    torch.testing.assert_close(rates[1:] - rates[:-1], torch.full((98,), 0.01, dtype=torch.float64))
+
+
+def test_bad_arguments_raise_clear_errors(tokenizer):
+    model = _bert(len(tokenizer), hidden=16, layers=1)
+    texts = ["a b c", "d e"]
+    no_mask = types.SimpleNamespace(mask_token_id=None)
+    with pytest.raises(ValueError, match="has no mask token"):
+        mpt_curve(model, no_mask, texts)
+    with pytest.raises(ValueError, match=r"rates must be a non-empty sequence .* in \(0, 1\]"):
+        mpt_curve(model, tokenizer, texts, rates=[0.5, 1.5])
+    with pytest.raises(ValueError, match=r"rates must be a non-empty"):
+        mpt_curve(model, tokenizer, texts, rates=[])
+    with pytest.raises(ValueError, match=r"texts\[1\] has no maskable token"):
+        mpt_curve(model, tokenizer, ["a b", ""])
+    with pytest.raises(ValueError, match="texts must be a non-empty list"):
+        mpt_curve(model, tokenizer, "a b c")
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a string or a list of token ids"):
+        mpt_curve(model, tokenizer, [[2, 5, 3], "a b"])
+    with pytest.raises(ValueError, match="num_masks must be at least 1, got 0"):
+        mpt_curve(model, tokenizer, texts, num_masks=0)
+    with pytest.raises(TypeError, match="batch_size must be a positive int"):
+        mpt_curve(model, tokenizer, texts, batch_size=2.5)
