@@ -113,7 +113,8 @@ def active_set_predictive(context_cov, cross_cov, target_var, context_residual, 
     .. math::
 
         m_T = \\Sigma_{TR}\\Sigma_{RR}^{-1} r_R, \\qquad
-        v_T = \\mathrm{diag}(\\Sigma_{TT}) - \\mathrm{diag}(\\Sigma_{TR}\\Sigma_{RR}^{-1}\\Sigma_{RT}).
+        v_T = \\mathrm{diag}\\big(\\Sigma_{TT}
+            - \\Sigma_{TR}\\Sigma_{RR}^{-1}\\Sigma_{RT}\\big).
 
     :param torch.Tensor context_cov: ``Sigma_RR``, shape ``batch + (R, R)``.
     :param torch.Tensor cross_cov: ``Sigma_TR``, shape ``batch + (T, R)``.
@@ -148,24 +149,29 @@ def active_set_conditionals(x, loc, covariance, masks):
     :param torch.Tensor covariance: ``batch + (N, N)`` (broadcastable; never copied whole).
     :param torch.Tensor masks: boolean, ``True`` at masked tokens, ``batch + (N,)``.
     :returns: ``(active, mean, var)``: the :class:`ActiveSet` and the predictive means and
-        variances of its targets, each ``batch + (T_max,)`` (padding slots are finite).
+        variances of its targets, ``batch + (T_max,)`` (padding slots are finite); ``var``
+        does not depend on ``x`` and has the batch shape of ``masks`` and ``covariance``.
     """
     active = split_masks(masks)
+    # The blocks depend on the masks and the covariance only: observations that share both
+    # (a mask shared by a batch) share one factorisation.
+    context_cov = gather_blocks(covariance, active.context_index, active.context_index)
+    cross_cov = gather_blocks(covariance, active.target_index, active.context_index)
+    cov_batch = cross_cov.shape[:-2]
+    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
+    target_var = diagonal.expand(cov_batch + diagonal.shape[-1:]).gather(
+        -1, active.target_index.expand(cov_batch + active.target_index.shape[-1:])
+    )
     residual = x - loc
-    batch = torch.broadcast_shapes(residual.shape[:-1], masks.shape[:-1])
-    residual = residual.expand(batch + residual.shape[-1:])
-    loc = loc.expand(batch + loc.shape[-1:])
+    batch = torch.broadcast_shapes(residual.shape[:-1], cov_batch)
     context_index = active.context_index.expand(batch + active.context_index.shape[-1:])
     target_index = active.target_index.expand(batch + active.target_index.shape[-1:])
-    context_cov = gather_blocks(covariance, context_index, context_index)
-    cross_cov = gather_blocks(covariance, target_index, context_index)
-    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
-    target_var = diagonal.expand(batch + diagonal.shape[-1:]).gather(-1, target_index)
     mean_offset, var = active_set_predictive(
         context_cov,
         cross_cov,
         target_var,
-        residual.gather(-1, context_index),
+        residual.expand(batch + residual.shape[-1:]).gather(-1, context_index),
         active.context_valid,
     )
-    return active, loc.gather(-1, target_index) + mean_offset, var
+    target_loc = loc.expand(batch + loc.shape[-1:]).gather(-1, target_index)
+    return active, target_loc + mean_offset, var

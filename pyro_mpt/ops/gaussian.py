@@ -140,20 +140,23 @@ def dense_gaussian_conditionals(x, loc, covariance, context):
     :param torch.Tensor covariance: ``Sigma``, shape ``batch + (D, D)`` (broadcastable; keep
         shared covariances unexpanded so that shared masks factorise once).
     :param torch.Tensor context: context weights (1 observed, 0 masked), ``batch + (D,)``.
-    :returns: ``(mean, var)`` of the broadcast batch shape ``+ (D,)``; on context features
-        ``mean`` is ``loc`` and ``var`` is 1, where the conditional is degenerate.
+    :returns: ``(mean, var)`` of the broadcast batch shape ``+ (D,)`` (``var`` only of the
+        batch shape of ``covariance`` and ``context``: it does not depend on ``x``); on
+        context features ``mean`` is ``loc`` and ``var`` is 1 (the conditional is degenerate).
     """
     masks = context == 0
     active, target_mean, target_var = active_set_conditionals(x, loc, covariance, masks)
-    batch = target_mean.shape[:-1]
     num_features = covariance.shape[-1]
-    shape = batch + (num_features,)
-    index = active.target_index.expand(batch + active.target_index.shape[-1:])
+    mean_shape = target_mean.shape[:-1] + (num_features,)
+    var_shape = target_var.shape[:-1] + (num_features,)
     # Padded target slots point at context features, which are overwritten below.
-    mean = loc.expand(shape).scatter(-1, index, target_mean)
-    var = torch.ones(shape, dtype=target_var.dtype, device=target_var.device)
-    var = var.scatter(-1, index, target_var)
-    masks = masks.expand(shape)
-    mean = torch.where(masks, mean, loc.expand(shape))
+    index = active.target_index
+    mean = loc.expand(mean_shape).scatter(
+        -1, index.expand(mean_shape[:-1] + index.shape[-1:]), target_mean
+    )
+    var = target_var.new_ones(var_shape).scatter(
+        -1, index.expand(var_shape[:-1] + index.shape[-1:]), target_var
+    )
+    mean = torch.where(masks, mean, loc)
     var = torch.where(masks, var, torch.ones_like(var))
     return mean, var

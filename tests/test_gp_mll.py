@@ -1,0 +1,228 @@
+"""``MaskedPredictiveLogLikelihood`` against GPyTorch's exact objectives and refits."""
+
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from pyro_mpt.gp import MaskedPredictiveLogLikelihood
+from pyro_mpt.ops.gaussian import normal_log_prob
+from pyro_mpt.ops.masks import sample_masks
+from tests.helpers import all_masks, dense_schur_log_conditionals
+
+
+class _GP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, batch_shape=()):
+        super().__init__(x, y, likelihood)
+        batch_shape = torch.Size(batch_shape)
+        self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape)
+        self.covar_module = gpytorch.kernels.ScaleKernel(
+            gpytorch.kernels.RBFKernel(batch_shape=batch_shape), batch_shape=batch_shape
+        )
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _problem(num_data=7, batch_shape=(), dtype=torch.float64):
+    batch_shape = torch.Size(batch_shape)
+    x = torch.randn(batch_shape + (num_data, 2), dtype=dtype)
+    y = (
+        torch.sin(2 * x[..., 0])
+        + x[..., 1]
+        + 0.3 * torch.randn(batch_shape + (num_data,), dtype=dtype)
+    )
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(batch_shape=batch_shape).to(dtype)
+    model = _GP(x, y, likelihood, batch_shape).to(dtype)
+    # Hyperparameters away from the defaults, different per batch member.
+    model.covar_module.base_kernel.lengthscale = 0.6 + torch.rand(batch_shape + (1, 1))
+    model.covar_module.outputscale = 0.5 + torch.rand(batch_shape)
+    model.mean_module.constant.data.fill_(0.3)
+    likelihood.noise = 0.05 + 0.2 * torch.rand(batch_shape + (1,))
+    model.train()
+    likelihood.train()
+    return x, y, likelihood, model
+
+
+def test_conditionals_match_a_dense_schur_complement():
+    x, y, likelihood, model = _problem(num_data=9)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    marginal = likelihood(model(x))
+    cov, loc = marginal.covariance_matrix, marginal.mean
+    for size in (1, 4, 8, 9):
+        mask = torch.zeros(9, dtype=torch.bool)
+        mask[torch.randperm(9)[:size]] = True
+        log_p = mll.masked_log_prob(model(x), y, mask)
+        expected = dense_schur_log_conditionals(y, loc, cov, mask)
+        assert log_p.shape == (size,)
+        for value, j in zip(log_p, torch.nonzero(mask).flatten().tolist()):
+            assert value.item() == pytest.approx(expected[j].item(), abs=1e-10)
+
+
+def test_conditionals_match_refitting_an_exact_gp_on_the_context():
+    x, y, likelihood, model = _problem(num_data=10)
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[1, 4, 5, 9]] = True
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    log_p = mll.masked_log_prob(model(x), y, mask)
+
+    refit_likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.dtype)
+    refit = _GP(x[~mask], y[~mask], refit_likelihood).to(x.dtype)
+    refit.load_state_dict(model.state_dict())
+    refit_likelihood.load_state_dict(likelihood.state_dict())
+    refit.eval()
+    refit_likelihood.eval()
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        predictive = refit_likelihood(refit(x[mask]))
+    expected = normal_log_prob(y[mask], predictive.mean, predictive.variance)
+    torch.testing.assert_close(log_p.detach(), expected, rtol=0, atol=1e-9)
+
+
+def _exact_mll(likelihood, model, x, y):
+    return gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)(model(x), y)
+
+
+def test_sum_over_all_masks_of_all_sizes_is_the_exact_mll():
+    """Proposition 1 for data points, by enumerating every mask of every size."""
+    num_data = 6
+    x, y, likelihood, model = _problem(num_data=num_data)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    total = 0
+    for size in range(1, num_data + 1):
+        scores = [mll.masked_log_prob(model(x), y, m).mean() for m in all_masks(num_data, size)]
+        total = total + torch.stack(scores).mean()
+    exact = _exact_mll(likelihood, model, x, y)
+    torch.testing.assert_close(total / num_data, exact, rtol=0, atol=1e-10)
+
+
+def test_masks_of_size_one_average_to_gpytorch_leave_one_out():
+    num_data = 8
+    x, y, likelihood, model = _problem(num_data=num_data)
+    loo = gpytorch.mlls.LeaveOneOutPseudoLikelihood(likelihood, model)(model(x), y)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=1 / num_data)
+    # Exactly, over the N masks of size one: the estimate of mask {j} is log p(y_j | y_-j).
+    enumerated = torch.stack(
+        [mll.masked_log_prob(model(x), y, m).sum() for m in all_masks(num_data, 1)]
+    )
+    torch.testing.assert_close(enumerated.mean(), loo, rtol=0, atol=1e-10)
+    # The stochastic objective draws one of those N values per call.
+    draws = torch.stack([mll(model(x), y) for _ in range(50)]).detach()
+    assert all(torch.isclose(enumerated, d, rtol=0, atol=1e-10).any() for d in draws)
+
+
+@pytest.mark.parametrize("batch_shape", [torch.Size(), torch.Size([2])])
+def test_uniform_rate_is_unbiased_for_the_exact_mll(batch_shape):
+    x, y, likelihood, model = _problem(num_data=8, batch_shape=batch_shape)
+    exact = _exact_mll(likelihood, model, x, y).detach()
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate="uniform", num_masks=2)
+    with torch.no_grad():
+        draws = torch.stack([mll(model(x), y) for _ in range(400)])
+    assert draws.shape == (400,) + batch_shape
+    std_err = draws.std(0) / math.sqrt(draws.shape[0])
+    assert ((draws.mean(0) - exact).abs() < 4 * std_err).all()
+    # The estimator is not degenerate: a biased schedule is detected by the same test.
+    biased = MaskedPredictiveLogLikelihood(likelihood, model, rate=0.125)
+    with torch.no_grad():
+        draws = torch.stack([biased(model(x), y) for _ in range(400)])
+    std_err = draws.std(0) / math.sqrt(draws.shape[0])
+    assert ((draws.mean(0) - exact).abs() > 4 * std_err).all()
+
+
+def test_batch_gp_matches_each_member_alone():
+    x, y, likelihood, model = _problem(num_data=7, batch_shape=torch.Size([3]))
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    mask = torch.tensor([True, False, False, True, False, True, False])
+    batched = mll.masked_log_prob(model(x), y, mask)
+    assert batched.shape == (3, 3)
+    marginal = likelihood(model(x))
+    for b in range(3):
+        expected = dense_schur_log_conditionals(
+            y[b], marginal.mean[b], marginal.covariance_matrix[b], mask
+        )
+        torch.testing.assert_close(batched[b].detach(), torch.stack(list(expected.values())))
+
+
+def test_gradients_match_the_dense_schur_complement():
+    x, y, likelihood, model = _problem(num_data=9)
+    mask = torch.zeros(9, dtype=torch.bool)
+    mask[[0, 2, 3, 7]] = True
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    params = [p for p in mll.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(mll.masked_log_prob(model(x), y, mask).sum(), params)
+    marginal = likelihood(model(x))
+    dense = dense_schur_log_conditionals(y, marginal.mean, marginal.covariance_matrix, mask)
+    expected = torch.autograd.grad(sum(dense.values()), params)
+    for grad, reference in zip(grads, expected):
+        torch.testing.assert_close(grad, reference)
+
+
+def test_fixed_rate_scores_the_held_out_points_of_its_mask():
+    x, y, likelihood, model = _problem(num_data=20)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=0.75)
+    torch.manual_seed(1)
+    value = mll(model(x), y)
+    # The same seed draws the same mask: 15 of 20 points held out, an active set of 5.
+    torch.manual_seed(1)
+    masks, _ = sample_masks(mll.schedule, 1, (), 20)
+    assert masks[0].sum() == 15
+    expected = mll.masked_log_prob(model(x), y, masks[0]).sum() * (20 / 15) / 20
+    torch.testing.assert_close(value, expected)
+
+
+def test_follows_the_dtype_of_its_inputs():
+    x, y, likelihood, model = _problem(num_data=6, dtype=torch.float32)
+    value = MaskedPredictiveLogLikelihood(likelihood, model)(model(x), y)
+    assert value.dtype == torch.float32
+    assert value.device == y.device
+
+
+def test_training_raises_the_exact_mll():
+    x, y, likelihood, model = _problem(num_data=30)
+    model.covar_module.base_kernel.lengthscale = 5.0
+    likelihood.noise = 1.0
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate="uniform", num_masks=4)
+    before = _exact_mll(likelihood, model, x, y).item()
+    optimizer = torch.optim.Adam(mll.parameters(), lr=0.05)
+    for _ in range(100):
+        optimizer.zero_grad()
+        (-mll(model(x), y)).backward()
+        optimizer.step()
+    assert _exact_mll(likelihood, model, x, y).item() > before + 0.2
+
+
+def test_a_non_gaussian_likelihood_is_rejected():
+    x, y, _, model = _problem()
+    with pytest.raises(TypeError, match="likelihood must be a Gaussian likelihood.*Bernoulli"):
+        MaskedPredictiveLogLikelihood(gpytorch.likelihoods.BernoulliLikelihood(), model)
+
+
+@pytest.mark.parametrize(
+    "rate, match",
+    [
+        (1.5, r"rate must lie in \(0, 1\], got 1.5"),
+        (0.0, r"rate must lie in \(0, 1\], got 0.0"),
+        ("bert", "rate='bert' is not a known schedule"),
+    ],
+)
+def test_a_rate_out_of_range_is_rejected(rate, match):
+    _, _, likelihood, model = _problem()
+    with pytest.raises(ValueError, match=match):
+        MaskedPredictiveLogLikelihood(likelihood, model, rate=rate)
+
+
+def test_bad_num_masks_is_rejected():
+    _, _, likelihood, model = _problem()
+    with pytest.raises(ValueError, match="num_masks must be at least 1, got 0"):
+        MaskedPredictiveLogLikelihood(likelihood, model, num_masks=0)
+
+
+def test_bad_call_arguments_are_rejected():
+    x, y, likelihood, model = _problem(num_data=7)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    with pytest.raises(ValueError, match=r"target has shape \(6,\) but the GP has 7 data points"):
+        mll(model(x), y[:6])
+    with pytest.raises(TypeError, match="function_dist must be a gpytorch.distributions.Multi"):
+        mll(torch.distributions.Normal(y, 1.0), y)
+    with pytest.raises(ValueError, match=r"mask must be a boolean tensor of shape \(7,\)"):
+        mll.masked_log_prob(model(x), y, torch.ones(7))
