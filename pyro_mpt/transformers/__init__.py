@@ -18,6 +18,15 @@ from pyro_mpt.transformers.collator import MPTDataCollator  # noqa: E402
 __all__ = []
 __all__ += ["MPTDataCollator"]
 
+from pyro_mpt.transformers.loss import (  # noqa: E402
+    masked_token_log_probs,
+    mpt_mlm_loss,
+    mpt_sequence_estimates,
+)
+from pyro_mpt.transformers.trainer import MPTTrainer  # noqa: E402
+
+__all__ += ["MPTTrainer", "masked_token_log_probs", "mpt_mlm_loss", "mpt_sequence_estimates"]
+
 from pyro_mpt.transformers.curve import MaskedCurve, default_rates, mpt_curve  # noqa: E402
 
 __all__ += ["MaskedCurve", "default_rates", "mpt_curve"]

@@ -1,0 +1,115 @@
+"""The MPT objective of a masked language model, from its logits, the collator's labels and
+the per-sequence weights ``D_i / M_i``."""
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["count_items", "masked_token_log_probs", "mpt_sequence_estimates", "mpt_mlm_loss"]
+
+_NORMALIZE = ("sequences", "tokens")
+
+
+def _check_shapes(logits, labels, weights=None):
+    if logits.dim() != labels.dim() + 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits must have shape labels.shape + (vocab,), got logits {tuple(logits.shape)} "
+            f"and labels {tuple(labels.shape)}; pass the model output's .logits."
+        )
+    if weights is not None and weights.shape != labels.shape[:1]:
+        raise ValueError(
+            f"weights must hold one value per sequence, shape ({labels.shape[0]},), got "
+            f"{tuple(weights.shape)}; use the 'mpt_weights' of MPTDataCollator."
+        )
+
+
+def masked_token_log_probs(logits, labels):
+    """``log q(x_j | x̃)`` of every scored token, with the sequence it belongs to.
+
+    Only the scored rows of the logits (``labels != -100``) go through ``log_softmax``, in
+    float32 or wider, so half-precision logits of a large vocabulary cost little memory.
+
+    :param torch.Tensor logits: ``(B, L, V)``.
+    :param torch.Tensor labels: long ``(B, L)``, ``-100`` where a token is not scored.
+    :returns: ``(log_probs, rows)``: float ``(K,)`` over the ``K`` scored tokens (in
+        row-major order) and the long ``(K,)`` sequence index of each.
+    """
+    _check_shapes(logits, labels)
+    scored = labels != -100
+    rows = scored.nonzero()[:, 0]
+    picked = logits[scored]
+    if picked.dtype in (torch.float16, torch.bfloat16):
+        picked = picked.float()
+    log_probs = -F.cross_entropy(picked, labels[scored], reduction="none")
+    return log_probs, rows
+
+
+def mpt_sequence_estimates(logits, labels, weights):
+    """The MPT estimate of ``log p(x_i)`` of every sequence.
+
+    .. math::
+
+        \\widehat{\\log p}(x_i) = w_i \\sum_{j:\\, \\ell_{ij} \\ne -100}
+            \\log q_\\theta(\\ell_{ij} \\mid \\tilde x_i), \\qquad w_i = \\frac{D_i}{M_i}.
+
+    :param torch.Tensor logits: ``(B, L, V)``.
+    :param torch.Tensor labels: long ``(B, L)`` with ``-100`` at unscored positions.
+    :param torch.Tensor weights: ``(B,)``, the collator's ``mpt_weights``.
+    :returns: a differentiable ``(B,)`` tensor.
+    """
+    _check_shapes(logits, labels, weights)
+    log_probs, rows = masked_token_log_probs(logits, labels)
+    sums = log_probs.new_zeros(labels.shape[0]).index_add(0, rows, log_probs)
+    return weights.to(sums.dtype) * sums
+
+
+def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences"):
+    """Minus the MPT estimate of ``log p(x)``, summed over the batch and divided by
+    ``num_items``: the loss that :class:`~pyro_mpt.transformers.MPTTrainer` minimises.
+
+    .. math::
+
+        \\mathcal{L} = -\\frac{1}{N} \\sum_i \\frac{D_i}{M_i}
+            \\sum_{j \\in \\mathcal{M}_i} \\log q_\\theta(x_{ij} \\mid \\tilde x_i),
+
+    with ``N`` the number of sequences (``normalize="sequences"``: nats per sequence) or
+    ``Σ_i w_i K_i`` over the ``K_i`` scored tokens of sequence ``i`` (``normalize="tokens"``:
+    nats per token, comparable to BERT's cross-entropy). With token masking ``w_i K_i = D_i``,
+    the sequence's maskable tokens; with whole words it estimates them. Pass ``num_items``
+    to divide by a count over more than this batch, e.g. every micro-batch of an accumulated
+    step on every process.
+
+    :param torch.Tensor logits: ``(B, L, V)``.
+    :param torch.Tensor labels: long ``(B, L)`` with ``-100`` at unscored positions.
+    :param torch.Tensor weights: ``(B,)``, the collator's ``mpt_weights``.
+    :param num_items: the divisor ``N``; by default counted on this batch.
+    :param str normalize: ``"sequences"`` or ``"tokens"``; what the default ``N`` counts.
+    :returns: a differentiable scalar.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_mpt.transformers import mpt_mlm_loss
+        >>> logits = torch.zeros(2, 4, 10)       # uniform predictions over 10 tokens
+        >>> labels = torch.tensor([[-100, 3, -100, -100], [-100, 5, 6, -100]])
+        >>> weights = torch.tensor([2.0, 1.0])   # D/M = 2/1 and 2/2
+        >>> round(mpt_mlm_loss(logits, labels, weights).item(), 4)   # log(10) * 2
+        4.6052
+    """
+    if normalize not in _NORMALIZE:
+        raise ValueError(
+            f"normalize must be 'sequences' or 'tokens', got {normalize!r}: the loss is per "
+            "sequence (an estimate of -log p(x)) or per maskable token."
+        )
+    estimates = mpt_sequence_estimates(logits, labels, weights)
+    if num_items is None:
+        num_items = count_items(labels, weights, normalize)
+    return -estimates.sum() / num_items
+
+
+def count_items(labels, weights, normalize="sequences"):
+    """The default divisor of :func:`mpt_mlm_loss`: the number of sequences of a batch, or
+    ``Σ_i w_i K_i`` over its ``K_i`` scored tokens per sequence (``normalize="tokens"``)."""
+    if normalize == "sequences":
+        return labels.new_tensor(labels.shape[0], dtype=torch.float32)
+    sizes = (labels != -100).sum(-1).to(torch.float32)
+    return (weights.to(torch.float32) * sizes).sum()

@@ -1,0 +1,109 @@
+"""``MPTTrainer``: a Hugging Face ``Trainer`` that pre-trains a masked language model with the
+MPT objective."""
+
+from transformers import Trainer
+
+from pyro_mpt.transformers.loss import _NORMALIZE, count_items, mpt_mlm_loss
+
+__all__ = ["MPTTrainer"]
+
+_WEIGHTS = "mpt_weights"
+
+
+def _missing_weights():
+    return ValueError(
+        f"the batch has no {_WEIGHTS!r}: MPTTrainer needs batches from "
+        "pyro_mpt.transformers.MPTDataCollator, e.g. data_collator=MPTDataCollator(tokenizer, "
+        "rate='uniform')."
+    )
+
+
+class MPTTrainer(Trainer):
+    """A ``transformers.Trainer`` that minimises minus the MPT estimate of ``log p(x)``.
+
+    Switch an MLM pre-training script to MPT by replacing its collator and its trainer::
+
+        # was DataCollatorForLanguageModeling(tokenizer) and Trainer(...)
+        collator = MPTDataCollator(tokenizer, rate="uniform")
+        trainer = MPTTrainer(model=model, args=args, train_dataset=train,
+                             data_collator=collator)
+
+    Each optimizer step minimises
+
+    .. math::
+
+        \\mathcal{L} = -\\frac{1}{N} \\sum_{i \\in \\text{step}} \\frac{D_i}{M_i}
+            \\sum_{j \\in \\mathcal{M}_i} \\log q_\\theta(x_{ij} \\mid \\tilde x_i),
+
+    the sum running over every sequence of the step: all micro-batches of gradient
+    accumulation on all processes. ``N`` counts those sequences (``normalize="sequences"``,
+    nats per sequence) or their maskable tokens (``normalize="tokens"``); see
+    :func:`~pyro_mpt.transformers.mpt_mlm_loss`.
+
+    **Data parallelism and gradient accumulation.** :meth:`get_batch_samples` counts ``N``
+    over the step's micro-batches and, under ``torchrun``, sums it over the processes (one
+    ``all_gather`` per step, when ``args.average_tokens_across_devices`` is on, the
+    default). Each micro-batch's loss is its share of the sum divided by ``N`` and
+    multiplied by the number of processes ``W``; the Trainer adds the micro-batches'
+    gradients without dividing (``loss_is_scaled_for_ga = True``) and DDP averages over
+    the ``W`` processes, so the update is the gradient of :math:`\\mathcal{L}` over the
+    whole step, the same as one process with the whole batch (tested with two processes).
+    With ``average_tokens_across_devices=False`` every process divides by its own ``N``
+    and DDP averages the processes' losses. Evaluation divides each batch by its own ``N``.
+
+    Features such as ``word_ids`` reach the collator only with
+    ``TrainingArguments(remove_unused_columns=False)``; otherwise whole-word masking reads
+    word boundaries from the vocabulary.
+
+    :param str normalize: ``"sequences"`` (default) or ``"tokens"``.
+
+    All other arguments are those of ``transformers.Trainer``.
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, normalize="sequences", **kwargs):
+        if normalize not in _NORMALIZE:
+            raise ValueError(
+                f"normalize must be 'sequences' or 'tokens', got {normalize!r}: the loss is per "
+                "sequence (an estimate of -log p(x)) or per maskable token."
+            )
+        self.normalize = normalize
+        super().__init__(*args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The next ``num_batches`` micro-batches and the divisor ``N`` of their step,
+        summed over processes (see the class docstring)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        if any(_WEIGHTS not in batch for batch in batches):
+            raise _missing_weights()
+        total = sum(count_items(b["labels"], b[_WEIGHTS], self.normalize) for b in batches)
+        total = total.to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            total = self.accelerator.gather(total.reshape(1)).sum()
+        return batches, total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The MPT loss of one micro-batch: its share of the step's loss in training, its own
+        loss (divided by its own ``N``) in evaluation."""
+        inputs = dict(inputs)
+        weights = inputs.pop(_WEIGHTS, None)
+        if weights is None:
+            raise _missing_weights()
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if model.training and num_items_in_batch is not None:
+            loss = mpt_mlm_loss(logits, labels, weights, num_items=num_items_in_batch)
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.accelerator.num_processes
+        else:
+            loss = mpt_mlm_loss(logits, labels, weights, normalize=self.normalize)
+        return (loss, outputs) if return_outputs else loss
