@@ -15,6 +15,11 @@ import bench_table1
 import bench_woodbury
 from _common import add_common_args, configure, environment, format_table, write_json
 
+try:  # needs the optional extra pyro-mpt[transformers]
+    import bench_collator
+except ImportError:
+    bench_collator = None
+
 __all__ = ["main", "summary_rows"]
 
 
@@ -69,6 +74,18 @@ def summary_rows(reports):
         )
     elif "table1" in reports:
         rows.append(("reproduce ppca-table1 (s)", "n/a", "<= 60", "-"))
+    collator = reports.get("collator")
+    if collator is not None:
+        target = collator["config"]["target_ratio"]
+        for r in collator["results"]:
+            rows.append(
+                (
+                    f"MPTDataCollator/HF collator, {r['case']}",
+                    f"{r['ratio']:.2f}x",
+                    f"<= {target}x",
+                    _status(r["ratio"] <= target),
+                )
+            )
     return rows
 
 
@@ -94,6 +111,11 @@ def main(argv=None):
         print()
         reports["table1"] = bench_table1.run(device)
         bench_table1.print_report(reports["table1"])
+
+    if bench_collator is not None:
+        print()
+        reports["collator"] = bench_collator.run(device, repeats=args.repeats)
+        bench_collator.print_report(reports["collator"])
 
     env = environment(device)
     print()
