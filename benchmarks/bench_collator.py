@@ -21,7 +21,6 @@ import random
 import tempfile
 import warnings
 
-import torch
 from _common import add_common_args, configure, environment, format_table, time_calls, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,10 +95,11 @@ def run(device, batch=32, steps=20, repeats=7):
     ]
     results = []
     for name, baseline, base_examples, ours, our_examples in cases:
-        times = time_calls(
-            {"hf": lambda: baseline(base_examples), "mpt": lambda: ours(our_examples)},
-            device, steps, repeats,
-        )
+        calls = {
+            "hf": lambda f=baseline, x=base_examples: f(x),
+            "mpt": lambda f=ours, x=our_examples: f(x),
+        }
+        times = time_calls(calls, device, steps, repeats)
         hf_ms, mpt_ms = sorted(times["hf"])[repeats // 2], sorted(times["mpt"])[repeats // 2]
         results.append(dict(case=name, hf_ms=hf_ms, mpt_ms=mpt_ms, ratio=mpt_ms / hf_ms,
                             hf_all=times["hf"], mpt_all=times["mpt"]))
