@@ -39,6 +39,10 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.bert_curve",
         "Fig. 5 / Table 2: MPT curve and area of an antibody BERT, pre-trained vs random init.",
     ),
+    "mae-curve": (
+        "pyro_mpt.reproduce.mae_curve",
+        "Fig. 6: ViT-MAE on MNIST trained at 75%, a random ratio and uniform; curves, probe",
+    ),
 }
 
 

@@ -30,3 +30,8 @@ __all__ += ["MPTTrainer", "masked_token_log_probs", "mpt_mlm_loss", "mpt_sequenc
 from pyro_mpt.transformers.curve import MaskedCurve, default_rates, mpt_curve  # noqa: E402
 
 __all__ += ["MaskedCurve", "default_rates", "mpt_curve"]
+
+from pyro_mpt.transformers.mae_curve import mae_curve  # noqa: E402
+from pyro_mpt.transformers.mae_training import mae_loss, train_mae  # noqa: E402
+
+__all__ += ["mae_curve", "mae_loss", "train_mae"]

@@ -1,0 +1,115 @@
+"""The MPT curve of a ViT-MAE: the mean Gaussian log-likelihood of a masked patch at each
+masking ratio, and its area (paper Fig. 6)."""
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.transformers.curve import (
+    check_count,
+    check_rates,
+    default_rates,
+    rate_sizes,
+    summarise,
+)
+from pyro_mpt.transformers.vit_mae import (
+    masked_forward,
+    num_patches,
+    patch_log_likelihood,
+    reconstruction_targets,
+)
+
+__all__ = ["mae_curve"]
+
+#: The pixel standard deviation used when none is given: suits pixels scaled to [0, 1].
+DEFAULT_SCALE = 0.1
+
+
+@torch.no_grad()
+def mae_curve(
+    model,
+    pixel_values,
+    rates=None,
+    num_masks=4,
+    batch_size=64,
+    scale=DEFAULT_SCALE,
+    progress=True,
+):
+    """The MPT curve of a :class:`transformers.ViTMAEForPreTraining` on a batch of images.
+
+    At rate ``r`` each image has ``M = max(1, round(r L))`` of its ``L`` patches masked
+    (uniformly at random, ``num_masks`` masks per image), exactly, through
+    :func:`~pyro_mpt.transformers.vit_mae.masked_forward`. A masked patch ``x_j`` is scored
+    by the decoder's reconstruction as a Gaussian with pixel standard deviation ``scale``
+    (:func:`~pyro_mpt.transformers.vit_mae.patch_log_likelihood`):
+
+    .. math::
+
+        \\mathcal{S}(x; r) = \\mathbb{E}_{|\\mathcal{M}| = M}\\Big[\\frac{1}{M}
+            \\sum_{j \\in \\mathcal{M}} \\log \\mathcal{N}(x_j \\mid \\hat{x}_j(x_\\mathcal{R}),
+            \\sigma^2 I)\\Big],
+        \\qquad \\text{area} = L \\cdot \\operatorname{mean}_r \\mathcal{S}(x; r).
+
+    The score is an affine function of the mean squared error of the masked patches, the
+    MAE loss: ``S = -(n/2) log(2 pi sigma^2) - n MSE / (2 sigma^2)`` for patches of ``n``
+    values, so ``scale`` sets the units, not the shape, of the curve. With
+    ``config.norm_pix_loss`` the targets are the per-patch normalised pixels.
+
+    :param model: a ``ViTMAEForPreTraining``; it is put in ``eval()`` mode.
+    :param torch.Tensor pixel_values: images ``(N, C, H, W)`` on the model's device.
+    :param rates: masking rates in ``(0, 1)`` (default: 5%, 10%, ..., 95%).
+    :param int num_masks: random masks per image and rate.
+    :param int batch_size: masked images per forward pass.
+    :param float scale: the pixel standard deviation ``sigma`` of the Gaussian.
+    :param bool progress: show a progress bar over forward passes.
+    :returns: a :class:`~pyro_mpt.transformers.MaskedCurve` whose features are patches.
+
+    Example::
+
+        >>> from transformers import ViTMAEConfig, ViTMAEForPreTraining
+        >>> config = ViTMAEConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=16,
+        ...     num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        ...     decoder_hidden_size=16, decoder_num_hidden_layers=1,
+        ...     decoder_num_attention_heads=2, decoder_intermediate_size=32)
+        >>> curve = mae_curve(ViTMAEForPreTraining(config), torch.rand(3, 1, 8, 8),
+        ...                   rates=[0.25, 0.5], progress=False)
+        >>> curve.masked_fraction.tolist()
+        [0.25, 0.5]
+    """
+    rates = check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
+    num_masks = check_count(num_masks, "num_masks")
+    batch_size = check_count(batch_size, "batch_size")
+    total = num_patches(model)
+    sizes = rate_sizes(rates, total)
+    if int(sizes.max()) >= total:
+        raise ValueError(
+            f"rates {rates.tolist()} mask all {total} patches at their largest; ViT-MAE needs one "
+            f"visible patch: use rates below {1 - 0.5 / total:.3f}."
+        )
+    if pixel_values.dim() != 4:
+        raise ValueError(
+            f"pixel_values must be a batch of images (N, C, H, W), got shape "
+            f"{tuple(pixel_values.shape)}."
+        )
+    model.eval()
+    num_images = pixel_values.shape[0]
+    rows = num_images * num_masks
+    scores = torch.zeros(num_images, len(rates), num_masks, dtype=torch.float64)
+    steps = len(rates) * math.ceil(rows / batch_size)
+    with tqdm(total=steps, desc="MAE curve", disable=not progress) as bar:
+        for k, size in enumerate(sizes.tolist()):
+            for start in range(0, rows, batch_size):
+                index = torch.arange(start, min(rows, start + batch_size))
+                images = pixel_values[index // num_masks]
+                count = torch.full((len(index),), size, device=images.device)
+                masks = masks_of_sizes(count, total)
+                output = masked_forward(model, images, masks)
+                target = reconstruction_targets(model, images)
+                log_lik = patch_log_likelihood(output.logits, target, scale)
+                row = (log_lik * masks).sum(1) / size
+                scores[index // num_masks, k, index % num_masks] = row.double().cpu()
+                bar.update()
+    features = torch.full((num_images,), total)
+    return summarise(rates, scores, features, sizes.expand(num_images, -1))

