@@ -9,6 +9,7 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.latent_probe import (
+    compact_parameter,
     flatten_tail,
     run_at_latent_points,
     trace_local_model,
@@ -20,9 +21,23 @@ from pyro_mpt.ops.quadrature import (
     gauss_hermite_grid,
     quadrature_log_conditionals,
     quadrature_log_marginal,
+    tabulated_log_conditionals,
+    tabulated_log_marginal,
+    value_indicators,
 )
 
 __all__ = ["Quadrature", "QuadratureSelfPredictive"]
+
+
+#: Distributions over one feature whose log-likelihoods can be tabulated over the distinct
+#: observed values, with the constructor argument that carries their parameter.
+_TABULATED_PARAMETERS = {
+    torch.distributions.Bernoulli: ("logits", "probs"),
+    torch.distributions.Geometric: ("logits", "probs"),
+    torch.distributions.Poisson: ("rate",),
+}
+#: The most distinct observed values for which a table beats per-observation likelihoods.
+_MAX_TABULATED_VALUES = 16
 
 
 class QuadratureSelfPredictive(SelfPredictive):
@@ -41,6 +56,25 @@ class QuadratureSelfPredictive(SelfPredictive):
         return quadrature_log_marginal(self.log_weights, self.log_likelihoods)
 
 
+class TabulatedQuadratureSelfPredictive(SelfPredictive):
+    """Quadrature conditionals from a table ``log p(x_j = v | z_g)``, ``(V, D, G)``, over the
+    distinct observed values ``v``, for nodes and likelihood parameters shared by every
+    observation."""
+
+    def __init__(self, observed, scale, log_weights, log_table, indicators):
+        super().__init__(observed, scale)
+        self.log_weights = log_weights
+        self.log_table = log_table
+        self.indicators = indicators
+
+    def log_prob(self, masks):
+        return tabulated_log_conditionals(self.log_weights, self.log_table, self.indicators, ~masks)
+
+    def log_marginal(self):
+        """``log p(x)`` of each observation by the same quadrature rule."""
+        return tabulated_log_marginal(self.log_weights, self.log_table, self.indicators)
+
+
 class Quadrature(Conditionals):
     """Conditionals by Gauss–Hermite quadrature over the local latents.
 
@@ -56,6 +90,13 @@ class Quadrature(Conditionals):
     Any likelihood that factorises over features works (Bernoulli, Normal, Poisson,
     Categorical, ...): the observed site must be a distribution over single features, made
     an event with ``.to_event`` or placed in a feature plate.
+
+    With nodes under the prior, a ``Bernoulli``, ``Geometric`` or ``Poisson`` likelihood
+    whose parameters depend on the observation only through ``z`` (a decoder), and data
+    with at most 16 distinct values (binary pixels, small counts), the log-likelihoods are
+    tabulated over those values, ``(V, D, G)``, and every sum becomes a matrix product: no
+    ``(G, N, D)`` tensor, in time or memory. Other cases evaluate the likelihood of every
+    observation at every node.
 
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
@@ -124,6 +165,13 @@ class Quadrature(Conditionals):
             center, scale = _guide_in_whitened_coordinates(guide, args, kwargs, local, priors)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         fn = run_at_latent_points(model, args, kwargs, local, priors, nodes)
+        if log_weights.dim() == 1:
+            table = _shared_log_table(fn, local.observed)
+            if table is not None:
+                log_table, indicators = table
+                return TabulatedQuadratureSelfPredictive(
+                    local.observed, local.scale, log_weights, log_table, indicators
+                )
         value = obs_site["value"]
         ll = unwrap_independent(fn).log_prob(value)
         ll = flatten_tail(ll, local.observed.num_feature_dims)
@@ -159,3 +207,42 @@ def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):
             centers.append((q_loc - prior.mean) / prior_scale)
             scales.append(q_scale / prior_scale)
     return torch.cat(centers, -1), torch.cat(scales, -1)
+
+
+def _shared_log_table(fn, observed):
+    """``(log_table, indicators)`` of shapes ``(V, D, G)`` and ``(V,) + batch + (D,)`` when the
+    probed likelihood is one of ``_TABULATED_PARAMETERS`` with parameters shared by every
+    observation and the data take at most ``_MAX_TABULATED_VALUES`` distinct values;
+    ``None`` otherwise."""
+    base = unwrap_independent(fn)
+    names = next((n for t, n in _TABULATED_PARAMETERS.items() if isinstance(base, t)), None)
+    if names is None:
+        return None
+    # The parameter the distribution was built from (Bernoulli computes the other lazily).
+    name = next((n for n in names if n in vars(base)), None)
+    if name is None:
+        return None
+    try:
+        param = compact_parameter(vars(base)[name], fn, observed)
+    except RuntimeError:
+        return None
+    if any(size != 1 for size in param.shape[1:-1]):
+        return None  # parameters vary across observations
+    value = observed.value
+    is_one = value == 1
+    if bool((is_one | (value == 0)).all()):
+        values = value.new_tensor([0, 1])
+        indicators = torch.stack([~is_one, is_one]).to(param.dtype)
+    else:
+        values = torch.unique(value)
+        if values.numel() > _MAX_TABULATED_VALUES:
+            return None
+        indicators = value_indicators(values, value).to(param.dtype)
+    param = param.reshape(param.shape[:1] + param.shape[-1:]).T  # (D, G)
+    if name == "logits" and isinstance(base, torch.distributions.Bernoulli) and len(values) == 2:
+        # log p(1 | z) = log sigmoid(eta) and log p(0 | z) = log p(1 | z) - eta.
+        log_one = torch.nn.functional.logsigmoid(param)
+        return torch.stack([log_one - param, log_one]), indicators
+    table_fn = type(base)(**{name: param}, validate_args=False)
+    log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1, 1))  # (V, D, G)
+    return log_table, indicators
