@@ -28,6 +28,7 @@ it, far below anything a trained model predicts for an observed value.
 This module is pure tensor code: no Pyro effects.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -44,6 +45,16 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=32)
+def _hermite_grid(num_points, dim):
+    """The tensor-product rule as NumPy arrays ``(nodes, log_weights)``, computed once."""
+    nodes_1d, weights_1d = np.polynomial.hermite_e.hermegauss(num_points)
+    log_w_1d = np.log(weights_1d / math.sqrt(2 * math.pi))
+    nodes = np.stack([g.reshape(-1) for g in np.meshgrid(*[nodes_1d] * dim, indexing="ij")], -1)
+    log_weights = sum(g.reshape(-1) for g in np.meshgrid(*[log_w_1d] * dim, indexing="ij"))
+    return nodes, log_weights
+
+
 def gauss_hermite_grid(num_points, dim, dtype=None, device=None):
     """Tensor-product Gauss–Hermite rule for ``N(0, I_dim)``.
 
@@ -52,16 +63,12 @@ def gauss_hermite_grid(num_points, dim, dtype=None, device=None):
     :returns: ``(nodes, log_weights)`` of shapes ``(num_points**dim, dim)`` and
         ``(num_points**dim,)``; the weights sum to one.
     """
-    nodes_1d, weights_1d = np.polynomial.hermite_e.hermegauss(num_points)
-    weights_1d = weights_1d / math.sqrt(2 * math.pi)
+    nodes, log_weights = _hermite_grid(int(num_points), int(dim))
     dtype = dtype or torch.get_default_dtype()
-    nodes_1d = torch.as_tensor(nodes_1d, dtype=dtype, device=device)
-    log_w_1d = torch.as_tensor(np.log(weights_1d), dtype=dtype, device=device)
-    grids = torch.meshgrid(*[nodes_1d] * dim, indexing="ij")
-    log_grids = torch.meshgrid(*[log_w_1d] * dim, indexing="ij")
-    nodes = torch.stack([g.reshape(-1) for g in grids], dim=-1)
-    log_weights = sum(g.reshape(-1) for g in log_grids)
-    return nodes, log_weights
+    return (
+        torch.as_tensor(nodes, dtype=dtype, device=device),
+        torch.as_tensor(log_weights, dtype=dtype, device=device),
+    )
 
 
 def adapted_nodes(nodes, log_weights, center, scale):
