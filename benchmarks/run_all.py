@@ -19,6 +19,11 @@ try:  # needs the optional extra pyro-mpt[transformers]
     import bench_collator
 except ImportError:
     bench_collator = None
+try:  # needs the optional extra pyro-mpt[transformers]
+    import bench_mlm_curve
+    import transformers  # noqa: F401
+except ImportError:
+    bench_mlm_curve = None
 
 __all__ = ["main", "summary_rows"]
 
@@ -86,6 +91,18 @@ def summary_rows(reports):
                     _status(r["ratio"] <= target),
                 )
             )
+    mlm_curve = reports.get("mlm_curve")
+    if mlm_curve is not None:
+        target = mlm_curve["config"]["target_ratio"]
+        ratio = mlm_curve["results"][0]["ratio_loop_over_curve"]
+        rows.append(
+            (
+                "plain forward loop / mpt_curve",
+                f"{ratio:.2f}",
+                f">= {target}",
+                _status(ratio >= target),
+            )
+        )
     return rows
 
 
@@ -116,6 +133,10 @@ def main(argv=None):
         print()
         reports["collator"] = bench_collator.run(device, repeats=args.repeats)
         bench_collator.print_report(reports["collator"])
+    if bench_mlm_curve is not None:
+        print()
+        reports["mlm_curve"] = bench_mlm_curve.run(device, repeats=args.repeats)
+        bench_mlm_curve.print_report(reports["mlm_curve"])
 
     env = environment(device)
     print()

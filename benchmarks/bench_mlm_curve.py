@@ -1,0 +1,157 @@
+"""Throughput of ``pyro_mpt.transformers.mpt_curve`` against a plain loop of forward passes
+over the same batches.
+
+The model is a ``BertForMaskedLM`` built from a config (hidden size 256, 4 layers, 4 heads,
+vocabulary 1000; random weights, nothing downloaded) on 16 sequences of random tokens with
+48-128 tokens each. ``mpt_curve`` evaluates 4 rates with 2 masks per sequence and rate, in
+batches of 32 masked sequences: everything it does (drawing masks, packing and padding
+batches, the forward passes, the log-softmax of the masked positions, the bookkeeping). The
+baseline runs only ``model(input_ids, attention_mask)`` under ``torch.no_grad`` over the very
+same batches, built beforehand. The two are timed in interleaved blocks; the ratio is
+``baseline / mpt_curve`` (1 means no overhead; target >= 0.9).
+
+Usage::
+
+    python benchmarks/bench_mlm_curve.py [--device cuda] [--repeats 5] [--json out.json]
+"""
+
+import argparse
+
+import torch
+from _common import (
+    add_common_args,
+    configure,
+    environment,
+    format_table,
+    median_ms,
+    time_calls,
+    write_json,
+)
+
+__all__ = ["main", "print_report", "run"]
+
+TARGET_RATIO = 0.9
+NUM_SEQUENCES = 16
+RATES = [0.15, 0.4, 0.6, 0.85]
+NUM_MASKS = 2
+BATCH_SIZE = 32
+
+
+class _IdsTokenizer:
+    """The parts of a tokenizer ``mpt_curve`` reads, for lists of token ids."""
+
+    mask_token_id = 4
+    pad_token_id = 0
+    all_special_ids = [0, 1, 2, 3, 4]
+
+
+def _setup(device, seed):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=256,
+    )
+    model = BertForMaskedLM(config).to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(48, 129, (NUM_SEQUENCES,), generator=gen).tolist()
+    texts = [[2] + torch.randint(5, 1000, (n - 2,), generator=gen).tolist() + [3] for n in lengths]
+    return model, texts
+
+
+def run(device="cpu", steps=1, repeats=5, seed=0):
+    """Times both; returns ``{"config", "environment", "results"}``."""
+    from pyro_mpt.transformers import mpt_curve
+    from pyro_mpt.transformers.curve import _Plan
+
+    device = torch.device(device)
+    model, texts = _setup(device, seed)
+    tokenizer = _IdsTokenizer()
+    plan = _Plan(tokenizer, texts, RATES, NUM_MASKS, None)
+    batches = [(ids, attention) for ids, attention, *_ in plan.batches(BATCH_SIZE, device)]
+
+    def curve():
+        mpt_curve(
+            model,
+            tokenizer,
+            texts,
+            rates=RATES,
+            num_masks=NUM_MASKS,
+            batch_size=BATCH_SIZE,
+            progress=False,
+        )
+
+    @torch.no_grad()
+    def plain_loop():
+        for ids, attention in batches:
+            model(input_ids=ids, attention_mask=attention)
+
+    times = time_calls({"mpt_curve": curve, "plain_loop": plain_loop}, device, steps, repeats, 1)
+    curve_ms, loop_ms = median_ms(times["mpt_curve"]), median_ms(times["plain_loop"])
+    rows = sum(ids.shape[0] for ids, _ in batches)
+    tokens = sum(int(attention.sum()) for _, attention in batches)
+    result = {
+        "mpt_curve_ms": curve_ms,
+        "plain_loop_ms": loop_ms,
+        "ratio_loop_over_curve": loop_ms / curve_ms,
+        "mpt_curve_ms_repeats": times["mpt_curve"],
+        "plain_loop_ms_repeats": times["plain_loop"],
+        "masked_sequences": rows,
+        "forward_passes": len(batches),
+        "tokens": tokens,
+        "masked_sequences_per_s": rows / (curve_ms / 1e3),
+    }
+    config = {
+        "model": "BertForMaskedLM hidden 256, 4 layers, vocab 1000 (random weights)",
+        "num_sequences": NUM_SEQUENCES,
+        "rates": RATES,
+        "num_masks": NUM_MASKS,
+        "batch_size": BATCH_SIZE,
+        "steps": steps,
+        "repeats": repeats,
+        "target_ratio": TARGET_RATIO,
+    }
+    return {"config": config, "environment": environment(device), "results": [result]}
+
+
+def print_report(report):
+    """Prints the timing table."""
+    cfg, env = report["config"], report["environment"]
+    r = report["results"][0]
+    print(
+        f"mpt_curve vs plain forward loop: {cfg['model']}, {r['masked_sequences']} masked "
+        f"sequences in {r['forward_passes']} batches of <= {cfg['batch_size']} "
+        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
+    )
+    rows = [
+        (
+            f"{r['mpt_curve_ms']:.0f}",
+            f"{r['plain_loop_ms']:.0f}",
+            f"{r['ratio_loop_over_curve']:.3f}",
+            f">= {cfg['target_ratio']}",
+            f"{r['masked_sequences_per_s']:.0f}",
+        )
+    ]
+    headers = ["mpt_curve ms", "plain loop ms", "loop/curve", "target", "masked seq/s"]
+    print(format_table(headers, rows))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, steps=1, repeats=5)
+    args = parser.parse_args(argv)
+    device = configure(args.device, args.threads)
+    report = run(device, args.steps, args.repeats)
+    print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
