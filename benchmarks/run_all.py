@@ -12,6 +12,7 @@ import argparse
 
 import bench_svi_step
 import bench_table1
+import bench_vae_step
 import bench_woodbury
 from _common import add_common_args, configure, environment, format_table, write_json
 
@@ -79,6 +80,18 @@ def summary_rows(reports):
         )
     elif "table1" in reports:
         rows.append(("reproduce ppca-table1 (s)", "n/a", "<= 60", "-"))
+    vae_step = reports.get("vae_step")
+    if vae_step is not None:
+        for r in vae_step["results"]:
+            if r["target_ratio"] is not None:
+                rows.append(
+                    (
+                        f"{r['model']} VAE step MPT ({r['loss']})/ELBO, {r['dtype']}",
+                        f"{r['ratio_to_elbo']:.2f}x",
+                        f"<= {r['target_ratio']:.0f}x",
+                        _status(r["ratio_to_elbo"] <= r["target_ratio"]),
+                    )
+                )
     collator = reports.get("collator")
     if collator is not None:
         target = collator["config"]["target_ratio"]
@@ -128,6 +141,9 @@ def main(argv=None):
         print()
         reports["table1"] = bench_table1.run(device)
         bench_table1.print_report(reports["table1"])
+    print()
+    reports["vae_step"] = bench_vae_step.run(device, repeats=args.repeats)
+    bench_vae_step.print_report(reports["vae_step"])
 
     if bench_collator is not None:
         print()
