@@ -282,11 +282,10 @@ def mpt_curve(
 
     Example::
 
-        >>> from transformers import BertConfig, BertForMaskedLM
-        >>> model = BertForMaskedLM(BertConfig(vocab_size=25, hidden_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-        >>> curve = mpt_curve(model, tokenizer, ["E V Q L V E S", "Q V Q L"],
-        ...                   rates=[0.2, 0.5], progress=False)  # doctest: +SKIP
+        >>> from pyro_mpt.transformers.antiberty import load_antiberty, spaced
+        >>> model, tokenizer = load_antiberty()
+        >>> texts = [spaced("EVQLVESGGGLVQPGGSLRLSCAASGFNIKDTYIH")]
+        >>> curve = mpt_curve(model, tokenizer, texts, rates=[0.15, 0.5], progress=False)
         >>> curve.scores.shape
         torch.Size([2])
     """
