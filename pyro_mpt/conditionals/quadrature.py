@@ -26,7 +26,7 @@ from pyro_mpt.ops.quadrature import (
     value_indicators,
 )
 
-__all__ = ["Quadrature", "QuadratureSelfPredictive"]
+__all__ = ["Quadrature", "QuadratureSelfPredictive", "TabulatedQuadratureSelfPredictive"]
 
 
 #: Distributions over one feature whose log-likelihoods can be tabulated over the distinct
