@@ -74,10 +74,30 @@ def _probe_points(num_latent, dtype, device):
 
 
 def _drop_broadcast_dims(matrix):
-    """Narrows every expanded (stride-zero) batch dim to size one, so a covariance shared by
-    a plate stays one matrix and a mask shared by the plate is factorised once."""
-    for dim in range(matrix.dim() - 2):
-        if matrix.stride(dim) == 0 and matrix.shape[dim] > 1:
+    """The matrix with every expanded (stride-zero) batch dim narrowed to size one, so a
+    covariance shared by a plate stays one matrix and a mask shared by the plate is
+    factorised once.
+
+    When ``matrix`` is exactly an expanded view of its base tensor, the base is returned
+    (reshaped): gradients then reach it without passing through the expansion, whose
+    backward would allocate a full-size gradient of every broadcast copy.
+    """
+    batch_dims = range(matrix.dim() - 2)
+    compact_shape = tuple(
+        1 if matrix.stride(d) == 0 else matrix.shape[d] for d in batch_dims
+    ) + tuple(matrix.shape[-2:])
+    if compact_shape == tuple(matrix.shape):
+        return matrix
+    base = matrix._base
+    if (
+        base is not None
+        and base.numel() == math.prod(compact_shape)
+        and base.data_ptr() == matrix.data_ptr()
+        and base.reshape(compact_shape).expand(matrix.shape).stride() == matrix.stride()
+    ):
+        return base.reshape(compact_shape)
+    for dim in batch_dims:
+        if matrix.stride(dim) == 0:
             matrix = matrix.narrow(dim, 0, 1)
     return matrix
 

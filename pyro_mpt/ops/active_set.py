@@ -133,10 +133,11 @@ def active_set_predictive(context_cov, cross_cov, target_var, context_residual, 
     chol = torch.linalg.cholesky(context_cov)
     # whitened[..., :, t] = L^{-1} Sigma_{R t}; the variance reduction is its squared norm.
     whitened = torch.linalg.solve_triangular(chol, cross_cov.transpose(-1, -2), upper=False)
-    whitened_residual = torch.linalg.solve_triangular(
-        chol, context_residual.unsqueeze(-1), upper=False
-    )
-    mean_offset = (whitened * whitened_residual).sum(-2)
+    # Sigma_RR^{-1} Sigma_RT depends on the covariance only, so residuals with more batch
+    # dims (observations sharing a mask) are contracted against it in one einsum instead of
+    # broadcasting the factor over them.
+    weights = torch.linalg.solve_triangular(chol.transpose(-1, -2), whitened, upper=True)
+    mean_offset = torch.einsum("...rt,...r->...t", weights, context_residual)
     var = target_var - whitened.pow(2).sum(-2)
     return mean_offset, var
 
