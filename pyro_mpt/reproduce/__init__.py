@@ -47,6 +47,10 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.mae_curve",
         "Fig. 6: ViT-MAE on MNIST trained at 75%, a random ratio and uniform; curves, probe",
     ),
+    "bert-rates": (
+        "pyro_mpt.reproduce.bert_rates",
+        "R2MAE vs BERT: small BERT on BBC News, fixed 15% vs uniform vs random-ratio masking",
+    ),
 }
 
 

