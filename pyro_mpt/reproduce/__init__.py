@@ -35,6 +35,10 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.vae_deep",
         "Fig. 3 bottom: deep VAE on binarised MNIST, MPT (encode-decode, 33%/uniform) vs ELBO",
     ),
+    "gp-decoder": (
+        "pyro_mpt.reproduce.gp_decoder",
+        "GP decoders on MNIST: MPT active sets vs Bayesian GP-LVM (ELBO) vs exact LML, time vs N",
+    ),
     "vae-compare": (
         "pyro_mpt.reproduce.vae_compare",
         "vae-linear and vae-deep in one table: final and held-out LML, s/epoch per objective",
