@@ -198,3 +198,16 @@ def test_bad_arguments_raise_clear_errors(tokenizer):
         mpt_curve(model, tokenizer, texts, num_masks=0)
     with pytest.raises(TypeError, match="batch_size must be a positive int"):
         mpt_curve(model, tokenizer, texts, batch_size=2.5)
+
+
+def test_half_precision_models_score_in_float32(tokenizer):
+    """A bfloat16 model's logits go through log-softmax in float32; the curve matches the
+    float64 model's to bfloat16's precision (8 bits of mantissa: about 1% of log V)."""
+    model = _bert(len(tokenizer), seed=6)
+    texts = _texts(3, 8, 16, seed=7)
+    torch.manual_seed(8)
+    exact = mpt_curve(model, tokenizer, texts, rates=[0.3, 0.7], progress=False)
+    torch.manual_seed(8)
+    half = mpt_curve(model.to(torch.bfloat16), tokenizer, texts, rates=[0.3, 0.7], progress=False)
+    assert half.scores.dtype == torch.float64 and torch.isfinite(half.scores).all()
+    torch.testing.assert_close(half.scores, exact.scores, atol=0.05, rtol=0)
