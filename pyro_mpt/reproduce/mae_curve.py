@@ -9,8 +9,8 @@ binarised), split at random into training and held-out images stratified by digi
 Model: :func:`pyro_mpt.transformers.vit_mae.vit_mae_from_config` with 28 x 28 images in
 4 x 4 patches (``L = 49`` patches of 16 pixels), a 4-layer encoder and a 2-layer decoder of
 width 64 (about 0.2M parameters), the same initial weights for every rate. Training:
-:func:`pyro_mpt.transformers.train_mae` (AdamW, cosine schedule), one mask size per step
-drawn from the rate schedule:
+:func:`pyro_mpt.transformers.train_mae` (AdamW, learning rate 1e-3 with cosine decay,
+batches of 32, 12 epochs), one mask size per step drawn from the rate schedule:
 
 * ``fixed 75%``: MAE's ratio, ``M = 37`` of 49;
 * ``random 55-95%``: R2MAE, ``r ~ U[0.55, 0.95)`` per step (the same mean ratio, 75%);
@@ -54,10 +54,10 @@ SCALE = 0.1
 
 def _config(smoke, full):
     cfg = dict(
-        hidden=64, layers=4, decoder_layers=2, batch=128, lr=2e-3, num_masks=2, probe_iters=100
+        hidden=64, layers=4, decoder_layers=2, batch=32, lr=1e-3, num_masks=2, probe_iters=100
     )
     if smoke:
-        cfg.update(N=96, held_out=48, epochs=1, hidden=32, layers=1, decoder_layers=1, batch=32)
+        cfg.update(N=96, held_out=48, epochs=1, hidden=32, layers=1, decoder_layers=1)
         cfg.update(rates=[0.25, 0.5, 0.75], num_masks=1, probe_iters=20)
     elif full:
         cfg.update(N=4000, held_out=1000, epochs=100, rates=None, num_masks=4)
