@@ -1,7 +1,9 @@
 """``MaskedPredictiveLogLikelihood``: the MPT objective as a GPyTorch marginal log likelihood."""
 
 import torch
+from gpytorch import settings
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import _GaussianLikelihoodBase
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
@@ -29,12 +31,26 @@ def _covariance_blocks(covariance, context, target):
         if isinstance(summand, DiagLinearOperator):
             context_cov = context_cov + torch.diag_embed(diagonal[..., context])
             continue
-        context_rows = summand[..., context, :]
-        context_cov = context_cov + context_rows[..., :, context].to_dense()
-        cross_cov = cross_cov + context_rows[..., :, target].to_dense().transpose(-1, -2)
+        context_cov = context_cov + _block(summand, context, context)
+        cross_cov = cross_cov + _block(summand, target, context)
     if not torch.is_tensor(cross_cov):
         cross_cov = target_var.new_zeros(target_var.shape + context.shape)
     return context_cov, cross_cov, target_var
+
+
+def _block(covariance, rows, cols):
+    """``covariance[..., rows, :][..., :, cols]`` as a dense tensor.
+
+    A lazily evaluated kernel matrix is evaluated on the indexed inputs directly, which
+    skips the generic index bookkeeping of ``LinearOperator`` (it dominates small blocks).
+    """
+    if isinstance(covariance, LazyEvaluatedKernelTensor):
+        x1 = covariance.x1[..., rows, :]
+        x2 = covariance.x2[..., cols, :]
+        with settings.lazily_evaluate_kernels(False):
+            block = covariance.kernel(x1, x2, **covariance.params)
+        return block.to_dense()
+    return covariance[..., rows, :][..., :, cols].to_dense()
 
 
 class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):

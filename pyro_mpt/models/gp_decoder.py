@@ -156,8 +156,13 @@ class GPDecoder(PyroModule):
             )
 
     def codes_for(self, y):
-        """The latent codes of the rows of ``y``: ``(N, Q)``."""
+        """The latent codes of the rows of ``y``: ``(N, Q)``.
+
+        Registers the kernel (and encoder) with ``pyro.module``, so every objective built on
+        :meth:`model`, :meth:`log_marginal` or :meth:`predict` trains their parameters.
+        """
         self._check_data(y)
+        pyro.module("kernel", self.kernel)
         if self.encoder is None:
             return self.codes
         pyro.module("encoder", self.encoder)
@@ -178,7 +183,6 @@ class GPDecoder(PyroModule):
     @pyro_method
     def model(self, y):
         """The generative model for ``y`` of shape ``(N, D)``."""
-        pyro.module("kernel", self.kernel)
         codes = self.codes_for(y)
         covariance = DenseLinearOperator(self.covariance(codes))
         # GPyTorch's MultivariateNormal is lazy: building it does not factorise the N x N

@@ -73,10 +73,10 @@ def _config(smoke, full):
         N=1000,
         T=100,
         Q=5,
-        steps=300 if full else 120,
+        steps=300 if full else 100,
         lr=0.03,
         context=128,
-        inducing=48,
+        inducing=32,
         code_steps=60,
         sizes=(256, 512, 1024, 2048),
         timing_steps=2,
@@ -237,7 +237,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param str out_dir: output folder (created if needed).
     :param str device: ``"cpu"`` or ``"cuda"``.
     :param bool smoke: ``N = 48``, a few steps, ``N`` in ``(32, 64)`` for timing: seconds.
-    :param bool full: 300 training steps instead of 120 (default ``N = 1000``, ``Q = 5``).
+    :param bool full: 300 training steps instead of 100 (default ``N = 1000``, ``Q = 5``).
     :param int seed: base seed (data subset, inducing points, masks).
     :param bool progress: show a progress bar.
     :returns: the results dict (also written as JSON), with ``"outputs"``.
@@ -292,7 +292,8 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     print(format_table(headers, rows, title=title, notes=notes))
     fig = _figure(timing, cfg)
     results = dict(config=cfg, quality=quality, timing=timing, seconds=total.elapsed)
-    results["outputs"] = save_outputs(out_dir, NAME, results, fig)
+    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
+    results["outputs"] = dict(json=json_path, png=png_path)
     return results
 
 
