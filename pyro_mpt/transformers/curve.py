@@ -48,7 +48,7 @@ def default_rates(low=0.01, high=0.99, step=0.01):
     return torch.tensor([round(low + k * step, 10) for k in range(count)], dtype=torch.float64)
 
 
-def check_rates(rates, name="rates"):
+def _check_rates(rates, name="rates"):
     """``rates`` as a float64 tensor of values in ``(0, 1]``, or a ValueError naming it."""
     try:
         values = torch.as_tensor(rates, dtype=torch.float64).reshape(-1)
@@ -62,7 +62,7 @@ def check_rates(rates, name="rates"):
     return values
 
 
-def check_count(value, name):
+def _check_count(value, name):
     """A positive int, or a ValueError/TypeError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int, got {value!r}.")
@@ -71,7 +71,7 @@ def check_count(value, name):
     return int(value)
 
 
-def rate_sizes(rates, num_features):
+def _rate_sizes(rates, num_features):
     """Mask sizes ``max(1, round(r D))`` of each rate, by :class:`FixedRate`, shape ``(R,)``."""
     zero = torch.zeros(1, dtype=torch.float64)
     return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])
@@ -115,8 +115,8 @@ class _Plan:
         pad_id = tokenizer.pad_token_id
         self.mask_id = mask_id
         self.pad_id = pad_id if pad_id is not None else mask_id
-        self.rates = check_rates(rates)
-        self.num_masks = check_count(num_masks, "num_masks")
+        self.rates = _check_rates(rates)
+        self.num_masks = _check_count(num_masks, "num_masks")
         special = set(tokenizer.all_special_ids)
         self.ids = _encode(tokenizer, texts, max_length)
         self.positions = []
@@ -131,7 +131,7 @@ class _Plan:
         self.num_features = torch.tensor([len(p) for p in self.positions])
         cache = {}
         self.sizes = torch.stack(
-            [cache.setdefault(d, rate_sizes(self.rates, d)) for d in self.num_features.tolist()]
+            [cache.setdefault(d, _rate_sizes(self.rates, d)) for d in self.num_features.tolist()]
         )
         # Longest first, so padding within a batch is small and memory peaks early.
         self.order = sorted(range(len(self.ids)), key=lambda i: -len(self.ids[i]))
@@ -195,7 +195,7 @@ def _model_device(model):
         return torch.device("cpu")
 
 
-def masked_token_scores(logits, masked, labels):
+def _masked_token_scores(logits, masked, labels):
     """Mean log-probability of the masked tokens of each row.
 
     :param torch.Tensor logits: ``(B, L, V)`` in any float dtype (softmax runs in float32 or
@@ -214,7 +214,7 @@ def masked_token_scores(logits, masked, labels):
     return totals / masked.sum(1).to(dtype)
 
 
-def summarise(rates, scores, num_features, sizes):
+def _summarise(rates, scores, num_features, sizes):
     """Builds a :class:`MaskedCurve` from per-row scores ``(N, R, P)``, the sizes ``(N, R)``
     and the features ``D_i``."""
     num_masks = scores.shape[-1]
@@ -290,9 +290,9 @@ def mpt_curve(
         torch.Size([2])
     """
     rates = default_rates() if rates is None else rates
-    batch_size = check_count(batch_size, "batch_size")
+    batch_size = _check_count(batch_size, "batch_size")
     if max_length is not None:
-        max_length = check_count(max_length, "max_length")
+        max_length = _check_count(max_length, "max_length")
     plan = _Plan(tokenizer, texts, rates, num_masks, max_length)
     device = _model_device(model)
     model.eval()
@@ -302,7 +302,7 @@ def mpt_curve(
         plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
     ):
         logits = model(input_ids=input_ids, attention_mask=attention).logits
-        row_scores = masked_token_scores(logits, masked, labels).double().cpu()
+        row_scores = _masked_token_scores(logits, masked, labels).double().cpu()
         scores[owners[:, 0], owners[:, 1]] = row_scores
     scores = scores.reshape(len(plan.ids), len(plan.rates), plan.num_masks)
-    return summarise(plan.rates, scores, plan.num_features, plan.sizes)
+    return _summarise(plan.rates, scores, plan.num_features, plan.sizes)

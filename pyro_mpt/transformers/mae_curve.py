@@ -8,11 +8,11 @@ from tqdm.auto import tqdm
 
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.transformers.curve import (
-    check_count,
-    check_rates,
+    _check_count,
+    _check_rates,
+    _rate_sizes,
+    _summarise,
     default_rates,
-    rate_sizes,
-    summarise,
 )
 from pyro_mpt.transformers.vit_mae import (
     masked_forward,
@@ -78,11 +78,11 @@ def mae_curve(
         >>> curve.masked_fraction.tolist()
         [0.25, 0.5]
     """
-    rates = check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
-    num_masks = check_count(num_masks, "num_masks")
-    batch_size = check_count(batch_size, "batch_size")
+    rates = _check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
+    num_masks = _check_count(num_masks, "num_masks")
+    batch_size = _check_count(batch_size, "batch_size")
     total = num_patches(model)
-    sizes = rate_sizes(rates, total)
+    sizes = _rate_sizes(rates, total)
     if int(sizes.max()) >= total:
         raise ValueError(
             f"rates {rates.tolist()} mask all {total} patches at their largest; ViT-MAE needs one "
@@ -112,4 +112,4 @@ def mae_curve(
                 scores[index // num_masks, k, index % num_masks] = row.double().cpu()
                 bar.update()
     features = torch.full((num_images,), total)
-    return summarise(rates, scores, features, sizes.expand(num_images, -1))
+    return _summarise(rates, scores, features, sizes.expand(num_images, -1))

@@ -5,7 +5,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pyro_mpt.ops.masks import as_rate_schedule, masks_of_sizes
-from pyro_mpt.transformers.curve import check_count
+from pyro_mpt.transformers.curve import _check_count
 from pyro_mpt.transformers.vit_mae import masked_forward, num_patches
 
 __all__ = ["mae_loss", "train_mae"]
@@ -69,8 +69,8 @@ def train_mae(
     :returns: the loss of every step, a list of floats.
     """
     as_rate_schedule(rate)  # a bad rate fails before any step
-    epochs = check_count(epochs, "epochs")
-    batch_size = check_count(batch_size, "batch_size")
+    epochs = _check_count(epochs, "epochs")
+    batch_size = _check_count(batch_size, "batch_size")
     num_images = images.shape[0]
     steps = epochs * -(-num_images // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
