@@ -117,6 +117,28 @@ def test_mpt_training_raises_the_exact_lml(codes):
     assert ("encoder$$$0.weight" in names) == (codes == "encoder")
 
 
+def test_the_exact_objective_trains_every_parameter():
+    """``log_marginal`` as a plain SVI loss reaches the codes, mean and noise, not only the
+    kernel that ``pyro.module`` registers."""
+    z, y = _data(num_data=20)
+    decoder = _decoder(z, y, noise_scale=0.5)
+    before = {name: value.detach().clone() for name, value in decoder.named_parameters()}
+    lml_before = decoder.log_marginal(y).item()
+
+    def exact_loss(model, guide, y):
+        return -decoder.log_marginal(y)
+
+    svi = SVI(decoder.model, decoder.guide, pyro.optim.Adam({"lr": 0.02}), loss=exact_loss)
+    for _ in range(50):
+        svi.step(y)
+    names = set(pyro.get_param_store().keys())
+    assert {"codes", "loc", "noise_scale"} <= names
+    assert "kernel$$$base_kernel.raw_lengthscale" in names
+    after = dict(decoder.named_parameters())
+    assert all(not torch.equal(before[name], after[name].detach()) for name in before)
+    assert decoder.log_marginal(y).item() > lml_before + 5
+
+
 def test_codes_and_data_of_different_sizes_are_rejected():
     z, y = _data(num_data=12)
     decoder = _decoder(z, y)

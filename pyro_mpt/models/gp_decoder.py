@@ -196,6 +196,7 @@ class GPDecoder(PyroModule):
     def guide(self, y):
         """No latent sample sites: the codes are parameters (or an encoder's output)."""
 
+    @pyro_method
     def log_marginal(self, y):
         """The exact ``log p(y) = sum_d log N(y_d | mu_d, K + sigma^2 I)``: one ``N x N``
         Cholesky factor shared by the ``D`` output dimensions.
@@ -212,6 +213,7 @@ class GPDecoder(PyroModule):
             whitened.pow(2).sum() + num_outputs * (log_det + num_data * math.log(2 * math.pi))
         )
 
+    @pyro_method
     def predict(self, y, new_codes):
         """The GP posterior predictive of ``y`` at new codes, given the training data.
 
