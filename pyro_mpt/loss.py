@@ -1,7 +1,6 @@
 """``MPTLoss``: masked pre-training as a Pyro objective, beside ``Trace_ELBO``."""
 
 import math
-import numbers
 import warnings
 
 import pyro.poutine as poutine
@@ -11,23 +10,9 @@ from pyro.infer import ELBO
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
-from pyro_mpt.ops.masks import as_rate_schedule, sample_masks
+from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 
 __all__ = ["MPTLoss"]
-
-
-def _check_num_masks(num_masks):
-    if isinstance(num_masks, bool) or not isinstance(num_masks, numbers.Integral):
-        raise TypeError(
-            f"num_masks must be a positive integer, got {num_masks!r} of type "
-            f"{type(num_masks).__name__}."
-        )
-    if num_masks < 1:
-        raise ValueError(
-            f"num_masks must be at least 1, got {num_masks}. It is the number of random masks "
-            f"drawn per observation and step, e.g. num_masks=1."
-        )
-    return int(num_masks)
 
 
 class MPTLoss(ELBO):
@@ -95,7 +80,7 @@ class MPTLoss(ELBO):
     ):
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         self.schedule = as_rate_schedule(rate)
-        self.num_masks = _check_num_masks(num_masks)
+        self.num_masks = check_num_masks(num_masks)
         self.conditionals = as_conditionals(conditionals)
         self.share_masks = bool(share_masks)
 

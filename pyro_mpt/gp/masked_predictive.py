@@ -8,10 +8,9 @@ from gpytorch.likelihoods import _GaussianLikelihoodBase
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 
-from pyro_mpt.loss import _check_num_masks
 from pyro_mpt.ops.active_set import active_set_predictive, split_masks
 from pyro_mpt.ops.gaussian import normal_log_prob
-from pyro_mpt.ops.masks import as_rate_schedule, sample_masks
+from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 
 __all__ = ["MaskedPredictiveLogLikelihood"]
 
@@ -123,7 +122,7 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
                 f"gpytorch.mlls.VariationalELBO for other likelihoods."
             )
         schedule = as_rate_schedule(rate)
-        num_masks = _check_num_masks(num_masks)
+        num_masks = check_num_masks(num_masks)
         super().__init__(likelihood, model)
         self.schedule = schedule
         self.num_masks = num_masks

@@ -36,6 +36,7 @@ __all__ = [
     "FixedRate",
     "RandomRate",
     "as_rate_schedule",
+    "check_num_masks",
     "sample_masks",
     "masks_of_sizes",
 ]
@@ -201,6 +202,25 @@ def as_rate_schedule(rate):
         )
     _check_unit_interval(rate, "rate", allow_zero=False)
     return FixedRate(rate)
+
+
+def check_num_masks(num_masks):
+    """``num_masks`` as an ``int`` after checking it is a positive integer.
+
+    :raises TypeError: if it is not an integer.
+    :raises ValueError: if it is below 1.
+    """
+    if isinstance(num_masks, bool) or not isinstance(num_masks, numbers.Integral):
+        raise TypeError(
+            f"num_masks must be a positive integer, got {num_masks!r} of type "
+            f"{type(num_masks).__name__}."
+        )
+    if num_masks < 1:
+        raise ValueError(
+            f"num_masks must be at least 1, got {num_masks}. It is the number of random masks "
+            f"drawn per observation and step, e.g. num_masks=1."
+        )
+    return int(num_masks)
 
 
 def _sort_rows(keys, use_numpy=None):
