@@ -63,7 +63,10 @@ class GPDecoder(PyroModule):
     .. note:: Parameters live in Pyro's global param store (the kernel under
         ``"kernel$$$..."``), so two instances share them; see the note on
         :class:`~pyro_mpt.models.PPCA`. Centre the data or keep the learnable per-output
-        mean ``loc``.
+        mean ``loc``. Under ``pyro.settings.set(module_local_params=True)`` ``SVI`` cannot
+        hand the GPyTorch kernel's parameters to a ``pyro.optim`` optimiser; train with a
+        ``torch.optim`` optimiser over ``decoder.parameters()`` and
+        ``MPTLoss().differentiable_loss(decoder.model, decoder.guide, y)`` instead.
 
     Example::
 
