@@ -10,6 +10,7 @@ Usage::
 
 import argparse
 
+import bench_gp_active_set
 import bench_svi_step
 import bench_table1
 import bench_vae_step
@@ -92,6 +93,18 @@ def summary_rows(reports):
                         _status(r["ratio_to_elbo"] <= r["target_ratio"]),
                     )
                 )
+    gp = reports.get("gp_active_set")
+    if gp is not None:
+        for r in gp["results"]:
+            if r["target"] is not None:
+                rows.append(
+                    (
+                        f"GP active set |R|=128 vs exact MLL, N=2048, {r['dtype']}",
+                        f"{r['speedup']:.1f}x",
+                        f">= {r['target']:.0f}x",
+                        _status(r["speedup"] >= r["target"]),
+                    )
+                )
     collator = reports.get("collator")
     if collator is not None:
         target = collator["config"]["target_ratio"]
@@ -144,6 +157,9 @@ def main(argv=None):
     print()
     reports["vae_step"] = bench_vae_step.run(device, repeats=args.repeats)
     bench_vae_step.print_report(reports["vae_step"])
+    print()
+    reports["gp_active_set"] = bench_gp_active_set.run(device, repeats=args.repeats)
+    bench_gp_active_set.print_report(reports["gp_active_set"])
 
     if bench_collator is not None:
         print()
