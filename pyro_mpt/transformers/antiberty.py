@@ -27,8 +27,9 @@ __all__ = [
     "spaced",
 ]
 
-#: Variable domains (VH and VL) of approved therapeutic antibodies: their published amino-acid
-#: sequences (WHO INN lists, as compiled in Thera-SAbDab), 16 heavy and 16 light chains.
+#: Variable domains (VH and VL) of approved therapeutic antibodies, 16 heavy and 16 light
+#: chains, as published amino-acid sequences; their lengths agree with the published ones,
+#: but they have not been checked residue by residue against the INN records.
 #: They are real antibodies, of human, humanised and chimeric origin, none of which needs to
 #: be in AntiBERTy's training set (natural repertoires of the Observed Antibody Space).
 ANTIBODY_SEQUENCES = {
