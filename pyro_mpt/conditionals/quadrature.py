@@ -245,4 +245,6 @@ def _shared_log_table(fn, observed):
         return torch.stack([log_one - param, log_one]), indicators
     table_fn = type(base)(**{name: param}, validate_args=False)
     log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1, 1))  # (V, D, G)
+    if not bool(torch.isfinite(log_table).all()):
+        return None  # a value impossible at some node (e.g. probs of exactly 0 or 1)
     return log_table, indicators

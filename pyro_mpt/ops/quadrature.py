@@ -105,8 +105,7 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     :returns: a tensor of shape ``(P,) + batch + (D,)``.
 
     The sums over nodes are matrix products of exponentials shifted by their maxima over
-    the nodes, so no ``(G, P, N, D)`` tensor is formed; the shift keeps them finite unless a
-    single feature's log-likelihood varies by more than ~700 nats across the nodes.
+    the nodes (see the module notes on the floor), so no ``(G, P, N, D)`` tensor is formed.
     """
     ll = log_likelihoods
     context = context.to(ll.dtype)
