@@ -305,3 +305,10 @@ def test_examples_without_input_ids_and_unequal_lengths_without_pad(tokenizer):
     collator.pad_token_id = None
     with pytest.raises(ValueError, match="has no pad token"):
         collator([[2, 5, 3], [2, 5, 6, 3]])
+
+
+def test_per_example_scalars_are_stacked(tokenizer):
+    examples = [dict(tokenizer("a b"), label=1), dict(tokenizer("c"), label=0)]
+    batch = MPTDataCollator(tokenizer)(examples)
+    assert batch["label"].tolist() == [1, 0]
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 4)

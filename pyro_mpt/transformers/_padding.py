@@ -65,10 +65,10 @@ def pad_examples(examples, pad_token_id, padding_side="right", pad_to_multiple_o
         if key == "input_ids":
             continue
         values = [example[key] for example in examples]
-        if isinstance(values[0], numbers.Number) or (
-            isinstance(values[0], torch.Tensor) and values[0].dim() == 0
-        ):
-            batch[key] = torch.tensor([float(v) if isinstance(v, float) else v for v in values])
+        if isinstance(values[0], torch.Tensor) and values[0].dim() == 0:
+            batch[key] = torch.stack(values)
+        elif isinstance(values[0], numbers.Number):
+            batch[key] = torch.tensor(values)
         elif key == "offset_mapping":
             rows = [[list(pair) for pair in _as_list(v)] for v in values]
             batch[key] = torch.tensor(_pad_rows(rows, width, [0, 0], left))
