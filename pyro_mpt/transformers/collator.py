@@ -171,6 +171,9 @@ class MPTDataCollator:
             ``-100`` at unmasked positions, and float ``(B,)`` weights ``D_i / M_i``.
         :raises ValueError: if a sequence has no maskable token.
         """
+        maskable = maskable.bool()
+        if continues_word is not None:
+            continues_word = continues_word.bool()
         units, counts = _mask_units.unit_index(maskable, continues_word)
         empty = torch.nonzero(counts == 0).squeeze(-1)
         if empty.numel():
