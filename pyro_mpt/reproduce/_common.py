@@ -72,15 +72,20 @@ def resolve_device(device):
 
 
 @contextlib.contextmanager
-def float64():
-    """Makes float64 the default dtype inside the block (models create their parameters in
-    the default dtype), restoring the previous default afterwards."""
+def default_dtype(dtype):
+    """Makes ``dtype`` the default dtype inside the block (models create their parameters
+    in the default dtype), restoring the previous default afterwards."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def float64():
+    """:func:`default_dtype` for float64, the dtype of the PPCA experiments."""
+    return default_dtype(torch.float64)
 
 
 @contextlib.contextmanager

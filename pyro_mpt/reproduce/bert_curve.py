@@ -33,6 +33,7 @@ import torch
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
+    default_dtype,
     derived_seed,
     format_table,
     new_figure,
@@ -110,16 +111,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     total = Stopwatch()
     names, sequences = _sequences(cfg["num_sequences"])
     texts = [spaced(s) for s in sequences]
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)  # the checkpoint's dtype, whatever the caller's
-    try:
+    with default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
         pretrained, tokenizer = load_antiberty()
         models = {
             "random init.": random_antiberty(derived_seed(seed, 1)),
             "pre-trained": pretrained,
         }
-    finally:
-        torch.set_default_dtype(previous)
     curves, seconds = {}, {}
     for key, (label, model) in enumerate(models.items()):
         seed_everything(derived_seed(seed, 2, key))

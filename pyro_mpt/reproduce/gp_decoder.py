@@ -40,6 +40,7 @@ from pyro_mpt.models import GPDecoder
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
+    default_dtype,
     derived_seed,
     format_table,
     new_figure,
@@ -83,16 +84,6 @@ def _config(smoke, full):
         timing_steps=2,
         exact_max=2048,
     )
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _pca_codes(y, latent_dim):
@@ -265,7 +256,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     quality, timing = {}, {m: [] for m in METHODS}
     work = len(METHODS) * (cfg["steps"] + len(cfg["sizes"]))
     with (
-        _default_dtype(torch.float32),
+        default_dtype(torch.float32),
         progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
     ):
         y, y_test = _data(cfg, seed, device, cfg["N"])

@@ -33,6 +33,7 @@ import torch
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
+    default_dtype,
     derived_seed,
     format_table,
     new_figure,
@@ -186,9 +187,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     cfg = _config(smoke, full)
     device = resolve_device(device)
     total = Stopwatch()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
+    with default_dtype(torch.float32):
         data = _data(cfg, seed, device)
         models = {"random init.": _model(cfg, derived_seed(seed, 1)).to(device)}
         losses, seconds = {}, {}
@@ -212,8 +211,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 models[name] = model
                 bar.update()
         results = {name: _evaluate(m, data, cfg, seed, progress) for name, m in models.items()}
-    finally:
-        torch.set_default_dtype(previous)
 
     summary, rows = {}, []
     for name, (curve, probe) in results.items():

@@ -28,7 +28,6 @@ conditionals=Quadrature(60))`` (float32, in chunks) and against 100 x 100 nodes 
     the conditional ``p(x_j | x_R)``; here the conditionals are the quadrature's.
 """
 
-import contextlib
 import math
 
 import pyro
@@ -45,6 +44,7 @@ from pyro_mpt.ops.quadrature import gauss_hermite_grid
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
+    default_dtype,
     derived_seed,
     format_table,
     new_figure,
@@ -76,16 +76,6 @@ def _config(smoke, full):
     else:
         cfg.update(N=1000, held_out=500, epochs=6)
     return cfg
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _no_guide(x):
@@ -203,7 +193,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     total = Stopwatch()
     device = resolve_device(device)
     runs, checks = {}, {}
-    with _default_dtype(torch.float32), pyro.settings.context(module_local_params=True):
+    with default_dtype(torch.float32), pyro.settings.context(module_local_params=True):
         x_train, x_test = _data(cfg, seed, device)
         x_eval = x_train[: cfg["eval_max"]]
         work = len(OBJECTIVES) * cfg["epochs"]
