@@ -44,7 +44,6 @@ ratios beat fixed ones; this table tests that claim, one run per scheme by defau
     the model learns to copy.
 """
 
-import contextlib
 import tempfile
 
 import torch
@@ -52,6 +51,7 @@ import torch
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
+    default_dtype,
     derived_seed,
     float64,
     format_table,
@@ -280,7 +280,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     runs = {name: [] for name in ("random init", *SCHEMES)}
     work = cfg["seeds"] * len(SCHEMES) * cfg["steps"]
     with progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar, \
-            _float32():
+            default_dtype(torch.float32):
         for rep in range(cfg["seeds"]):
             run_seed = derived_seed(seed, 10, rep)
             data = _data(cfg, run_seed)
@@ -293,16 +293,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 runs[name].append(trained)
                 bar.set_postfix_str(f"{name}: area {trained['area']:.1f}")
     return _report(out_dir, cfg, runs, data, device, seed, smoke, full, total)
-
-
-@contextlib.contextmanager
-def _float32():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
