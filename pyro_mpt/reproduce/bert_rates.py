@@ -53,7 +53,6 @@ from pyro_mpt.reproduce._common import (
     check_size,
     default_dtype,
     derived_seed,
-    float64,
     format_table,
     mean_std,
     new_figure,
@@ -63,8 +62,9 @@ from pyro_mpt.reproduce._common import (
     save_outputs,
     seed_everything,
 )
+from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
-__all__ = ["NAME", "SCHEMES", "linear_probe_accuracy", "run"]
+__all__ = ["NAME", "SCHEMES", "run"]
 
 NAME = "bert-rates"
 
@@ -208,33 +208,6 @@ def _features(model, tokenizer, rows, device):
         keep = (~torch.isin(ids, special)).unsqueeze(-1).to(hidden.dtype)
         out.append((hidden * keep).sum(1) / keep.sum(1).clamp(min=1))
     return torch.cat(out).double().cpu()
-
-
-def linear_probe_accuracy(x_train, y_train, x_test, y_test, l2=1e-3, max_iter=200):
-    """Test accuracy of a multinomial logistic regression with an L2 penalty on standardised
-    features, fitted by L-BFGS in float64.
-
-    :param torch.Tensor x_train: ``(N, F)`` features; ``y_train`` ``(N,)`` integer labels.
-    :returns: the share of ``x_test`` rows whose predicted label equals ``y_test``.
-    """
-    with float64():
-        mean, std = x_train.mean(0), x_train.std(0).clamp(min=1e-8)
-        a, b = (x_train.double() - mean) / std, (x_test.double() - mean) / std
-        classes = int(max(y_train.max(), y_test.max())) + 1
-        weight = torch.zeros(a.shape[1], classes, dtype=torch.float64, requires_grad=True)
-        bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
-        optim = torch.optim.LBFGS([weight, bias], max_iter=max_iter, line_search_fn="strong_wolfe")
-
-        def closure():
-            optim.zero_grad()
-            loss = torch.nn.functional.cross_entropy(a @ weight + bias, y_train)
-            loss = loss + l2 * (weight**2).sum()
-            loss.backward()
-            return loss
-
-        optim.step(closure)
-        with torch.no_grad():
-            return float(((b @ weight + bias).argmax(-1) == y_test).double().mean())
 
 
 def _evaluate(model, data, cfg, seed, device):

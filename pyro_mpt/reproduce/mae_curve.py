@@ -42,8 +42,9 @@ from pyro_mpt.reproduce._common import (
     save_outputs,
     seed_everything,
 )
+from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
-__all__ = ["NAME", "RATES", "linear_probe_accuracy", "run"]
+__all__ = ["NAME", "RATES", "run"]
 
 NAME = "mae-curve"
 
@@ -105,31 +106,6 @@ def _features(model, images, batch=256):
     return torch.cat(out)
 
 
-def linear_probe_accuracy(train_x, train_y, test_x, test_y, iterations=100, l2=1e-3):
-    """Accuracy on ``test`` of a multinomial logistic regression fitted by L-BFGS on
-    standardised ``train`` features (L2 penalty ``l2`` on the weights)."""
-    mean, std = train_x.mean(0), train_x.std(0).clamp(min=1e-6)
-    a, b = (train_x - mean) / std, (test_x - mean) / std
-    classes = int(max(train_y.max(), test_y.max())) + 1
-    weight = torch.zeros(a.shape[1], classes, dtype=a.dtype, requires_grad=True)
-    bias = torch.zeros(classes, dtype=a.dtype, requires_grad=True)
-    optimizer = torch.optim.LBFGS(
-        [weight, bias], max_iter=iterations, line_search_fn="strong_wolfe"
-    )
-
-    def closure():
-        optimizer.zero_grad()
-        logits = a @ weight + bias
-        loss = torch.nn.functional.cross_entropy(logits, train_y) + l2 * weight.pow(2).sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        optimizer.step(closure)
-    with torch.no_grad():
-        return float(((b @ weight + bias).argmax(1) == test_y).double().mean())
-
-
 def _data(cfg, seed, device):
     from pyro_mpt.datasets import load_mnist, train_test_split
 
@@ -164,7 +140,7 @@ def _evaluate(model, data, cfg, seed, progress):
         y_train.cpu(),
         _features(model, x_test).cpu().double(),
         y_test.cpu(),
-        iterations=cfg["probe_iters"],
+        max_iter=cfg["probe_iters"],
     )
     return curve, probe
 
