@@ -107,6 +107,26 @@ def time_calls(fns, device, steps, repeats, warmup=3):
     return times
 
 
+def forward_backward_ms(loss_fn, module, data, device, calls):
+    """Median milliseconds of ``loss_fn.differentiable_loss(module.model, module.guide,
+    data)`` and of its ``backward()``, over ``calls`` calls; gradients are cleared after
+    each."""
+    forward, backward = [], []
+    for _ in range(calls):
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = loss_fn.differentiable_loss(module.model, module.guide, data)
+        synchronize(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        synchronize(device)
+        forward.append(1e3 * (t1 - t0))
+        backward.append(1e3 * (time.perf_counter() - t1))
+        for p in module.parameters():
+            p.grad = None
+    return statistics.median(forward), statistics.median(backward)
+
+
 def median_ms(samples):
     """The median of a list of timings."""
     return statistics.median(samples)

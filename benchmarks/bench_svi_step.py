@@ -15,8 +15,6 @@ Usage::
 """
 
 import argparse
-import statistics
-import time
 
 import pyro
 import torch
@@ -26,9 +24,9 @@ from _common import (
     configure,
     environment,
     format_table,
+    forward_backward_ms,
     median_ms,
     set_default_dtype,
-    synchronize,
     time_calls,
     write_json,
 )
@@ -52,25 +50,6 @@ def _make_data(num_data, num_features, latent_dim, device, dtype):
     z = torch.randn(num_data, latent_dim, device=device, dtype=dtype)
     noise = torch.randn(num_data, num_features, device=device, dtype=dtype)
     return z @ weight.T + 0.5 * noise
-
-
-def _split_forward_backward(loss_fn, ppca, data, device, calls):
-    """Median milliseconds of ``differentiable_loss`` and of its ``backward()``."""
-    forward, backward = [], []
-    for _ in range(calls):
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = loss_fn.differentiable_loss(ppca.model, ppca.guide, data)
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        t2 = time.perf_counter()
-        forward.append(1e3 * (t1 - t0))
-        backward.append(1e3 * (t2 - t1))
-        for p in ppca.parameters():
-            p.grad = None
-    return statistics.median(forward), statistics.median(backward)
 
 
 def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
@@ -98,8 +77,8 @@ def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
             warmup,
         )
         calls = steps * repeats
-        mpt_fwd, mpt_bwd = _split_forward_backward(mpt, ppca, data, device, calls)
-        elbo_fwd, elbo_bwd = _split_forward_backward(elbo, ppca, data, device, calls)
+        mpt_fwd, mpt_bwd = forward_backward_ms(mpt, ppca, data, device, calls)
+        elbo_fwd, elbo_bwd = forward_backward_ms(elbo, ppca, data, device, calls)
         pyro.clear_param_store()
     elbo_ms = median_ms(times["elbo"])
     mpt_ms = median_ms(times["mpt"])

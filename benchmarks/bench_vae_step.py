@@ -35,10 +35,8 @@ Usage::
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 import pyro
 import torch
@@ -48,9 +46,9 @@ from _common import (
     configure,
     environment,
     format_table,
+    forward_backward_ms,
     median_ms,
     set_default_dtype,
-    synchronize,
     time_calls,
     write_json,
 )
@@ -141,24 +139,6 @@ def _setup(model_name, loss_names, dtype, device, seed, source="mnist"):
     return data, source, vae, losses, svis
 
 
-def _split_forward_backward(loss_fn, vae, data, device, calls):
-    """Median milliseconds of ``differentiable_loss`` and of its ``backward()``."""
-    forward, backward = [], []
-    for _ in range(calls):
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = loss_fn.differentiable_loss(vae.model, vae.guide, data)
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        forward.append(1e3 * (t1 - t0))
-        backward.append(1e3 * (time.perf_counter() - t1))
-        for p in vae.parameters():
-            p.grad = None
-    return statistics.median(forward), statistics.median(backward)
-
-
 def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, seed=0):
     """Times every loss of ``LOSSES[model_name]`` in one dtype.
 
@@ -173,7 +153,7 @@ def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, see
         times = time_calls(fns, device, steps, repeats, warmup)
         batch = next(batches)
         splits = {
-            name: _split_forward_backward(loss, vae, batch, device, steps)
+            name: forward_backward_ms(loss, vae, batch, device, steps)
             for name, loss in losses.items()
         }
         pyro.clear_param_store()
