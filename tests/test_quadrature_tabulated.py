@@ -8,6 +8,7 @@ import torch
 
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.conditionals.quadrature import (
+    BernoulliQuadratureSelfPredictive,
     QuadratureSelfPredictive,
     TabulatedQuadratureSelfPredictive,
 )
@@ -17,6 +18,10 @@ from pyro_mpt.ops.quadrature import (
     gauss_hermite_grid,
     quadrature_log_conditionals,
     quadrature_log_marginal,
+)
+from pyro_mpt.ops.tabulated_quadrature import (
+    bernoulli_log_conditionals,
+    bernoulli_log_table,
     tabulated_log_conditionals,
     tabulated_log_marginal,
     value_indicators,
@@ -24,16 +29,15 @@ from pyro_mpt.ops.quadrature import (
 
 
 def _dense(log_table, indicators):
-    """``l_gnj = L[x_nj, j, g]`` as the ``(G,) + batch + (D,)`` tensor."""
-    picked = (indicators.unsqueeze(-1) * log_table.unsqueeze(1)).sum(0)  # batch + (D, G)
-    return picked.movedim(-1, 0)
+    """``l_gnj = L[g, x_nj, j]`` as the ``(G,) + batch + (D,)`` tensor."""
+    return (indicators * log_table.unsqueeze(-2)).sum(1)
 
 
 @pytest.mark.parametrize("likelihood", ["bernoulli", "poisson"])
 @pytest.mark.parametrize("shared_masks", [False, True])
 def test_tabulated_equals_per_observation_values_and_gradients(likelihood, shared_masks):
     num_nodes, num_obs, num_features, num_masks = 9, 6, 7, 4
-    eta = torch.randn(num_features, num_nodes, requires_grad=True)
+    eta = torch.randn(num_nodes, 1, num_features, requires_grad=True)
     if likelihood == "bernoulli":
         values = torch.tensor([0.0, 1.0])
         fn = dist.Bernoulli(logits=eta)
@@ -41,7 +45,7 @@ def test_tabulated_equals_per_observation_values_and_gradients(likelihood, share
         values = torch.arange(4.0)
         fn = dist.Poisson(eta.exp())
     x = values[torch.randint(len(values), (num_obs, num_features))]
-    log_table = fn.log_prob(values.reshape(-1, 1, 1))
+    log_table = fn.log_prob(values.reshape(-1, 1))  # (G, V, D)
     indicators = value_indicators(values, x)
     log_weights = torch.log_softmax(torch.randn(num_nodes), 0)
     batch = 1 if shared_masks else num_obs
@@ -59,6 +63,47 @@ def test_tabulated_equals_per_observation_values_and_gradients(likelihood, share
         atol=1e-12,
         rtol=0,
     )
+
+
+def test_bernoulli_log_table_values_and_gradient():
+    # Logits up to +-60: log-likelihoods far apart, where the floors and shifts matter.
+    logits = (20 * torch.randn(9, 7)).clamp(-60, 60).requires_grad_()
+    table = bernoulli_log_table(logits)
+    reference = dist.Bernoulli(logits=logits.unsqueeze(-2)).log_prob(torch.tensor([[0.0], [1.0]]))
+    torch.testing.assert_close(table, reference, atol=1e-12, rtol=0)
+    upstream = torch.randn(table.shape)
+    (grad,) = torch.autograd.grad((table * upstream).sum(), logits)
+    (expected,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    x = torch.bernoulli(torch.full((4, 6, 7), 0.3))
+    indicators = torch.stack([x == 0, x == 1])
+    log_weights = torch.log_softmax(torch.randn(9), 0)
+    context = torch.rand(3, 4, 6, 7) < 0.5
+    ll = dist.Bernoulli(logits=logits.reshape(9, 1, 1, 7)).log_prob(x)
+    dense = quadrature_log_conditionals(log_weights, ll, context)
+    torch.testing.assert_close(
+        tabulated_log_conditionals(log_weights, table, indicators, context),
+        dense,
+        atol=1e-12,
+        rtol=0,
+    )
+    # The fused function: the same values, and the same gradient as the dense path.
+    fused = bernoulli_log_conditionals(log_weights, logits, indicators, context)
+    torch.testing.assert_close(fused, dense, atol=1e-12, rtol=0)
+    upstream = torch.randn(fused.shape)
+    (grad,) = torch.autograd.grad((fused * upstream).sum(), logits, retain_graph=True)
+    (expected,) = torch.autograd.grad((dense * upstream).sum(), logits)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+
+
+def test_bernoulli_table_falls_back_to_logsigmoid_for_very_negative_logits():
+    logits = torch.tensor([[-800.0, 3.0], [-2.0, 900.0]], requires_grad=True)
+    table = bernoulli_log_table(logits)
+    assert torch.isfinite(table).all()
+    expected = torch.stack(
+        [torch.nn.functional.logsigmoid(-logits), torch.nn.functional.logsigmoid(logits)], -2
+    )
+    torch.testing.assert_close(table, expected, atol=1e-12, rtol=0)
 
 
 def test_value_indicators_are_one_hot():
@@ -81,6 +126,34 @@ def _offset_model(weight, per_observation_offset):
     return model
 
 
+def test_strategy_tabulates_counts_and_bernoulli_probs():
+    weight = torch.randn(6, 2)
+
+    def model(x, likelihood):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            eta = z @ weight.T
+            fn = (
+                dist.Poisson(eta.exp())
+                if likelihood == "poisson"
+                else dist.Bernoulli(probs=torch.sigmoid(eta))
+            )
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    nodes, log_weights = gauss_hermite_grid(12, 2)
+    eta = (nodes @ weight.T).unsqueeze(1)  # (G, 1, D)
+    masks = masks_of_sizes(torch.randint(1, 7, (3, 5)), 6)
+    for likelihood in ("poisson", "bernoulli"):
+        if likelihood == "poisson":
+            x, fn = torch.poisson(torch.full((5, 6), 1.5)), dist.Poisson(eta.exp())
+        else:
+            x, fn = torch.bernoulli(torch.full((5, 6), 0.4)), dist.Bernoulli(logits=eta)
+        prepared = Quadrature(num_points=12).prepare(model, None, (x, likelihood), {})
+        assert type(prepared) is TabulatedQuadratureSelfPredictive
+        reference = quadrature_log_conditionals(log_weights, fn.log_prob(x), ~masks)
+        torch.testing.assert_close(prepared.log_prob(masks), reference, atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("per_observation_offset", [False, True])
 def test_strategy_tabulates_only_when_parameters_are_shared(per_observation_offset):
     weight = torch.randn(6, 2)
@@ -90,7 +163,7 @@ def test_strategy_tabulates_only_when_parameters_are_shared(per_observation_offs
     if per_observation_offset:
         assert type(prepared) is QuadratureSelfPredictive
     else:
-        assert type(prepared) is TabulatedQuadratureSelfPredictive
+        assert type(prepared) is BernoulliQuadratureSelfPredictive
     # Against the per-observation log-likelihoods at the same nodes, built by hand.
     nodes, log_weights = gauss_hermite_grid(12, 2)
     logits = (nodes @ weight.T).unsqueeze(1)  # (G, 1, D)

@@ -21,12 +21,21 @@ from pyro_mpt.ops.quadrature import (
     gauss_hermite_grid,
     quadrature_log_conditionals,
     quadrature_log_marginal,
+)
+from pyro_mpt.ops.tabulated_quadrature import (
+    bernoulli_log_conditionals,
+    bernoulli_log_table,
     tabulated_log_conditionals,
     tabulated_log_marginal,
     value_indicators,
 )
 
-__all__ = ["Quadrature", "QuadratureSelfPredictive", "TabulatedQuadratureSelfPredictive"]
+__all__ = [
+    "BernoulliQuadratureSelfPredictive",
+    "Quadrature",
+    "QuadratureSelfPredictive",
+    "TabulatedQuadratureSelfPredictive",
+]
 
 
 #: Distributions over one feature whose log-likelihoods can be tabulated over the distinct
@@ -73,6 +82,26 @@ class TabulatedQuadratureSelfPredictive(SelfPredictive):
     def log_marginal(self):
         """``log p(x)`` of each observation by the same quadrature rule."""
         return tabulated_log_marginal(self.log_weights, self.log_table, self.indicators)
+
+
+class BernoulliQuadratureSelfPredictive(SelfPredictive):
+    """Quadrature conditionals of binary data under ``Bernoulli(logits)`` with logits
+    ``(G, D)`` shared by every observation: :class:`TabulatedQuadratureSelfPredictive` with
+    the table built from the logits inside one function."""
+
+    def __init__(self, observed, scale, log_weights, logits, indicators):
+        super().__init__(observed, scale)
+        self.log_weights = log_weights
+        self.logits = logits
+        self.indicators = indicators
+
+    def log_prob(self, masks):
+        return bernoulli_log_conditionals(self.log_weights, self.logits, self.indicators, ~masks)
+
+    def log_marginal(self):
+        """``log p(x)`` of each observation by the same quadrature rule."""
+        log_table = bernoulli_log_table(self.logits)
+        return tabulated_log_marginal(self.log_weights, log_table, self.indicators)
 
 
 class Quadrature(Conditionals):
@@ -168,10 +197,8 @@ class Quadrature(Conditionals):
         if log_weights.dim() == 1:
             table = _shared_log_table(fn, local.observed)
             if table is not None:
-                log_table, indicators = table
-                return TabulatedQuadratureSelfPredictive(
-                    local.observed, local.scale, log_weights, log_table, indicators
-                )
+                kind, table, indicators = table
+                return kind(local.observed, local.scale, log_weights, table, indicators)
         value = obs_site["value"]
         ll = unwrap_independent(fn).log_prob(value)
         ll = flatten_tail(ll, local.observed.num_feature_dims)
@@ -210,41 +237,45 @@ def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):
 
 
 def _shared_log_table(fn, observed):
-    """``(log_table, indicators)`` of shapes ``(V, D, G)`` and ``(V,) + batch + (D,)`` when the
-    probed likelihood is one of ``_TABULATED_PARAMETERS`` with parameters shared by every
-    observation and the data take at most ``_MAX_TABULATED_VALUES`` distinct values;
-    ``None`` otherwise."""
+    """``(kind, log_table, indicators)`` with tables of shape ``(G, V, D)`` and
+    ``(V,) + batch + (D,)`` when the probed likelihood is one of ``_TABULATED_PARAMETERS``
+    with parameters shared by every observation and the data take at most
+    ``_MAX_TABULATED_VALUES`` distinct values; ``kind`` is the :class:`SelfPredictive` to
+    build, :class:`BernoulliQuadratureSelfPredictive` (with the logits ``(G, D)`` in place of
+    the table) for ``Bernoulli(logits)`` over binary data. ``None`` otherwise."""
     base = unwrap_independent(fn)
     names = next((n for t, n in _TABULATED_PARAMETERS.items() if isinstance(base, t)), None)
     if names is None:
         return None
-    # The parameter the distribution was built from (Bernoulli computes the other lazily).
-    name = next((n for n in names if n in vars(base)), None)
+    # The parameter the distribution was built from: the other is computed lazily, and
+    # Bernoulli keeps the constructor's tensor as ``_param``.
+    params = vars(base)
+    name = next(
+        (n for n in names if n in params and params.get("_param", params[n]) is params[n]), None
+    )
     if name is None:
         return None
     try:
-        param = compact_parameter(vars(base)[name], fn, observed)
+        param = compact_parameter(params[name], fn, observed)
     except RuntimeError:
         return None
     if any(size != 1 for size in param.shape[1:-1]):
         return None  # parameters vary across observations
+    param = param.reshape(param.shape[:1] + param.shape[-1:])  # (G, D)
     value = observed.value
     is_one = value == 1
     if bool((is_one | (value == 0)).all()):
-        values = value.new_tensor([0, 1])
         indicators = torch.stack([~is_one, is_one]).to(param.dtype)
+        if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
+            return BernoulliQuadratureSelfPredictive, param, indicators
+        values = value.new_tensor([0, 1])
     else:
         values = torch.unique(value)
         if values.numel() > _MAX_TABULATED_VALUES:
             return None
         indicators = value_indicators(values, value).to(param.dtype)
-    param = param.reshape(param.shape[:1] + param.shape[-1:]).T  # (D, G)
-    if name == "logits" and isinstance(base, torch.distributions.Bernoulli) and len(values) == 2:
-        # log p(1 | z) = log sigmoid(eta) and log p(0 | z) = log p(1 | z) - eta.
-        log_one = torch.nn.functional.logsigmoid(param)
-        return torch.stack([log_one - param, log_one]), indicators
-    table_fn = type(base)(**{name: param}, validate_args=False)
-    log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1, 1))  # (V, D, G)
+    table_fn = type(base)(**{name: param.unsqueeze(-2)}, validate_args=False)
+    log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1))  # (G, V, D)
     if not bool(torch.isfinite(log_table).all()):
         return None  # a value impossible at some node (e.g. probs of exactly 0 or 1)
-    return log_table, indicators
+    return TabulatedQuadratureSelfPredictive, log_table, indicators

@@ -274,7 +274,10 @@ def _probe(model, args, kwargs, local, priors, points, compact):
         pad = (1,) * (local.max_plate_nesting - len(site["fn"].batch_shape))
         z = z.reshape((num_probes,) + pad + batch + full[num_batch:])
         probe_trace.nodes[prior.name] = dict(site, value=z)
-    with pyro.plate(_PROBE_PLATE, num_probes, dim=-(local.max_plate_nesting + 1)):
+    # The first trace validated the model on the data; checking every distribution again at
+    # every point would double the cost of this run.
+    plate = pyro.plate(_PROBE_PLATE, num_probes, dim=-(local.max_plate_nesting + 1))
+    with plate, pyro.validation_enabled(False):
         probed = poutine.trace(poutine.replay(model, trace=probe_trace)).get_trace(*args, **kwargs)
     fn = probed.nodes[local.observed.name]["fn"]
     if compact:

@@ -13,8 +13,8 @@ One evaluation of the likelihood at every node serves every mask.
 When the nodes and the likelihood's parameters are shared by every observation (nodes under
 the prior, a decoder that sees only ``z``) and the data take few distinct values ``v``
 (binary pixels, small counts), ``l_gnj = L_{v j g}`` at ``v = x_nj``: the sums over features
-and over nodes become matrix products with a ``(V, D, G)`` table, and no ``(G, N, D)``
-tensor is formed (:func:`tabulated_log_conditionals`).
+and over nodes become matrix products with a table over the values, and no ``(G, N, D)``
+tensor is formed (:mod:`pyro_mpt.ops.tabulated_quadrature`).
 
 Sums over nodes are matrix products of exponentials shifted by their maxima. Products of two
 tiny factors would be subnormal numbers, which slow matrix products on CPUs many times over
@@ -39,9 +39,6 @@ __all__ = [
     "gauss_hermite_grid",
     "quadrature_log_conditionals",
     "quadrature_log_marginal",
-    "tabulated_log_conditionals",
-    "tabulated_log_marginal",
-    "value_indicators",
 ]
 
 
@@ -127,19 +124,6 @@ def quadrature_log_marginal(log_weights, log_likelihoods):
     return torch.logsumexp(log_weights + total, dim=0)
 
 
-def value_indicators(values, data):
-    """One-hot indicators of which of ``values`` each entry of ``data`` equals.
-
-    :param torch.Tensor values: the ``V`` distinct values, shape ``(V,)``.
-    :param torch.Tensor data: any shape ``S``; every entry must be one of ``values``.
-    :returns: a tensor of shape ``(V,) + S`` in the dtype of ``data`` (floating) or the
-        default dtype.
-    """
-    dtype = data.dtype if data.is_floating_point() else torch.get_default_dtype()
-    shape = values.shape + (1,) * data.dim()
-    return (data.unsqueeze(0) == values.reshape(shape)).to(dtype)
-
-
 def _gemm_safe_floor(dtype):
     """The square root of the dtype's smallest normal number (``1e-19`` in float32)."""
     return math.sqrt(torch.finfo(dtype).tiny)
@@ -150,86 +134,16 @@ def _floored_exp(x):
     return x.clamp(min=math.log(_gemm_safe_floor(x.dtype))).exp_()
 
 
+def _floored_exp_(x):
+    """:func:`_floored_exp` in place."""
+    return x.clamp_(min=math.log(_gemm_safe_floor(x.dtype))).exp_()
+
+
 def _flushed_exp(x):
-    """``exp(x)`` for ``x <= 0``, set to zero below :func:`_gemm_safe_floor`."""
-    out = x.exp()
-    return out.masked_fill(out < _gemm_safe_floor(x.dtype), 0.0)
+    """``exp(x)`` for ``x <= 0``, set to zero below :func:`_gemm_safe_floor`.
 
-
-class _TabulatedConditionals(torch.autograd.Function):
-    """Forward and a hand-written backward of :func:`tabulated_log_conditionals` on rows
-    ``r`` (mask and observation flattened).
-
-    With ``pi_rg`` the node posterior given the context, ``M_r = [x = v] * grad_rj /
-    num_rj`` and ``W_r = c_r * [x = v]``, the gradient with respect to the table is
-    ``(M^T pi) * E + W^T B`` with ``B_rg = pi_rg ((M E)_rg - sum_j grad_rj)``: three matrix
-    products, no ``(R, G, D)`` tensor and no transposed copy of the table.
+    The argument is clamped before the exponential: ``exp`` of a number far below the
+    dtype's range is many times slower than of a normal one on CPUs.
     """
-
-    @staticmethod
-    def forward(ctx, log_weights, log_table, onehot, context):
-        # log_table (V, D, G); onehot (R, V, D); context (R, D), all one dtype.
-        num_values, num_features, num_nodes = log_table.shape
-        table = log_table.reshape(num_values * num_features, num_nodes)
-        weighted = (context.unsqueeze(-2) * onehot).flatten(-2)  # (R, V * D)
-        a = torch.addmm(log_weights, weighted, table)  # (R, G)
-        posterior = _flushed_exp(a - a.amax(-1, keepdim=True))
-        posterior /= posterior.sum(-1, keepdim=True)
-        table_max = table.amax(-1, keepdim=True)  # (V * D, 1)
-        shifted = _floored_exp(table - table_max)  # exp(L - max_g L), (V * D, G)
-        sums = (posterior @ shifted.T).unflatten(-1, (num_values, num_features))
-        numerator = (sums * onehot).sum(-2)  # (R, D)
-        ctx.save_for_backward(weighted, posterior, shifted, numerator, onehot)
-        shift = (table_max.reshape(num_values, num_features) * onehot).sum(-2)
-        return numerator.log() + shift
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        weighted, posterior, shifted, numerator, onehot = ctx.saved_tensors
-        scaled = (onehot * (grad / numerator).unsqueeze(-2)).flatten(-2)  # (R, V * D)
-        node_grad = posterior * (scaled @ shifted - grad.sum(-1, keepdim=True))  # (R, G)
-        grad_table = (scaled.T @ posterior).mul_(shifted)  # (V * D, G)
-        grad_table.addmm_(weighted.T, node_grad)
-        return None, grad_table.reshape(onehot.shape[-2:] + posterior.shape[-1:]), None, None
-
-
-def tabulated_log_conditionals(log_weights, log_table, indicators, context):
-    """:func:`quadrature_log_conditionals` for data with few distinct values under
-    likelihood parameters shared by every observation.
-
-    .. math::
-
-        l_{gnj} = L_{x_{nj}, j, g}, \\qquad
-        \\sum_{k \\in R} l_{gnk} = \\sum_{v, k} c_{nk} [x_{nk} = v] L_{vkg}, \\qquad
-        \\sum_g a_{ng} e^{l_{gnj}} = \\sum_v [x_{nj} = v] \\sum_g a_{ng} e^{L_{vjg}}.
-
-    :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``; no gradient flows to it.
-    :param torch.Tensor log_table: ``L_{vjg} = log p(x_j = v | z_g)``, shape ``(V, D, G)``;
-        finite.
-    :param torch.Tensor indicators: ``[x_nj = v]`` from :func:`value_indicators`, shape
-        ``(V,) + batch + (D,)``.
-    :param torch.Tensor context: 1/True at observed features, ``(P,) + batch + (D,)`` (batch
-        dims may be 1 to share masks).
-    :returns: ``log p(x_j | x_R)``, shape ``(P,) + batch + (D,)``; equal to
-        :func:`quadrature_log_conditionals` on the full ``(G,) + batch + (D,)`` tensor.
-
-    Two matrix products of sizes ``(P N, V D) x (V D, G)`` and ``(P N, G) x (G, V D)`` make
-    the forward pass and three the backward pass, in memory ``O(P N (V D + G) + V D G)``.
-    """
-    dtype = log_table.dtype
-    num_values, num_features, _ = log_table.shape
-    onehot = indicators.to(dtype).movedim(0, -2)  # batch + (V, D)
-    shape = torch.broadcast_shapes(context.shape[:-1], (1,) + onehot.shape[:-2])
-    context = context.to(dtype).expand(shape + (num_features,)).reshape(-1, num_features)
-    onehot = onehot.expand(shape + onehot.shape[-2:]).reshape(-1, num_values, num_features)
-    out = _TabulatedConditionals.apply(log_weights.detach(), log_table, onehot, context)
-    return out.reshape(shape + (num_features,))
-
-
-def tabulated_log_marginal(log_weights, log_table, indicators):
-    """:func:`quadrature_log_marginal` from a value table (see
-    :func:`tabulated_log_conditionals`), shape ``batch``."""
-    onehot = indicators.to(log_table.dtype).movedim(0, -2).flatten(-2)  # batch + (V * D,)
-    total = onehot @ log_table.flatten(0, 1)  # batch + (G,)
-    return torch.logsumexp(log_weights + total, dim=-1)
+    log_floor = math.log(_gemm_safe_floor(x.dtype))
+    return x.clamp(min=log_floor).exp_().masked_fill(x < log_floor, 0.0)
