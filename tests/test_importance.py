@@ -78,6 +78,40 @@ def test_ops_reduce_to_quadrature_with_equal_weights():
     torch.testing.assert_close(importance_log_marginal(log_w), expected)
 
 
+@pytest.mark.parametrize("shared_masks", [False, True])
+def test_ops_values_and_gradients_against_logsumexp(shared_masks):
+    num_samples, num_masks, num_obs, num_features = 7, 3, 4, 5
+    log_w = torch.randn(num_samples, num_masks, num_obs, requires_grad=True)
+    ll = (10 * torch.randn(num_samples, num_masks, num_obs, num_features)).requires_grad_()
+    context = torch.rand(num_masks, 1 if shared_masks else num_obs, num_features) > 0.4
+    got = importance_log_conditionals(log_w, ll, context)
+    # The definition: two log-sum-exps over samples.
+    log_joint = log_w + torch.where(context, ll, 0.0).sum(-1)
+    expected = (
+        torch.logsumexp(log_joint.unsqueeze(-1) + ll, 0) - torch.logsumexp(log_joint, 0)[..., None]
+    )
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    upstream = torch.randn(got.shape)
+    grads = torch.autograd.grad((got * upstream).sum(), (log_w, ll))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (log_w, ll))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=0)
+
+
+def test_ops_impossible_masked_values():
+    ll = torch.randn(6, 1, 2, 3)
+    ll[:3, 0, 0, 1] = -math.inf  # impossible under half the samples
+    ll[:, 0, 1, 2] = -math.inf  # impossible under every sample
+    context = torch.tensor([[[True, False, True], [True, True, False]]])
+    got = importance_log_conditionals(torch.zeros(6, 1, 2), ll, context)
+    log_joint = torch.where(context, ll, 0.0).sum(-1)
+    expected = (
+        torch.logsumexp(log_joint.unsqueeze(-1) + ll, 0) - torch.logsumexp(log_joint, 0)[..., None]
+    )
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    assert got[0, 1, 2] == -math.inf
+
+
 def test_fill_masked_zeros_and_means_without_the_masked_values():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     masks = torch.tensor([[[True, False], [False, False], [False, True]]])

@@ -1,8 +1,11 @@
 """Rate schedules, stratified mask sizes and random masks."""
 
+import math
+
 import pytest
 import torch
 
+from pyro_mpt.ops.estimators import mask_scores
 from pyro_mpt.ops.masks import (
     FixedRate,
     RandomRate,
@@ -10,6 +13,7 @@ from pyro_mpt.ops.masks import (
     as_rate_schedule,
     masks_of_sizes,
     sample_masks,
+    select_masked,
 )
 
 
@@ -105,3 +109,22 @@ def test_numpy_and_torch_row_sorts_agree():
 
     keys = torch.rand(7, 33)
     assert torch.equal(_sort_rows(keys, use_numpy=True), _sort_rows(keys, use_numpy=False))
+
+
+def test_select_masked_equals_where_on_finite_values():
+    masks = torch.rand(3, 4, 5) < 0.5
+    masked, unmasked = torch.randn(3, 4, 5), 1e30 * torch.randn(4, 5)
+    assert torch.equal(select_masked(masks, masked, unmasked), torch.where(masks, masked, unmasked))
+    assert torch.equal(select_masked(masks, 2.5, unmasked), torch.where(masks, 2.5, unmasked))
+    assert torch.equal(select_masked(masks, masked, 1.0), torch.where(masks, masked, 1.0))
+
+
+def test_mask_scores_ignore_non_finite_values_outside_the_mask():
+    log_conditionals = torch.tensor([[-1.0, float("nan"), -3.0], [-1.0, -math.inf, math.inf]])
+    masks = torch.tensor([[True, False, True], [True, True, False]])
+    scores = mask_scores(log_conditionals, masks)
+    torch.testing.assert_close(scores[0], torch.tensor(-2.0))
+    assert scores[1] == -math.inf
+    finite = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
+    (grad,) = torch.autograd.grad(mask_scores(finite, masks[:1]).sum(), finite)
+    torch.testing.assert_close(grad, torch.tensor([[0.5, 0.0, 0.5]]))

@@ -16,6 +16,7 @@ from pyro_mpt.infer.guided_model import (
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
+from pyro_mpt.ops.masks import select_masked
 
 __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
 
@@ -42,7 +43,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         filled = fill_masked(x, masks, self.fill)  # (P,) + batch + (D,)
         for _ in range(self.num_iterations):
             mean = observed_tensor(self._decode(filled)[0].mean, self.guided, lead)
-            filled = torch.where(masks, mean, x)  # (S, P) + batch + (D,): one chain per sample
+            filled = select_masked(masks, mean, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled)
         return importance_log_marginal(observed_tensor(fn.log_prob(value), self.guided, lead))
 

@@ -27,7 +27,10 @@ def mask_scores(log_conditionals, masks):
     :returns: a tensor of shape ``S``.
     """
     masks = masks.expand(log_conditionals.shape)
-    total = torch.where(masks, log_conditionals, torch.zeros_like(log_conditionals)).sum(-1)
+    total = (log_conditionals * masks.to(log_conditionals.dtype)).sum(-1)
+    if not bool(torch.isfinite(total).all()):
+        # A non-finite entry: inside a mask it is the score; outside, it must be ignored.
+        total = torch.where(masks, log_conditionals, 0.0).sum(-1)
     return total / masks.sum(-1).to(log_conditionals.dtype)
 
 

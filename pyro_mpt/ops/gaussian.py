@@ -25,6 +25,7 @@ import math
 import torch
 
 from pyro_mpt.ops.active_set import active_set_conditionals
+from pyro_mpt.ops.masks import select_masked
 
 __all__ = [
     "latent_gaussian_conditionals",
@@ -157,6 +158,6 @@ def dense_gaussian_conditionals(x, loc, covariance, context):
     var = target_var.new_ones(var_shape).scatter(
         -1, index.expand(var_shape[:-1] + index.shape[-1:]), target_var
     )
-    mean = torch.where(masks, mean, loc)
-    var = torch.where(masks, var, torch.ones_like(var))
+    mean = select_masked(masks, mean, loc)
+    var = select_masked(masks, var, 1.0)
     return mean, var

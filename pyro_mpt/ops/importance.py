@@ -20,6 +20,9 @@ import math
 
 import torch
 
+from pyro_mpt.ops.masks import select_masked
+from pyro_mpt.ops.quadrature import _floored_exp_, _flushed_exp
+
 __all__ = [
     "check_fill",
     "fill_masked",
@@ -59,7 +62,68 @@ def fill_masked(x, masks, fill="zeros"):
         total = (observed * x).sum(batch_dims, keepdim=True)
         count = observed.sum(batch_dims, keepdim=True)
         value = total / count.clamp(min=1)
-    return torch.where(masks, value, x)
+    return select_masked(masks, value, x)
+
+
+class _ImportanceConditionals(torch.autograd.Function):
+    """:func:`importance_log_conditionals` on rows ``r`` (mask and observation flattened),
+    one sample at a time.
+
+    With ``w_sr`` the self-normalised weights given the context, ``E_srj = exp(l_srj -
+    max_s l_srj)`` and ``pred_rj = sum_s w_sr E_srj``, the output is ``log pred + max_s l``;
+    with ``y = grad / pred``, the gradients are
+
+    .. math::
+
+        \\frac{\\partial}{\\partial l_{srj}} = w_{sr} E_{srj} y_{rj} + c_{rj} B_{sr}, \\qquad
+        \\frac{\\partial}{\\partial \\log w_{sr}} = B_{sr}
+            = w_{sr} \\Big(\\sum_j E_{srj} y_{rj} - \\sum_j \\mathrm{grad}_{rj}\\Big).
+
+    Working on one sample's ``(R, D)`` slice at a time keeps every temporary in cache: the
+    ``(S, R, D)`` log-likelihoods are read twice and ``E`` written once forward, and ``E``
+    read once and the gradient written once backward.
+    """
+
+    @staticmethod
+    def forward(ctx, log_weights, log_likelihoods, context):
+        # log_weights (S, R); log_likelihoods (S, R, D); context (R, D) bool.
+        observed = context.to(log_likelihoods.dtype)
+        context_ll = torch.empty_like(log_weights)
+        ll_max = log_likelihoods[0].clone()
+        for s, ll in enumerate(log_likelihoods):
+            torch.sum(ll * observed, -1, out=context_ll[s])
+            torch.maximum(ll_max, ll, out=ll_max)
+        if not bool(torch.isfinite(context_ll).all()):
+            # A -inf likelihood at a masked feature must not turn its context sum into NaN.
+            context_ll = torch.where(context, log_likelihoods, 0.0).sum(-1)
+        log_joint = log_weights + context_ll
+        weights = _flushed_exp(log_joint - log_joint.amax(0))
+        weights /= weights.sum(0)
+        # A feature impossible under every sample keeps its -inf: shift it by 0 instead.
+        shift = ll_max.clamp(min=torch.finfo(ll_max.dtype).min)
+        shifted = torch.empty_like(log_likelihoods)
+        predictive = torch.zeros_like(ll_max)
+        for s, ll in enumerate(log_likelihoods):
+            _floored_exp_(torch.sub(ll, shift, out=shifted[s]))
+            predictive.addcmul_(weights[s].unsqueeze(-1), shifted[s])
+        ctx.save_for_backward(weights, shifted, predictive, context)
+        return predictive.log().add_(ll_max)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        weights, shifted, predictive, context = ctx.saved_tensors
+        scaled = grad / predictive
+        total = grad.sum(-1)
+        context = context.to(grad.dtype)
+        grad_weights = torch.empty_like(weights)
+        grad_ll = torch.empty_like(shifted)
+        for s, shifted_s in enumerate(shifted):
+            torch.sub((shifted_s * scaled).sum(-1), total, out=grad_weights[s])
+            grad_weights[s] *= weights[s]
+            grad_s = torch.mul(context, grad_weights[s].unsqueeze(-1), out=grad_ll[s])
+            grad_s.addcmul_(shifted_s, scaled * weights[s].unsqueeze(-1))
+        return grad_weights, grad_ll, None
 
 
 def importance_log_conditionals(log_weights, log_likelihoods, context):
@@ -71,14 +135,19 @@ def importance_log_conditionals(log_weights, log_likelihoods, context):
     :param torch.Tensor context: 1/True at observed features, shape
         ``(P,) + batch + (D,)`` (batch dims may be 1 to share masks).
     :returns: a tensor of shape ``(P,) + batch + (D,)``.
+
+    Sums over samples are those of shifted exponentials, floored as in
+    :mod:`pyro_mpt.ops.quadrature` (a relative error below ``S sqrt(tiny)``); the forward and
+    backward passes are written by hand (:class:`_ImportanceConditionals`).
     """
     ll = log_likelihoods
-    context = context.to(torch.bool)
-    # A -inf likelihood at a masked feature must not turn the context sum into NaN.
-    context_ll = torch.where(context, ll, ll.new_zeros(())).sum(-1)
-    log_w = log_weights + context_ll  # (S, P) + batch
-    numerator = torch.logsumexp(log_w.unsqueeze(-1) + ll, dim=0)
-    return numerator - torch.logsumexp(log_w, dim=0).unsqueeze(-1)
+    shape, num_features = ll.shape[1:-1], ll.shape[-1]
+    num_samples = ll.shape[0]
+    context = context.to(torch.bool).expand(shape + (num_features,)).reshape(-1, num_features)
+    log_weights = log_weights.expand(ll.shape[:-1]).reshape(num_samples, -1)
+    ll = ll.reshape(num_samples, -1, num_features)
+    out = _ImportanceConditionals.apply(log_weights, ll, context)
+    return out.reshape(shape + (num_features,))
 
 
 def importance_log_marginal(log_weights):

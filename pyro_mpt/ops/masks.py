@@ -39,6 +39,7 @@ __all__ = [
     "check_num_masks",
     "sample_masks",
     "masks_of_sizes",
+    "select_masked",
 ]
 
 
@@ -262,3 +263,18 @@ def sample_masks(schedule, num_masks, batch_shape, num_features, device=None):
     """
     sizes = schedule.sample_sizes(num_masks, torch.Size(batch_shape), num_features, device)
     return masks_of_sizes(sizes, num_features), sizes
+
+
+def select_masked(masks, masked, unmasked):
+    """``torch.where(masks, masked, unmasked)`` for finite values, by arithmetic.
+
+    Each product is by exactly 0 or 1, so the values are those of ``where``, and on CPUs it is
+    many times faster than ``where`` with a boolean condition. A non-finite value would meet
+    a 0 and give NaN: use ``torch.where`` when there may be one.
+
+    :param torch.Tensor masks: boolean, broadcastable to the other two.
+    :param masked: the value where ``masks`` is ``True`` (a tensor or a number).
+    :param unmasked: the value elsewhere (a tensor or a number).
+    """
+    weights = masks.to(torch.result_type(masked, unmasked))
+    return masked * weights + unmasked * (1 - weights)

@@ -145,5 +145,6 @@ def _flushed_exp(x):
     The argument is clamped before the exponential: ``exp`` of a number far below the
     dtype's range is many times slower than of a normal one on CPUs.
     """
-    log_floor = math.log(_gemm_safe_floor(x.dtype))
-    return x.clamp(min=log_floor).exp_().masked_fill(x < log_floor, 0.0)
+    floor = _gemm_safe_floor(x.dtype)
+    # Below the floor, exp(log(floor) - 1) = floor / e is dropped by the threshold.
+    return torch.nn.functional.threshold(x.clamp(min=math.log(floor) - 1).exp_(), floor, 0.0)
