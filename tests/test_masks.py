@@ -128,3 +128,17 @@ def test_mask_scores_ignore_non_finite_values_outside_the_mask():
     finite = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
     (grad,) = torch.autograd.grad(mask_scores(finite, masks[:1]).sum(), finite)
     torch.testing.assert_close(grad, torch.tensor([[0.5, 0.0, 0.5]]))
+
+
+def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
+    rand = torch.rand
+
+    def coarse_rand(*shape, dtype=None, **kwargs):
+        keys = rand(*shape, dtype=dtype, **kwargs)
+        # float32 keys on a grid of 8 values: ties in every row; float64 keys untouched.
+        return (keys * 8).floor() / 8 if dtype in (None, torch.float32) else keys
+
+    monkeypatch.setattr(torch, "rand", coarse_rand)
+    sizes = torch.randint(0, 21, (500,))
+    masks = masks_of_sizes(sizes, 20)
+    assert torch.equal(masks.sum(-1), sizes)

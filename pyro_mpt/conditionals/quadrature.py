@@ -265,7 +265,8 @@ def _shared_log_table(fn, observed):
     value = observed.value
     is_one = value == 1
     if bool((is_one | (value == 0)).all()):
-        indicators = torch.stack([~is_one, is_one]).to(param.dtype)
+        # Stacked on dim -2 and viewed as (V,) + batch + (D,): the layout the tables use.
+        indicators = torch.stack([~is_one, is_one], -2).to(param.dtype).movedim(-2, 0)
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
             return BernoulliQuadratureSelfPredictive, param, indicators
         values = value.new_tensor([0, 1])

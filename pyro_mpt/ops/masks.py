@@ -243,10 +243,19 @@ def masks_of_sizes(sizes, num_features):
         is uniform among the masks of its size.
     """
     # A feature is masked when its random key is among the M smallest of its row: one sort
-    # finds each row's M-th smallest key. Ties have probability zero in float32.
-    keys = torch.rand(sizes.shape + (num_features,), device=sizes.device)
-    sorted_keys = _sort_rows(keys)
-    threshold = sorted_keys.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+    # finds each row's M-th smallest key.
+    masks = _masks_below_threshold(sizes, num_features, torch.float32)
+    # float32 keys tie in about 2% of rows of 784; a tie at the threshold would mask one
+    # feature too many. Those rows (about 1 in 40000) are drawn again with float64 keys.
+    wrong = masks.sum(-1) != sizes.clamp(min=0)
+    if bool(wrong.any()):
+        masks[wrong] = _masks_below_threshold(sizes[wrong], num_features, torch.float64)
+    return masks
+
+
+def _masks_below_threshold(sizes, num_features, dtype):
+    keys = torch.rand(sizes.shape + (num_features,), dtype=dtype, device=sizes.device)
+    threshold = _sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
     return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
 
 
