@@ -302,3 +302,28 @@ def test_ppca_guide_serves_importance_sampling():
     )
     # The guide is at its initial values (a poor proposal): a loose but failing-when-broken bound.
     assert (estimate - exact).abs().max() < 0.1
+
+
+def test_fast_bernoulli_log_prob_values_and_gradients():
+    from pyro_mpt.ops.bernoulli import bernoulli_log_prob, log_prob
+
+    logits = torch.tensor([[-900.0, -30.0, -2.0, 0.0, 3.0, 40.0, 800.0]]).expand(3, 7)
+    logits = (logits + torch.randn(3, 7)).requires_grad_()
+    value = torch.bernoulli(torch.full((4, 1, 7), 0.5))
+    fast = bernoulli_log_prob(logits, value)
+    reference = dist.Bernoulli(logits=logits).log_prob(value)
+    torch.testing.assert_close(fast, reference, atol=1e-12, rtol=0)
+    upstream = torch.randn(fast.shape)
+    (grad,) = torch.autograd.grad((fast * upstream).sum(), logits)
+    (expected,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    # Dispatch: the fast path for logits, the distribution's own for probs.
+    moderate = logits.detach().clamp(-30, 30)
+    torch.testing.assert_close(
+        log_prob(dist.Bernoulli(logits=moderate), value),
+        dist.Bernoulli(logits=moderate).log_prob(value),
+    )
+    probs = torch.sigmoid(moderate)
+    assert torch.equal(
+        log_prob(dist.Bernoulli(probs=probs), value), dist.Bernoulli(probs=probs).log_prob(value)
+    )

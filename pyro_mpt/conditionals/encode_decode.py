@@ -15,6 +15,7 @@ from pyro_mpt.infer.guided_model import (
     run_guided,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.ops.masks import select_masked
 
@@ -45,7 +46,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
             mean = observed_tensor(self._decode(filled)[0].mean, self.guided, lead)
             filled = select_masked(masks, mean, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled)
-        return importance_log_marginal(observed_tensor(fn.log_prob(value), self.guided, lead))
+        return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
 
 
 def _latent_parameters(trace, names):

@@ -11,6 +11,7 @@ from pyro_mpt.infer.guided_model import (
     sites_log_density,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import (
     check_fill,
     fill_masked,
@@ -39,7 +40,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
         site = model_trace.nodes[self.observed.name]
-        ll = unwrap_independent(site["fn"]).log_prob(site["value"])
+        ll = log_prob(unwrap_independent(site["fn"]), site["value"])
         return log_p - log_q, observed_tensor(ll, guided, lead)
 
     def log_prob(self, masks):
