@@ -3,12 +3,12 @@
 When the quadrature nodes and the likelihood's parameters are the same for every
 observation (nodes under the prior, a decoder that sees only ``z``) and the data take few
 distinct values ``v`` (binary pixels, small counts), the log-likelihood of observation ``n``
-at node ``g`` is a table lookup, ``l_gnj = L_{v j g}`` at ``v = x_nj``, and
+at node ``g`` is a table lookup, ``l_gnj = L_{g v j}`` at ``v = x_nj``, and
 
 .. math::
 
-    \\sum_{k \\in R} l_{gnk} = \\sum_{v, k} c_{nk} [x_{nk} = v] L_{vkg}, \\qquad
-    \\sum_g a_{ng} e^{l_{gnj}} = \\sum_v [x_{nj} = v] \\sum_g a_{ng} e^{L_{vjg}}:
+    \\sum_{k \\in R} l_{gnk} = \\sum_{v, k} c_{nk} [x_{nk} = v] L_{gvk}, \\qquad
+    \\sum_g a_{ng} e^{l_{gnj}} = \\sum_v [x_{nj} = v] \\sum_g a_{ng} e^{L_{gvj}}:
 
 the sums over features and over nodes become matrix products with the table, and no
 ``(G, N, D)`` tensor is formed, in time or in memory. The forward and backward passes are
