@@ -206,3 +206,21 @@ def test_guide_centred_nodes_need_normal_guides():
         Quadrature(center="guide").prepare(model, guide, (torch.ones(3, 4),), {})
     with pytest.raises(ValueError, match=r"center must be 'prior' or 'guide', got 'mode'"):
         Quadrature(center="mode")
+
+
+def test_per_observation_path_with_impossible_masked_values():
+    """A value impossible at some or every node, at a masked feature, gives the log-sum-exp
+    of the definition (``-inf`` when impossible everywhere), not NaN."""
+    from pyro_mpt.ops.quadrature import quadrature_log_conditionals
+
+    ll = torch.randn(5, 2, 3)  # (G, N, D)
+    ll[:2, 0, 1] = -math.inf  # impossible at two nodes
+    ll[:, 1, 2] = -math.inf  # impossible at every node
+    log_w = torch.log_softmax(torch.randn(5), 0)
+    context = torch.tensor([[[True, False, True], [True, True, False]]])
+    got = quadrature_log_conditionals(log_w, ll, context)
+    a = log_w.reshape(5, 1) + torch.where(context[0], ll, 0.0).sum(-1)  # (G, N)
+    expected = torch.logsumexp(a.unsqueeze(-1) + ll, 0) - torch.logsumexp(a, 0).unsqueeze(-1)
+    torch.testing.assert_close(got[0, 0, 1], expected[0, 1], atol=1e-12, rtol=0)
+    assert got[0, 1, 2] == -math.inf
+    assert not torch.isnan(got).any()

@@ -105,13 +105,17 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     the nodes (see the module notes on the floor), so no ``(G, P, N, D)`` tensor is formed.
     """
     ll = log_likelihoods
-    context = context.to(ll.dtype)
     # a_g = log w_g + sum_{k in R} l_gk, shape (P,) + batch + (G,).
-    context_ll = torch.einsum("g...d,p...d->p...g", ll, context)
+    context_ll = torch.einsum("g...d,p...d->p...g", ll, context.to(ll.dtype))
+    if not bool(torch.isfinite(context_ll).all()):
+        # A -inf likelihood at a masked feature must not turn its context sum into NaN.
+        picked = torch.where(context.to(torch.bool), ll.unsqueeze(1), 0.0)  # (G, P) + ...
+        context_ll = picked.sum(-1).movedim(0, -1)
     a = log_weights.movedim(0, -1) + context_ll
     wa = _flushed_exp(a - a.amax(-1, keepdim=True))
     ll_max = ll.amax(0)  # batch + (D,)
-    el = _floored_exp(ll - ll_max)
+    # A value impossible at every node keeps its -inf: shift it by a finite number instead.
+    el = _floored_exp(ll - ll_max.clamp(min=torch.finfo(ll.dtype).min))
     numerator = torch.einsum("p...g,g...d->p...d", wa, el)
     return numerator.log() + ll_max - wa.sum(-1, keepdim=True).log()
 
