@@ -263,10 +263,10 @@ def _shared_log_table(fn, observed):
         return None  # parameters vary across observations
     param = param.reshape(param.shape[:1] + param.shape[-1:])  # (G, D)
     value = observed.value
-    is_one = value == 1
-    if bool((is_one | (value == 0)).all()):
+    ones = value.to(param.dtype)
+    if not bool((ones * (1 - ones)).any()):  # binary data (NaN was ruled out by the trace)
         # Stacked on dim -2 and viewed as (V,) + batch + (D,): the layout the tables use.
-        indicators = torch.stack([~is_one, is_one], -2).to(param.dtype).movedim(-2, 0)
+        indicators = torch.stack([1 - ones, ones], -2).movedim(-2, 0)
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
             return BernoulliQuadratureSelfPredictive, param, indicators
         values = value.new_tensor([0, 1])

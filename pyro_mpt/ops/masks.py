@@ -244,19 +244,27 @@ def masks_of_sizes(sizes, num_features):
     """
     # A feature is masked when its random key is among the M smallest of its row: one sort
     # finds each row's M-th smallest key.
-    masks = _masks_below_threshold(sizes, num_features, torch.float32)
-    # float32 keys tie in about 2% of rows of 784; a tie at the threshold would mask one
-    # feature too many. Those rows (about 1 in 40000) are drawn again with float64 keys.
-    wrong = masks.sum(-1) != sizes.clamp(min=0)
-    if bool(wrong.any()):
-        masks[wrong] = _masks_below_threshold(sizes[wrong], num_features, torch.float64)
+    masks, tied = _masks_below_threshold(sizes, num_features, torch.float32)
+    # float32 keys tie in about 2% of rows of 784; a tie between the M-th and the next key
+    # would mask one feature too many. Those rows (about 1 in 40000) are drawn again with
+    # float64 keys.
+    if bool(tied.any()):
+        masks[tied] = _masks_below_threshold(sizes[tied], num_features, torch.float64)[0]
     return masks
 
 
 def _masks_below_threshold(sizes, num_features, dtype):
+    """Masks of the given sizes from random keys, and which rows' M-th and (M+1)-th keys
+    tie."""
     keys = torch.rand(sizes.shape + (num_features,), dtype=dtype, device=sizes.device)
-    threshold = _sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
-    return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
+    sorted_keys = _sort_rows(keys)
+    index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
+    threshold = sorted_keys.gather(-1, index)
+    following = sorted_keys.gather(-1, (index + 1).clamp(max=num_features - 1))
+    tied = ((following == threshold) & (index + 1 < num_features)).squeeze(-1)
+    # Rows of size 0 mask nothing: no key is below -1.
+    threshold = threshold.masked_fill((sizes < 1).unsqueeze(-1), -1.0)
+    return keys <= threshold, tied & (sizes >= 1)
 
 
 def sample_masks(schedule, num_masks, batch_shape, num_features, device=None):
