@@ -1,6 +1,8 @@
-"""Exceptions raised by pyro_mpt."""
+"""Exceptions raised by pyro_mpt, and the argument check every constructor shares."""
 
-__all__ = ["NotApplicableError"]
+import numbers
+
+__all__ = ["NotApplicableError", "check_positive_int"]
 
 
 class NotApplicableError(ValueError):
@@ -9,3 +11,22 @@ class NotApplicableError(ValueError):
     ``conditionals="auto"`` catches it to try the next strategy; any other ``ValueError`` is
     a problem with the model or its data and propagates at once.
     """
+
+
+def check_positive_int(name, value, hint=None):
+    """``value`` as an ``int`` after checking that it is a positive integer.
+
+    :param str name: the argument's name, for the message.
+    :param value: the argument.
+    :param str hint: a sentence appended to the message of a value below 1, e.g. what the
+        argument means.
+    :raises TypeError: if it is not an integer (``True`` and ``False`` are not counts).
+    :raises ValueError: if it is below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive integer, got {value!r} of type {type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}." + (f" {hint}" if hint else ""))
+    return int(value)

@@ -162,7 +162,7 @@ def test_bad_constructor_arguments_are_rejected():
         GPDecoder(5, 2, kernel=torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="encoder must be a torch.nn.Module"):
         GPDecoder(5, 2, encoder=lambda y: y)
-    with pytest.raises(ValueError, match="num_data must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="num_data must be at least 1, got 0"):
         GPDecoder(0, 2)
     with pytest.raises(ValueError, match="noise_scale must be a positive number, got -1"):
         GPDecoder(5, 2, noise_scale=-1)

@@ -282,7 +282,9 @@ def test_models_outside_its_scope_are_rejected():
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"num_samples must be at least 1, got 0"):
         Importance(num_samples=0)
-    with pytest.raises(TypeError, match=r"num_samples must be an integer, got 2.5"):
+    with pytest.raises(
+        TypeError, match=r"num_samples must be a positive integer, got 2.5 of type float"
+    ):
         Importance(num_samples=2.5)
     with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got 'ones'"):
         Importance(fill="ones")

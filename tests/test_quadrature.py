@@ -157,9 +157,11 @@ def test_non_factorising_likelihood_is_rejected():
 
 
 def test_bad_num_points():
-    with pytest.raises(ValueError, match=r"num_points must be at least 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"num_points must be at least 1, got 0. e.g. num_points=20"
+    ):
         Quadrature(num_points=0)
-    with pytest.raises(TypeError, match=r"num_points must be an integer, got 2.5"):
+    with pytest.raises(TypeError, match=r"num_points must be a positive integer, got 2.5"):
         Quadrature(num_points=2.5)
 
 

@@ -270,8 +270,8 @@ def test_tokenizer_without_a_mask_token_is_rejected(tokenizer, tmp_path):
         ({"random_replace_prob": -0.1}, ValueError, r"random_replace_prob must lie in \[0, 1\]"),
         ({"mask_replace_prob": "0.8"}, TypeError, "mask_replace_prob must be a float"),
         ({"span_geometric_p": 0.0}, ValueError, "span_geometric_p must be positive"),
-        ({"max_span_length": 0}, ValueError, "max_span_length must be a positive integer"),
-        ({"pad_to_multiple_of": 2.5}, ValueError, "pad_to_multiple_of must be a positive"),
+        ({"max_span_length": 0}, ValueError, "max_span_length must be at least 1, got 0"),
+        ({"pad_to_multiple_of": 2.5}, TypeError, "pad_to_multiple_of must be a positive integer"),
     ],
 )
 def test_bad_arguments_raise(tokenizer, kwargs, error, match):

@@ -146,18 +146,22 @@ def test_num_layers_and_activation():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "kwargs,error,match",
     [
-        ({"likelihood": "poisson"}, "likelihood must be 'bernoulli' or 'normal', got 'poisson'"),
-        ({"latent_dim": 0}, "latent_dim must be a positive integer, got 0"),
-        ({"num_layers": 0}, "num_layers must be a positive integer, got 0"),
-        ({"hidden_dim": 2.5}, "hidden_dim must be a positive integer, got 2.5"),
-        ({"activation": "gelu"}, "activation must be 'tanh' or 'relu', got 'gelu'"),
-        ({"noise": "full"}, "noise must be 'scalar' or 'feature', got 'full'"),
+        (
+            {"likelihood": "poisson"},
+            ValueError,
+            "likelihood must be 'bernoulli' or 'normal', got 'poisson'",
+        ),
+        ({"latent_dim": 0}, ValueError, "latent_dim must be at least 1, got 0"),
+        ({"num_layers": 0}, ValueError, "num_layers must be at least 1, got 0"),
+        ({"hidden_dim": 2.5}, TypeError, "hidden_dim must be a positive integer, got 2.5"),
+        ({"activation": "gelu"}, ValueError, "activation must be 'tanh' or 'relu', got 'gelu'"),
+        ({"noise": "full"}, ValueError, "noise must be 'scalar' or 'feature', got 'full'"),
     ],
 )
-def test_argument_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_argument_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
         VAE(D, **kwargs)
 
 

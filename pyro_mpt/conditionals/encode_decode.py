@@ -6,9 +6,8 @@ import numbers
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.infer.guided_model import (
-    check_count,
     describe_guide,
     observed_tensor,
     prepare_guided,
@@ -171,7 +170,7 @@ class EncodeDecode(Conditionals):
         if num_iterations < 0:
             raise ValueError(f"num_iterations must be 0 or more, got {num_iterations}.")
         self.num_iterations = int(num_iterations)
-        self.num_samples = check_count("num_samples", num_samples)
+        self.num_samples = check_positive_int("num_samples", num_samples)
         self.fill = check_fill(fill)
 
     def __repr__(self):

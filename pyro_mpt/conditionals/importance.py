@@ -3,8 +3,8 @@
 import math
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.infer.guided_model import (
-    check_count,
     observed_tensor,
     prepare_guided,
     run_guided,
@@ -106,7 +106,7 @@ class Importance(Conditionals):
     auto = True
 
     def __init__(self, num_samples=64, fill="zeros"):
-        self.num_samples = check_count("num_samples", num_samples)
+        self.num_samples = check_positive_int("num_samples", num_samples)
         self.fill = check_fill(fill)
 
     def __repr__(self):

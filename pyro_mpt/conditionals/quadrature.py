@@ -1,13 +1,12 @@
 """Self-predictive conditionals by numerical integration over a low-dimensional latent."""
 
 import math
-import numbers
 
 import pyro.poutine as poutine
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.infer.latent_probe import (
     compact_parameter,
     flatten_tail,
@@ -150,10 +149,7 @@ class Quadrature(Conditionals):
     name = "quadrature"
 
     def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
-        if isinstance(num_points, bool) or not isinstance(num_points, numbers.Integral):
-            raise TypeError(f"num_points must be an integer, got {num_points!r}.")
-        if num_points < 1:
-            raise ValueError(f"num_points must be at least 1, got {num_points}, e.g. 20.")
+        num_points = check_positive_int("num_points", num_points, "e.g. num_points=20.")
         if center not in ("prior", "guide"):
             raise ValueError(f"center must be 'prior' or 'guide', got {center!r}.")
         self.num_points = int(num_points)

@@ -6,7 +6,6 @@ replaced, inside two extra plates, one over samples and one over masks, and repl
 model against the guide's latents.
 """
 
-import numbers
 from typing import NamedTuple
 
 import pyro
@@ -19,7 +18,6 @@ from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [
     "GuidedModel",
-    "check_count",
     "describe_guide",
     "observed_tensor",
     "prepare_guided",
@@ -58,15 +56,6 @@ def describe_guide(guide):
     """A readable name for a guide: a function's qualified name or an object's class."""
     name = getattr(guide, "__qualname__", None)
     return name if isinstance(name, str) else type(guide).__name__
-
-
-def check_count(name, value):
-    """Returns ``value`` as an int after checking that it is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}.")
-    return int(value)
 
 
 def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):

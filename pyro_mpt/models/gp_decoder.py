@@ -10,13 +10,9 @@ from linear_operator.operators import DenseLinearOperator
 from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
+from pyro_mpt.errors import check_positive_int
+
 __all__ = ["GPDecoder"]
-
-
-def _check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 class GPDecoder(PyroModule):
@@ -100,9 +96,9 @@ class GPDecoder(PyroModule):
         jitter=1e-6,
     ):
         super().__init__()
-        self.num_data = _check_positive_int(num_data, "num_data")
-        self.num_outputs = _check_positive_int(num_outputs, "num_outputs")
-        self.latent_dim = _check_positive_int(latent_dim, "latent_dim")
+        self.num_data = check_positive_int("num_data", num_data)
+        self.num_outputs = check_positive_int("num_outputs", num_outputs)
+        self.latent_dim = check_positive_int("latent_dim", latent_dim)
         if kernel is None:
             kernel = gpytorch.kernels.ScaleKernel(
                 gpytorch.kernels.RBFKernel(ard_num_dims=self.latent_dim)

@@ -20,16 +20,12 @@ import torch.nn.functional as F
 from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
+from pyro_mpt.errors import check_positive_int
+
 __all__ = ["LinearVAE", "VAE"]
 
 _LIKELIHOODS = ("bernoulli", "normal")
 _MIN_SCALE = 1e-4
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 class _AutoEncoderModel(PyroModule):
@@ -38,8 +34,8 @@ class _AutoEncoderModel(PyroModule):
     def _init_common(self, num_features, latent_dim, likelihood, subsample_size):
         if likelihood not in _LIKELIHOODS:
             raise ValueError(f"likelihood must be 'bernoulli' or 'normal', got {likelihood!r}.")
-        self.num_features = _check_positive_int("num_features", num_features)
-        self.latent_dim = _check_positive_int("latent_dim", latent_dim)
+        self.num_features = check_positive_int("num_features", num_features)
+        self.latent_dim = check_positive_int("latent_dim", latent_dim)
         self.likelihood = likelihood
         self.subsample_size = subsample_size
 
@@ -231,8 +227,8 @@ class VAE(_AutoEncoderModel):
     ):
         super().__init__()
         self._init_common(num_features, latent_dim, likelihood, subsample_size)
-        hidden_dim = _check_positive_int("hidden_dim", hidden_dim)
-        num_layers = _check_positive_int("num_layers", num_layers)
+        hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        num_layers = check_positive_int("num_layers", num_layers)
         if activation not in ("tanh", "relu"):
             raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}.")
         if noise not in ("scalar", "feature"):

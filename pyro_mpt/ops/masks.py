@@ -30,6 +30,8 @@ import numbers
 import numpy as np
 import torch
 
+from pyro_mpt.errors import check_positive_int
+
 __all__ = [
     "RateSchedule",
     "UniformRate",
@@ -206,22 +208,13 @@ def as_rate_schedule(rate):
 
 
 def check_num_masks(num_masks):
-    """``num_masks`` as an ``int`` after checking it is a positive integer.
-
-    :raises TypeError: if it is not an integer.
-    :raises ValueError: if it is below 1.
-    """
-    if isinstance(num_masks, bool) or not isinstance(num_masks, numbers.Integral):
-        raise TypeError(
-            f"num_masks must be a positive integer, got {num_masks!r} of type "
-            f"{type(num_masks).__name__}."
-        )
-    if num_masks < 1:
-        raise ValueError(
-            f"num_masks must be at least 1, got {num_masks}. It is the number of random masks "
-            f"drawn per observation and step, e.g. num_masks=1."
-        )
-    return int(num_masks)
+    """``num_masks`` as an ``int`` after checking it is a positive integer (see
+    :func:`~pyro_mpt.errors.check_positive_int`)."""
+    return check_positive_int(
+        "num_masks",
+        num_masks,
+        "It is the number of random masks drawn per observation and step, e.g. num_masks=1.",
+    )
 
 
 def _sort_rows(keys, use_numpy=None):

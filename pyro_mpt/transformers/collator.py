@@ -6,6 +6,7 @@ import numbers
 
 import torch
 
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import as_rate_schedule
 from pyro_mpt.transformers import _mask_units
 from pyro_mpt.transformers._padding import pad_examples
@@ -22,12 +23,6 @@ def _check_probability(value, name):
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must lie in [0, 1], got {value!r}.")
     return float(value)
-
-
-def _check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 class MPTDataCollator:
@@ -112,9 +107,9 @@ class MPTDataCollator:
         if p == 0.0:
             raise ValueError("span_geometric_p must be positive, got 0.0; SpanBERT uses 0.2.")
         self.span_geometric_p = p
-        self.max_span_length = _check_positive_int(max_span_length, "max_span_length")
+        self.max_span_length = check_positive_int("max_span_length", max_span_length)
         if pad_to_multiple_of is not None:
-            pad_to_multiple_of = _check_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+            pad_to_multiple_of = check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.whole_word_mask = bool(whole_word_mask)
         self.span_masking = bool(span_masking)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import FixedRate, masks_of_sizes
 
 __all__ = ["MaskedCurve", "mpt_curve", "default_rates"]
@@ -62,15 +63,6 @@ def _check_rates(rates, name="rates"):
     return values
 
 
-def _check_count(value, name):
-    """A positive int, or a ValueError/TypeError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}.")
-    return int(value)
-
-
 def _rate_sizes(rates, num_features):
     """Mask sizes ``max(1, round(r D))`` of each rate, by :class:`FixedRate`, shape ``(R,)``."""
     zero = torch.zeros(1, dtype=torch.float64)
@@ -116,7 +108,7 @@ class _Plan:
         self.mask_id = mask_id
         self.pad_id = pad_id if pad_id is not None else mask_id
         self.rates = _check_rates(rates)
-        self.num_masks = _check_count(num_masks, "num_masks")
+        self.num_masks = check_positive_int("num_masks", num_masks)
         special = set(tokenizer.all_special_ids)
         self.ids = _encode(tokenizer, texts, max_length)
         self.positions = []
@@ -290,9 +282,9 @@ def mpt_curve(
         torch.Size([2])
     """
     rates = default_rates() if rates is None else rates
-    batch_size = _check_count(batch_size, "batch_size")
+    batch_size = check_positive_int("batch_size", batch_size)
     if max_length is not None:
-        max_length = _check_count(max_length, "max_length")
+        max_length = check_positive_int("max_length", max_length)
     plan = _Plan(tokenizer, texts, rates, num_masks, max_length)
     device = _model_device(model)
     model.eval()

@@ -6,9 +6,9 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.transformers.curve import (
-    _check_count,
     _check_rates,
     _rate_sizes,
     _summarise,
@@ -79,8 +79,8 @@ def mae_curve(
         [0.25, 0.5]
     """
     rates = _check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
-    num_masks = _check_count(num_masks, "num_masks")
-    batch_size = _check_count(batch_size, "batch_size")
+    num_masks = check_positive_int("num_masks", num_masks)
+    batch_size = check_positive_int("batch_size", batch_size)
     total = num_patches(model)
     sizes = _rate_sizes(rates, total)
     if int(sizes.max()) >= total:

@@ -4,8 +4,8 @@ or the uniform schedule of masked pre-training."""
 import torch
 from tqdm.auto import tqdm
 
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import as_rate_schedule, masks_of_sizes
-from pyro_mpt.transformers.curve import _check_count
 from pyro_mpt.transformers.vit_mae import masked_forward, num_patches
 
 __all__ = ["mae_loss", "train_mae"]
@@ -69,8 +69,8 @@ def train_mae(
     :returns: the loss of every step, a list of floats.
     """
     as_rate_schedule(rate)  # a bad rate fails before any step
-    epochs = _check_count(epochs, "epochs")
-    batch_size = _check_count(batch_size, "batch_size")
+    epochs = check_positive_int("epochs", epochs)
+    batch_size = check_positive_int("batch_size", batch_size)
     num_images = images.shape[0]
     steps = epochs * -(-num_images // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
