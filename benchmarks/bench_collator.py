@@ -58,7 +58,10 @@ def _examples(tokenizer, batch, seed=0, equal=False):
         pieces = [rng.choice(vocab) for _ in range(length)]
         text = " ".join(p[2:] if p.startswith("##") else p for p in pieces)
         encoded = tokenizer(
-            text, truncation=True, max_length=length + 2, return_special_tokens_mask=True,
+            text,
+            truncation=True,
+            max_length=length + 2,
+            return_special_tokens_mask=True,
             return_offsets_mapping=True,
         )
         out.append({k: list(v) for k, v in encoded.items()})
@@ -86,12 +89,21 @@ def run(device, batch=32, steps=20, repeats=7):
         ("rate 0.15", hf, plain, MPTDataCollator(tokenizer, rate=0.15), plain),
         ("rate 0.15 +stm", hf, with_stm, MPTDataCollator(tokenizer, rate=0.15), with_stm),
         ("uniform +stm", hf, with_stm, MPTDataCollator(tokenizer, rate="uniform"), with_stm),
-        ("(0.15, 0.5) +stm", hf, with_stm, MPTDataCollator(tokenizer, rate=(0.15, 0.5)),
-         with_stm),
-        ("whole words (128)", hf_wwm, offsets,
-         MPTDataCollator(tokenizer, rate=0.15, whole_word_mask=True), offsets),
-        ("spans +stm", hf, with_stm, MPTDataCollator(tokenizer, rate=0.15, span_masking=True),
-         with_stm),
+        ("(0.15, 0.5) +stm", hf, with_stm, MPTDataCollator(tokenizer, rate=(0.15, 0.5)), with_stm),
+        (
+            "whole words (128)",
+            hf_wwm,
+            offsets,
+            MPTDataCollator(tokenizer, rate=0.15, whole_word_mask=True),
+            offsets,
+        ),
+        (
+            "spans +stm",
+            hf,
+            with_stm,
+            MPTDataCollator(tokenizer, rate=0.15, span_masking=True),
+            with_stm,
+        ),
     ]
     results = []
     for name, baseline, base_examples, ours, our_examples in cases:
@@ -101,10 +113,24 @@ def run(device, batch=32, steps=20, repeats=7):
         }
         times = time_calls(calls, device, steps, repeats)
         hf_ms, mpt_ms = sorted(times["hf"])[repeats // 2], sorted(times["mpt"])[repeats // 2]
-        results.append(dict(case=name, hf_ms=hf_ms, mpt_ms=mpt_ms, ratio=mpt_ms / hf_ms,
-                            hf_all=times["hf"], mpt_all=times["mpt"]))
-    config = dict(batch=batch, steps=steps, repeats=repeats, target_ratio=TARGET_RATIO,
-                  vocab_size=len(tokenizer), lengths="64..128")
+        results.append(
+            dict(
+                case=name,
+                hf_ms=hf_ms,
+                mpt_ms=mpt_ms,
+                ratio=mpt_ms / hf_ms,
+                hf_all=times["hf"],
+                mpt_all=times["mpt"],
+            )
+        )
+    config = dict(
+        batch=batch,
+        steps=steps,
+        repeats=repeats,
+        target_ratio=TARGET_RATIO,
+        vocab_size=len(tokenizer),
+        lengths="64..128",
+    )
     return dict(config=config, results=results, environment=environment(device))
 
 

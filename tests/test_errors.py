@@ -58,9 +58,7 @@ INVALID_FOR_ALL = {"gamma_latent", "global_latent", "no_obs", "two_obs"}
 
 @pytest.mark.parametrize("kind, error, match", BAD_MODELS)
 @pytest.mark.parametrize("conditionals", ["exact", "auto"])
-def test_invalid_models_raise_and_leave_the_param_store_untouched(
-    kind, error, match, conditionals
-):
+def test_invalid_models_raise_and_leave_the_param_store_untouched(kind, error, match, conditionals):
     if conditionals == "auto" and kind not in INVALID_FOR_ALL:
         pytest.skip("quadrature applies to this model under conditionals='auto'")
     x = torch.randn(5, 3)

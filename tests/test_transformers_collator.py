@@ -148,8 +148,11 @@ def test_corruption_is_80_10_10_within_binomial_tolerance(tokenizer):
         new, old = batch["input_ids"][masked], original[masked]
         assert not torch.isin(new[new != tokenizer.mask_token_id], torch.tensor(range(5))).any()
         counts += torch.stack(
-            [(new == tokenizer.mask_token_id).sum(), ((new != old) & (new != 4)).sum(),
-             (new == old).sum()]
+            [
+                (new == tokenizer.mask_token_id).sum(),
+                ((new != old) & (new != 4)).sum(),
+                (new == old).sum(),
+            ]
         ).double()
     total = counts.sum()
     # A random replacement equals the original token with chance 1 / pool.

@@ -83,12 +83,21 @@ def test_accumulated_step_equals_the_whole_batch_gradient(tokenizer, tmp_path, n
         model = tiny_bert(len(tokenizer))
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         args = arguments(
-            str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4,
-            max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-            weight_decay=0.0, max_grad_norm=0.0,
+            str(tmp_path),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            max_steps=1,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
         )
         trainer = MPTTrainer(
-            model=model, args=args, train_dataset=ListDataset(rows), data_collator=stack,
+            model=model,
+            args=args,
+            train_dataset=ListDataset(rows),
+            data_collator=stack,
             normalize=normalize,
         )
         trainer.train()
@@ -101,12 +110,18 @@ def test_training_on_a_toy_corpus_lowers_the_loss(tokenizer, tmp_path):
         rows = [tokenizer(t) for t in toy_texts(64)]
         model = tiny_bert(len(tokenizer))
         args = arguments(
-            str(tmp_path), per_device_train_batch_size=16, max_steps=80, learning_rate=1e-2,
+            str(tmp_path),
+            per_device_train_batch_size=16,
+            max_steps=80,
+            learning_rate=1e-2,
             lr_scheduler_type="constant",
         )
         trainer = MPTTrainer(
-            model=model, args=args, train_dataset=ListDataset(rows),
-            data_collator=MPTDataCollator(tokenizer, rate="uniform"), normalize="tokens",
+            model=model,
+            args=args,
+            train_dataset=ListDataset(rows),
+            data_collator=MPTDataCollator(tokenizer, rate="uniform"),
+            normalize="tokens",
         )
         trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -125,8 +140,10 @@ def test_batches_without_weights_raise(tokenizer, tmp_path):
         rows = [tokenizer(t) for t in toy_texts(4)]
         collator = transformers.DataCollatorForLanguageModeling(tokenizer)
         trainer = MPTTrainer(
-            model=tiny_bert(len(tokenizer)), args=arguments(str(tmp_path), max_steps=1),
-            train_dataset=ListDataset(rows), data_collator=collator,
+            model=tiny_bert(len(tokenizer)),
+            args=arguments(str(tmp_path), max_steps=1),
+            train_dataset=ListDataset(rows),
+            data_collator=collator,
         )
         with pytest.raises(ValueError, match="the batch has no 'mpt_weights'"):
             trainer.train()
@@ -151,9 +168,15 @@ def test_two_process_torchrun_matches_one_process(tokenizer, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("PYTEST_XDIST_WORKER", None)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        os.path.join(ROOT, "tests", "_ddp_mpt_script.py"), str(tmp_path), vocab,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        os.path.join(ROOT, "tests", "_ddp_mpt_script.py"),
+        str(tmp_path),
+        vocab,
     ]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[:6000]

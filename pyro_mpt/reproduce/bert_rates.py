@@ -74,22 +74,59 @@ COLORS = {"random init": "0.5", "fixed 15%": "C3", "uniform": "C0", "random (0.1
 
 
 def _config(smoke, full):
-    cfg = dict(held_out=0.15, lr=1e-3, warmup=0.05, schedule="linear", batch=32, probe_l2=1e-3,
-               num_masks=2)
+    cfg = dict(
+        held_out=0.15, lr=1e-3, warmup=0.05, schedule="linear", batch=32, probe_l2=1e-3, num_masks=2
+    )
     cfg["rates"] = [round(0.05 + 0.1 * k, 2) for k in range(10)]
     if smoke:
-        cfg.update(articles=100, vocab=300, length=32, hidden=32, layers=1, heads=2, steps=4,
-                   batch=8, eval=12, seeds=1, rates=[0.25, 0.5, 0.75], num_masks=1)
+        cfg.update(
+            articles=100,
+            vocab=300,
+            length=32,
+            hidden=32,
+            layers=1,
+            heads=2,
+            steps=4,
+            batch=8,
+            eval=12,
+            seeds=1,
+            rates=[0.25, 0.5, 0.75],
+            num_masks=1,
+        )
     elif full:
-        cfg.update(articles=None, vocab=8000, length=128, hidden=256, layers=4, heads=4,
-                   steps=6000, batch=64, eval=None, seeds=3, num_masks=4, lr=1e-3)
+        cfg.update(
+            articles=None,
+            vocab=8000,
+            length=128,
+            hidden=256,
+            layers=4,
+            heads=4,
+            steps=6000,
+            batch=64,
+            eval=None,
+            seeds=3,
+            num_masks=4,
+            lr=1e-3,
+        )
         cfg["rates"] = [round(0.01 + 0.02 * k, 2) for k in range(50)]
     else:
         # Short sequences of sub-word pieces from a small vocabulary and a narrow model, so
         # that on one CPU core the models get past the unigram plateau (about step 4000).
-        cfg.update(articles=None, vocab=300, length=16, hidden=64, layers=2, heads=2,
-                   steps=6000, batch=64, eval=200, seeds=1, lr=1e-3, warmup=200,
-                   schedule="constant_with_warmup")
+        cfg.update(
+            articles=None,
+            vocab=300,
+            length=16,
+            hidden=64,
+            layers=2,
+            heads=2,
+            steps=6000,
+            batch=64,
+            eval=200,
+            seeds=1,
+            lr=1e-3,
+            warmup=200,
+            schedule="constant_with_warmup",
+        )
     return cfg
 
 
@@ -100,8 +137,9 @@ def _data(cfg, seed):
     texts, topics = load_bbc_news()
     index = torch.arange(len(texts))
     if cfg["articles"] is not None:  # a stratified subset
-        index, _, topics, _ = train_test_split(index, topics, 1 - cfg["articles"] / len(texts),
-                                               seed=seed)
+        index, _, topics, _ = train_test_split(
+            index, topics, 1 - cfg["articles"] / len(texts), seed=seed
+        )
     train, test, y_train, y_test = train_test_split(index, topics, cfg["held_out"], seed=seed)
     train_texts, test_texts = [texts[i] for i in train], [texts[i] for i in test]
     tokenizer = train_wordpiece_tokenizer(train_texts, vocab_size=cfg["vocab"])
@@ -109,17 +147,26 @@ def _data(cfg, seed):
     sequences = [s for s in sequences if len(s) > 2]
     first_train, _ = chunk_documents(tokenizer, train_texts, cfg["length"], max_chunks=1)
     first_test, _ = chunk_documents(tokenizer, test_texts, cfg["length"], max_chunks=1)
-    return dict(tokenizer=tokenizer, train=sequences, probe_train=(first_train, y_train),
-                probe_test=(first_test, y_test), held_out=first_test[: cfg["eval"]])
+    return dict(
+        tokenizer=tokenizer,
+        train=sequences,
+        probe_train=(first_train, y_train),
+        probe_test=(first_test, y_test),
+        held_out=first_test[: cfg["eval"]],
+    )
 
 
 def _model(cfg, tokenizer, seed):
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"], intermediate_size=4 * cfg["hidden"],
-        max_position_embeddings=cfg["length"], pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=cfg["hidden"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        intermediate_size=4 * cfg["hidden"],
+        max_position_embeddings=cfg["length"],
+        pad_token_id=tokenizer.pad_token_id,
     )
     seed_everything(derived_seed(seed, 1))  # the same initial weights for every scheme
     return transformers.BertForMaskedLM(config)
@@ -147,25 +194,39 @@ def _train(model, data, cfg, rate, seed, device, bar):
 
     with tempfile.TemporaryDirectory() as out_dir:
         args = transformers.TrainingArguments(
-            output_dir=out_dir, per_device_train_batch_size=cfg["batch"],
-            max_steps=cfg["steps"], learning_rate=cfg["lr"], warmup_steps=cfg["warmup"],
+            output_dir=out_dir,
+            per_device_train_batch_size=cfg["batch"],
+            max_steps=cfg["steps"],
+            learning_rate=cfg["lr"],
+            warmup_steps=cfg["warmup"],
             lr_scheduler_type=cfg["schedule"],
-            weight_decay=0.01, logging_steps=max(1, cfg["steps"] // 25), save_strategy="no",
-            report_to="none", disable_tqdm=True, seed=derived_seed(seed, 2),
-            data_seed=derived_seed(seed, 3), use_cpu=device.type == "cpu",
+            weight_decay=0.01,
+            logging_steps=max(1, cfg["steps"] // 25),
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=derived_seed(seed, 2),
+            data_seed=derived_seed(seed, 3),
+            use_cpu=device.type == "cpu",
             dataloader_num_workers=0,
         )
         trainer = MPTTrainer(
-            model=model, args=args, train_dataset=_Rows(data["train"]),
-            data_collator=MPTDataCollator(data["tokenizer"], rate=rate), normalize="tokens",
+            model=model,
+            args=args,
+            train_dataset=_Rows(data["train"]),
+            data_collator=MPTDataCollator(data["tokenizer"], rate=rate),
+            normalize="tokens",
             callbacks=[_Tick()],
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         with Stopwatch() as watch:
             trainer.train()
     history = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
-    return dict(loss_steps=[s for s, _ in history], loss=[v for _, v in history],
-                train_seconds=watch.seconds)
+    return dict(
+        loss_steps=[s for s, _ in history],
+        loss=[v for _, v in history],
+        train_seconds=watch.seconds,
+    )
 
 
 def _batches(rows, size, device, pad_id):
@@ -190,8 +251,10 @@ def _accuracy_at_15(model, tokenizer, rows, device, seed, repeats=4):
         for start in range(0, len(rows), 64):
             batch = collator(rows[start : start + 64])
             labels = batch["labels"].to(device)
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits
+            logits = model(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+            ).logits
             scored = labels != -100
             hits += int((logits[scored].argmax(-1) == labels[scored]).sum())
             total += int(scored.sum())
@@ -215,18 +278,28 @@ def _evaluate(model, data, cfg, seed, device):
 
     tokenizer = data["tokenizer"]
     seed_everything(derived_seed(seed, 5))  # the same held-out masks for every model
-    curve = mpt_curve(model, tokenizer, data["held_out"], rates=cfg["rates"],
-                      num_masks=cfg["num_masks"], batch_size=64, progress=False)
+    curve = mpt_curve(
+        model,
+        tokenizer,
+        data["held_out"],
+        rates=cfg["rates"],
+        num_masks=cfg["num_masks"],
+        batch_size=64,
+        progress=False,
+    )
     (rows_train, y_train), (rows_test, y_test) = data["probe_train"], data["probe_test"]
     probe = linear_probe_accuracy(
-        _features(model, tokenizer, rows_train, device), y_train,
-        _features(model, tokenizer, rows_test, device), y_test, l2=cfg["probe_l2"],
+        _features(model, tokenizer, rows_train, device),
+        y_train,
+        _features(model, tokenizer, rows_test, device),
+        y_test,
+        l2=cfg["probe_l2"],
     )
     return dict(
-        area=float(curve.area), area_per_token=float(curve.area / curve.num_features.double()
-                                                     .mean()),
-        scores=curve.scores.tolist(), acc15=_accuracy_at_15(model, tokenizer, data["held_out"],
-                                                           device, seed),
+        area=float(curve.area),
+        area_per_token=float(curve.area / curve.num_features.double().mean()),
+        scores=curve.scores.tolist(),
+        acc15=_accuracy_at_15(model, tokenizer, data["held_out"], device, seed),
         probe=probe,
     )
 
@@ -252,8 +325,10 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     total = Stopwatch()
     runs = {name: [] for name in ("random init", *SCHEMES)}
     work = cfg["seeds"] * len(SCHEMES) * cfg["steps"]
-    with progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar, \
-            default_dtype(torch.float32):
+    with (
+        progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
+        default_dtype(torch.float32),
+    ):
         for rep in range(cfg["seeds"]):
             run_seed = derived_seed(seed, 10, rep)
             data = _data(cfg, run_seed)
@@ -281,9 +356,16 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
             mean, std = scale * s[key][0], scale * s[key][1]
             return pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
 
-        rows.append([name, cell("area", 1), cell("area_per_token", 3), cell("acc15", 1, 100),
-                     cell("probe", 1, 100),
-                     "-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"])
+        rows.append(
+            [
+                name,
+                cell("area", 1),
+                cell("area_per_token", 3),
+                cell("acc15", 1, 100),
+                cell("probe", 1, 100),
+                "-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}",
+            ]
+        )
     tokenizer = data["tokenizer"]
     title = (
         f"bert-rates: BERT (hidden {cfg['hidden']}, {cfg['layers']} layers, vocab "
@@ -299,17 +381,26 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
         "acc@15%: argmax accuracy on 15% [MASK]ed held-out tokens; probe: 5-topic linear-probe "
         "accuracy on held-out articles (chance 20-23%).",
     ]
-    headers = ["scheme", "held-out area", "area / token", "acc@15% (%)", "probe (%)",
-               "train s"]
+    headers = ["scheme", "held-out area", "area / token", "acc@15% (%)", "probe (%)", "train s"]
     print(format_table(headers, rows, title=title, notes=notes))
     fig = _figure(runs, cfg)
     results = dict(
         experiment=NAME,
         reference="R2MAE (Tian et al., 2025) and Moreno-Muñoz et al. (2023), Sec. 3.2",
-        config=dict(cfg, schemes={k: str(v) for k, v in SCHEMES.items()}, seed=seed,
-                    smoke=smoke, full=full, device=str(device), threads=torch.get_num_threads(),
-                    vocab_size=len(tokenizer), num_train_sequences=len(data["train"])),
-        summary=summary, runs=runs, wall_seconds=total.elapsed,
+        config=dict(
+            cfg,
+            schemes={k: str(v) for k, v in SCHEMES.items()},
+            seed=seed,
+            smoke=smoke,
+            full=full,
+            device=str(device),
+            threads=torch.get_num_threads(),
+            vocab_size=len(tokenizer),
+            num_train_sequences=len(data["train"]),
+        ),
+        summary=summary,
+        runs=runs,
+        wall_seconds=total.elapsed,
     )
     json_path, png_path = save_outputs(out_dir, NAME, results, fig)
     results["outputs"] = dict(json=json_path, png=png_path)
@@ -320,8 +411,9 @@ def _figure(runs, cfg):
     fig, (curves, losses) = new_figure(2, width=5.5)
     for name, reps in runs.items():
         scores = torch.tensor([r["scores"] for r in reps]).mean(0)
-        curves.plot([100 * r for r in cfg["rates"]], scores, "o-", ms=3, color=COLORS[name],
-                    label=name)
+        curves.plot(
+            [100 * r for r in cfg["rates"]], scores, "o-", ms=3, color=COLORS[name], label=name
+        )
         if "loss" in reps[0]:
             losses.plot(reps[0]["loss_steps"], reps[0]["loss"], color=COLORS[name], label=name)
     curves.set_xlabel("masking rate (%)")

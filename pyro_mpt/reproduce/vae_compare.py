@@ -98,8 +98,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     notes = [
         "LML: 60x60 Gauss-Hermite nodes (linear), importance sampling with the guide "
         f"(deep, S={deep['config']['eval_samples']}).",
-        "Deep VAE MPT rows train the decoder by MPT and the encoder by the ELBO, except the "
-        "last.",
+        "Deep VAE MPT rows train the decoder by MPT and the encoder by the ELBO, except the last.",
     ]
     print(format_table(headers, table, title=title, notes=notes))
     results = dict(
