@@ -48,6 +48,7 @@ import tempfile
 
 import torch
 
+from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,
@@ -62,7 +63,6 @@ from pyro_mpt.reproduce._common import (
     save_outputs,
     seed_everything,
 )
-from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
 __all__ = ["NAME", "SCHEMES", "run"]
 
@@ -229,81 +229,6 @@ def _train(model, data, cfg, rate, seed, device, bar):
     )
 
 
-def _batches(rows, size, device, pad_id):
-    for start in range(0, len(rows), size):
-        chunk = rows[start : start + size]
-        width = max(len(r) for r in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        for i, row in enumerate(chunk):
-            ids[i, : len(row)] = torch.tensor(row)
-        yield ids.to(device), (ids != pad_id).long().to(device)
-
-
-@torch.no_grad()
-def _accuracy_at_15(model, tokenizer, rows, device, seed, repeats=4):
-    from pyro_mpt.transformers import MPTDataCollator
-
-    collator = MPTDataCollator(tokenizer, rate=0.15, mask_replace_prob=1.0, random_replace_prob=0)
-    seed_everything(derived_seed(seed, 4))
-    model.eval()
-    hits = total = 0
-    for _ in range(repeats):
-        for start in range(0, len(rows), 64):
-            batch = collator(rows[start : start + 64])
-            labels = batch["labels"].to(device)
-            logits = model(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-            ).logits
-            scored = labels != -100
-            hits += int((logits[scored].argmax(-1) == labels[scored]).sum())
-            total += int(scored.sum())
-    return hits / total
-
-
-@torch.no_grad()
-def _features(model, tokenizer, rows, device):
-    model.eval()
-    special = torch.tensor(tokenizer.all_special_ids, device=device)
-    out = []
-    for ids, attention in _batches(rows, 64, device, tokenizer.pad_token_id):
-        hidden = model.bert(input_ids=ids, attention_mask=attention).last_hidden_state
-        keep = (~torch.isin(ids, special)).unsqueeze(-1).to(hidden.dtype)
-        out.append((hidden * keep).sum(1) / keep.sum(1).clamp(min=1))
-    return torch.cat(out).double().cpu()
-
-
-def _evaluate(model, data, cfg, seed, device):
-    from pyro_mpt.transformers import mpt_curve
-
-    tokenizer = data["tokenizer"]
-    seed_everything(derived_seed(seed, 5))  # the same held-out masks for every model
-    curve = mpt_curve(
-        model,
-        tokenizer,
-        data["held_out"],
-        rates=cfg["rates"],
-        num_masks=cfg["num_masks"],
-        batch_size=64,
-        progress=False,
-    )
-    (rows_train, y_train), (rows_test, y_test) = data["probe_train"], data["probe_test"]
-    probe = linear_probe_accuracy(
-        _features(model, tokenizer, rows_train, device),
-        y_train,
-        _features(model, tokenizer, rows_test, device),
-        y_test,
-        l2=cfg["probe_l2"],
-    )
-    return dict(
-        area=float(curve.area),
-        area_per_token=float(curve.area / curve.num_features.double().mean()),
-        scores=curve.scores.tolist(),
-        acc15=_accuracy_at_15(model, tokenizer, data["held_out"], device, seed),
-        probe=probe,
-    )
-
-
 def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     """Trains a small BERT on BBC News with each masking scheme and writes
     ``bert-rates.json`` and ``bert-rates.png``.
@@ -333,11 +258,11 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             run_seed = derived_seed(seed, 10, rep)
             data = _data(cfg, run_seed)
             model = _model(cfg, data["tokenizer"], run_seed).to(device)
-            runs["random init"].append(_evaluate(model, data, cfg, run_seed, device))
+            runs["random init"].append(evaluate_masked_lm(model, data, cfg, run_seed, device))
             for name, rate in SCHEMES.items():
                 model = _model(cfg, data["tokenizer"], run_seed).to(device)
                 trained = _train(model, data, cfg, rate, run_seed, device, bar)
-                trained.update(_evaluate(model, data, cfg, run_seed, device))
+                trained.update(evaluate_masked_lm(model, data, cfg, run_seed, device))
                 runs[name].append(trained)
                 bar.set_postfix_str(f"{name}: area {trained['area']:.1f}")
     return _report(out_dir, cfg, runs, data, device, seed, smoke, full, total)
