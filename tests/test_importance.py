@@ -319,6 +319,22 @@ def test_fast_bernoulli_log_prob_values_and_gradients():
     (grad,) = torch.autograd.grad((fast * upstream).sum(), logits)
     (expected,) = torch.autograd.grad((reference * upstream).sum(), logits)
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    # Logits above log(tiny) + 8 take log(sigmoid): the same values and gradients.
+    moderate = (logits.detach().clamp(-30, 30) + 0.5).requires_grad_()
+    fast = bernoulli_log_prob(moderate, value)
+    reference = dist.Bernoulli(logits=moderate).log_prob(value)
+    torch.testing.assert_close(fast, reference, atol=1e-12, rtol=0)
+    (grad,) = torch.autograd.grad((fast * upstream).sum(), moderate)
+    (expected,) = torch.autograd.grad((reference * upstream).sum(), moderate)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    # Values outside {0, 1} (accepted without validation) follow the same formula.
+    grey = torch.rand(4, 1, 7)
+    torch.testing.assert_close(
+        bernoulli_log_prob(logits, grey),
+        dist.Bernoulli(logits=logits, validate_args=False).log_prob(grey),
+        atol=1e-12,
+        rtol=0,
+    )
     # Dispatch: the fast path for logits, the distribution's own for probs.
     moderate = logits.detach().clamp(-30, 30)
     torch.testing.assert_close(

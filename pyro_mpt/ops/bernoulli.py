@@ -6,11 +6,13 @@ through ``log1p``, which is not vectorised on CPUs; here
 
 .. math::
 
-    \\log p(x \\mid \\eta) = \\log \\sigma\\big((2x - 1)\\, \\eta\\big),
+    \\log p(x \\mid \\eta) = \\log \\sigma(\\eta) - (1 - x)\\, \\eta,
+    \\qquad \\frac{\\partial}{\\partial \\eta} = x - \\sigma(\\eta),
 
-with ``log sigmoid`` as ``log(sigmoid(.))`` wherever ``sigmoid`` is a normal number (exact
-to the dtype's rounding, in absolute terms) and ``logsigmoid`` elsewhere, and the gradient
-``(2x - 1)(1 - sigmoid)`` written by hand.
+the same function of ``x`` as ``Bernoulli.log_prob`` (also for values outside ``{0, 1}``, which
+it accepts without validation), with ``log sigmoid`` as ``log(sigmoid(.))`` wherever
+``sigmoid`` is a normal number (exact to the dtype's rounding, in absolute terms) and
+``logsigmoid`` elsewhere, and the gradient written by hand.
 
 This module is pure tensor code: no Pyro effects.
 """
@@ -38,26 +40,25 @@ def log_sigmoid(x):
 
 class _BernoulliLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, signs):
-        signed = logits * signs
-        out, probs = log_sigmoid(signed)
-        ctx.save_for_backward(signs, probs)
-        return out
+    def forward(ctx, logits, value, failures):
+        # logits, value and failures = 1 - value, all of one (broadcast) shape.
+        out, probs = log_sigmoid(logits)
+        ctx.save_for_backward(value, probs)
+        return out.addcmul_(failures, logits, value=-1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        signs, probs = ctx.saved_tensors
-        # d/d eta log sigmoid(s eta) = s (1 - sigmoid(s eta)).
-        return torch.sub(1, probs, out=probs).mul_(signs).mul_(grad), None
+        value, probs = ctx.saved_tensors
+        return torch.sub(value, probs, out=probs).mul_(grad), None, None
 
 
 def bernoulli_log_prob(logits, value):
-    """``Bernoulli(logits=logits).log_prob(value)`` for ``value`` in ``{0, 1}``, broadcast;
-    differentiable in ``logits``."""
+    """``Bernoulli(logits=logits).log_prob(value)``, broadcast; differentiable in ``logits``."""
     shape = torch.broadcast_shapes(logits.shape, value.shape)
-    signs = (2 * value - 1).to(logits.dtype)
-    return _BernoulliLogProb.apply(logits.expand(shape), signs.expand(shape))
+    value = value.to(logits.dtype)
+    failures = (1 - value).expand(shape)
+    return _BernoulliLogProb.apply(logits.expand(shape), value.expand(shape), failures)
 
 
 def log_prob(fn, value):
