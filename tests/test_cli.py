@@ -184,15 +184,21 @@ def test_random_subsets_are_uniform():
 def test_outputs_replaced_atomically(tmp_path):
     from matplotlib.figure import Figure
 
-    save_outputs(tmp_path, "exp", {"value": float("nan"), "t": torch.ones(2)}, Figure())
+    results = save_outputs(tmp_path, "exp", {"value": float("nan"), "t": torch.ones(2)}, Figure())
     assert json.loads((tmp_path / "exp.json").read_text()) == {"value": None, "t": [1.0, 1.0]}
+    assert results["outputs"] == {
+        "json": str(tmp_path / "exp.json"),
+        "png": str(tmp_path / "exp.png"),
+    }
     before = (tmp_path / "exp.png").read_bytes()
 
     class Broken(Figure):
         def savefig(self, *args, **kwargs):
             raise RuntimeError("disk full")
 
+    failed = {"value": 1.0}
     with pytest.raises(RuntimeError, match="disk full"):
-        save_outputs(tmp_path, "exp", {"value": 1.0}, Broken())
+        save_outputs(tmp_path, "exp", failed, Broken())
+    assert failed == {"value": 1.0}
     assert (tmp_path / "exp.png").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.json", "exp.png"]

@@ -220,9 +220,10 @@ def _replace_atomically(out_dir, final_name, write):
 
 def save_outputs(out_dir, name, results, fig):
     """Writes ``<name>.json`` (``results``, tensors converted to lists, NaN to null) and
-    ``<name>.png`` (``fig``) into ``out_dir``, creating the folder if needed.
+    ``<name>.png`` (``fig``) into ``out_dir``, creating the folder if needed, then records
+    both paths in ``results["outputs"]``.
 
-    :returns: ``(json_path, png_path)``.
+    :returns: ``results``, with ``"outputs"`` set to ``{"json": ..., "png": ...}``.
     """
     os.makedirs(out_dir, exist_ok=True)
     payload = json.dumps(_jsonable(results), indent=2, allow_nan=False)
@@ -237,4 +238,5 @@ def save_outputs(out_dir, name, results, fig):
     png_path = _replace_atomically(
         out_dir, f"{name}.png", lambda path: fig.savefig(path, format="png", dpi=120)
     )
-    return json_path, png_path
+    results["outputs"] = dict(json=json_path, png=png_path)
+    return results

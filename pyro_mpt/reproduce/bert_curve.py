@@ -210,9 +210,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         },
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(curves, mean_d, log_v):

@@ -327,9 +327,7 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(runs, cfg):

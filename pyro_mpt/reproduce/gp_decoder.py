@@ -299,9 +299,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     print(format_table(headers, rows, title=title, notes=notes))
     fig = _figure(timing, cfg)
     results = dict(config=cfg, quality=quality, timing=timing, seconds=total.elapsed)
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(timing, cfg):

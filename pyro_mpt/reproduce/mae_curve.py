@@ -260,9 +260,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         train_losses=losses,
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, out, fig)
-    out["outputs"] = dict(json=json_path, png=png_path)
-    return out
+    return save_outputs(out_dir, NAME, out, fig)
 
 
 def _figure(results, losses):

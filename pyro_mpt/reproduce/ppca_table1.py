@@ -200,6 +200,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         p100_seconds=shared[largest]["seconds"],
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)

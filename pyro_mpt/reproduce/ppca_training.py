@@ -185,9 +185,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)
 
 
 def _plot_runs(ax, epochs, results, start=0, color="C0", name=None):

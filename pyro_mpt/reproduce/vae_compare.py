@@ -108,6 +108,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         sources=dict(linear=linear["outputs"], deep=deep["outputs"]),
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, _figure(rows))
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, _figure(rows))

@@ -257,9 +257,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    json_path, png_path = save_outputs(out_dir, NAME, results, fig)
-    results["outputs"] = dict(json=json_path, png=png_path)
-    return results
+    return save_outputs(out_dir, NAME, results, fig)
 
 
 #: Curve -> (its key in a run, line style): objectives light and thick, as in the paper.
