@@ -13,7 +13,7 @@ and ``log p(x) = sum_{M=1..D} S(x; M)`` with ``S(x; M)`` the expectation of
 This module is pure tensor code: no Pyro effects.
 """
 
-import torch
+from pyro_mpt.ops.masks import masked_sum
 
 __all__ = ["mask_scores", "mpt_estimate"]
 
@@ -27,11 +27,7 @@ def mask_scores(log_conditionals, masks):
     :returns: a tensor of shape ``S``.
     """
     masks = masks.expand(log_conditionals.shape)
-    total = (log_conditionals * masks.to(log_conditionals.dtype)).sum(-1)
-    if not bool(torch.isfinite(total).all()):
-        # A non-finite entry: inside a mask it is the score; outside, it must be ignored.
-        total = torch.where(masks, log_conditionals, 0.0).sum(-1)
-    return total / masks.sum(-1).to(log_conditionals.dtype)
+    return masked_sum(log_conditionals, masks) / masks.sum(-1).to(log_conditionals.dtype)
 
 
 def mpt_estimate(log_conditionals, masks):

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from pyro_mpt.ops.masks import select_masked
+from pyro_mpt.ops.masks import masked_sum, select_masked
 from pyro_mpt.ops.quadrature import _floored_exp_, _flushed_exp
 
 __all__ = [
@@ -87,15 +87,12 @@ class _ImportanceConditionals(torch.autograd.Function):
     @staticmethod
     def forward(ctx, log_weights, log_likelihoods, context):
         # log_weights (S, R); log_likelihoods (S, R, D); context (R, D) bool.
-        observed = context.to(log_likelihoods.dtype)
         context_ll = torch.empty_like(log_weights)
         ll_max = log_likelihoods[0].clone()
         for s, ll in enumerate(log_likelihoods):
-            torch.sum(ll * observed, -1, out=context_ll[s])
-            torch.maximum(ll_max, ll, out=ll_max)
-        if not bool(torch.isfinite(context_ll).all()):
             # A -inf likelihood at a masked feature must not turn its context sum into NaN.
-            context_ll = torch.where(context, log_likelihoods, 0.0).sum(-1)
+            context_ll[s] = masked_sum(ll, context)
+            torch.maximum(ll_max, ll, out=ll_max)
         log_joint = log_weights + context_ll
         weights = _flushed_exp(log_joint - log_joint.amax(0))
         weights /= weights.sum(0)

@@ -41,6 +41,7 @@ __all__ = [
     "check_num_masks",
     "sample_masks",
     "masks_of_sizes",
+    "masked_sum",
     "select_masked",
 ]
 
@@ -288,3 +289,20 @@ def select_masked(masks, masked, unmasked):
     """
     weights = masks.to(torch.result_type(masked, unmasked))
     return masked * weights + unmasked * (1 - weights)
+
+
+def masked_sum(values, masks):
+    """The sum over the last dim of ``values`` where ``masks`` is ``True``; values elsewhere,
+    ``inf`` and NaN included, are ignored.
+
+    A product with the mask, many times faster than ``where`` on CPUs, unless a sum comes out
+    non-finite: then ``where`` decides.
+
+    :param torch.Tensor values: shape ``S + (D,)``.
+    :param torch.Tensor masks: boolean, broadcastable to ``values``.
+    :returns: a tensor of the broadcast shape without its last dim.
+    """
+    total = (values * masks.to(values.dtype)).sum(-1)
+    if not bool(torch.isfinite(total).all()):
+        total = torch.where(masks, values, 0.0).sum(-1)
+    return total
