@@ -11,6 +11,7 @@ from pyro_mpt.ops.masks import (
     RandomRate,
     UniformRate,
     as_rate_schedule,
+    masked_sum,
     masks_of_sizes,
     sample_masks,
     select_masked,
@@ -142,3 +143,10 @@ def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
     sizes = torch.randint(0, 21, (500,))
     masks = masks_of_sizes(sizes, 20)
     assert torch.equal(masks.sum(-1), sizes)
+
+
+def test_masked_sum_ignores_non_finite_values_outside_the_mask():
+    values = torch.tensor([[1.0, float("nan"), 2.0], [-math.inf, 3.0, 4.0]])
+    masks = torch.tensor([[True, False, True], [False, True, True]])
+    assert torch.equal(masked_sum(values, masks), torch.tensor([3.0, 7.0]))
+    assert masked_sum(values, ~masks)[1] == -math.inf
