@@ -13,6 +13,7 @@ from pyro_mpt.conditionals.quadrature import (
     TabulatedQuadratureSelfPredictive,
 )
 from pyro_mpt.models import LinearVAE
+from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.ops.quadrature import (
     gauss_hermite_grid,
@@ -20,8 +21,6 @@ from pyro_mpt.ops.quadrature import (
     quadrature_log_marginal,
 )
 from pyro_mpt.ops.tabulated_quadrature import (
-    bernoulli_log_conditionals,
-    bernoulli_log_table,
     tabulated_log_conditionals,
     tabulated_log_marginal,
     value_indicators,

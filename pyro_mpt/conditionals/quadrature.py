@@ -15,6 +15,7 @@ from pyro_mpt.infer.latent_probe import (
     whitened_priors,
 )
 from pyro_mpt.infer.trace_utils import unwrap_independent
+from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature import (
     adapted_nodes,
     gauss_hermite_grid,
@@ -22,8 +23,6 @@ from pyro_mpt.ops.quadrature import (
     quadrature_log_marginal,
 )
 from pyro_mpt.ops.tabulated_quadrature import (
-    bernoulli_log_conditionals,
-    bernoulli_log_table,
     tabulated_log_conditionals,
     tabulated_log_marginal,
     value_indicators,

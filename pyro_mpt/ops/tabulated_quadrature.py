@@ -15,20 +15,17 @@ the sums over features and over nodes become matrix products with the table, and
 written by hand (:class:`torch.autograd.Function`), so that the only large temporaries are
 the table and its exponential. The floors of :mod:`pyro_mpt.ops.quadrature` apply.
 
-:func:`bernoulli_log_table` builds the table of binary data under ``Bernoulli(logits)``, the
-likelihood of image models, with a hand-written gradient to the logits.
+Binary data under ``Bernoulli(logits)``, the likelihood of image models, take a faster
+path of their own (:mod:`pyro_mpt.ops.bernoulli_quadrature`).
 
 This module is pure tensor code: no Pyro effects.
 """
 
 import torch
 
-from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.quadrature import _floored_exp_, _flushed_exp
 
 __all__ = [
-    "bernoulli_log_conditionals",
-    "bernoulli_log_table",
     "tabulated_log_conditionals",
     "tabulated_log_marginal",
     "value_indicators",
@@ -54,23 +51,30 @@ def _node_posterior(log_joint):
     return posterior.div_(posterior.sum(-1, keepdim=True))
 
 
-def _conditionals_forward(log_weights, table, onehot, context, overwrite=False):
-    """The forward pass on rows ``r`` (mask and observation flattened): ``log p(x_rj |
-    x_R)`` of shape ``(R, D)`` and the tensors the backward pass needs.
+def _context_posterior(log_weights, table, onehot, context):
+    """``(W, pi)``: the context-weighted indicators ``W = c [x = v]``, ``(R, V * D)``, and
+    the node posterior ``pi = softmax(a)`` of every row, ``(R, G)``, floored, from the log
+    joint ``a = log w + W L^T``.
 
-    :param table: ``L``, shape ``(G, V * D)``; overwritten by ``E`` if ``overwrite``.
+    :param table: ``L``, shape ``(G, V * D)``.
     :param onehot: ``[x_rj = v]``, shape ``(R, V, D)``.
     :param context: ``c_rj``, shape ``(R, D)``.
     """
-    weighted = (context.unsqueeze(-2) * onehot).flatten(-2)  # W, (R, V * D)
-    posterior = _node_posterior(torch.addmm(log_weights, weighted, table.T))  # pi, (R, G)
+    weighted = (context.unsqueeze(-2) * onehot).flatten(-2)
+    return weighted, _node_posterior(torch.addmm(log_weights, weighted, table.T))
+
+
+def _conditionals_forward(posterior, table, onehot, overwrite=False):
+    """``log p(x_rj | x_R)``, ``(R, D)``, from the node posterior ``(R, G)`` of
+    :func:`_context_posterior`, and the tensors :func:`_conditionals_backward` needs besides
+    ``W`` and ``pi``; ``table`` is overwritten by ``E`` if ``overwrite``."""
     table_max = table.amax(0)  # (V * D,)
     shifted = table.sub_(table_max) if overwrite else table - table_max
     shifted = _floored_exp_(shifted)  # E = exp(L - max_g L), floored
     sums = (posterior @ shifted).unflatten(-1, onehot.shape[-2:])
     numerator = (sums * onehot).sum(-2)  # (R, D)
     shift = (table_max.unflatten(-1, onehot.shape[-2:]) * onehot).sum(-2)
-    return numerator.log().add_(shift), (weighted, posterior, shifted, numerator, onehot)
+    return numerator.log().add_(shift), (shifted, numerator, onehot)
 
 
 def _conditionals_backward(grad, weighted, posterior, shifted, numerator, onehot):
@@ -89,35 +93,15 @@ class _TabulatedConditionals(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_weights, log_table, onehot, context):
-        out, saved = _conditionals_forward(log_weights, log_table, onehot, context)
-        ctx.save_for_backward(*saved)
+        weighted, posterior = _context_posterior(log_weights, log_table, onehot, context)
+        out, saved = _conditionals_forward(posterior, log_table, onehot)
+        ctx.save_for_backward(weighted, posterior, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return None, _conditionals_backward(grad, *ctx.saved_tensors), None, None
-
-
-class _BernoulliConditionals(torch.autograd.Function):
-    """:func:`bernoulli_log_conditionals` on rows: the table of :func:`bernoulli_log_table`
-    is built, used and overwritten inside, and the gradient of the table is carried to the
-    logits by ``g_1 - (g_0 + g_1) sigmoid(eta)``."""
-
-    @staticmethod
-    def forward(ctx, log_weights, logits, onehot, context):
-        table, probs = _bernoulli_table(logits)
-        table = table.flatten(-2)
-        out, saved = _conditionals_forward(log_weights, table, onehot, context, overwrite=True)
-        ctx.save_for_backward(probs, *saved)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        probs, *saved = ctx.saved_tensors
-        grad_zero, grad_one = _conditionals_backward(grad, *saved).unflatten(-1, (2, -1)).unbind(-2)
-        return None, _bernoulli_logits_grad(grad_zero, grad_one, probs), None, None
 
 
 def tabulated_log_conditionals(log_weights, log_table, indicators, context):
@@ -159,61 +143,3 @@ def tabulated_log_marginal(log_weights, log_table, indicators):
     onehot = indicators.to(log_table.dtype).movedim(0, -2).flatten(-2)  # batch + (V * D,)
     total = onehot @ log_table.flatten(1).T  # batch + (G,)
     return torch.logsumexp(log_weights + total, dim=-1)
-
-
-def _bernoulli_table(logits):
-    """``(table, sigmoid(eta))``: the table ``(G, 2, D)`` of :func:`bernoulli_log_table`,
-    without autograd."""
-    table = logits.new_empty(logits.shape[:-1] + (2,) + logits.shape[-1:])
-    log_zero, log_one = table.unbind(-2)
-    values, probs = log_sigmoid(logits)
-    log_one.copy_(values)
-    torch.sub(log_one, logits, out=log_zero)
-    return table, probs
-
-
-def _bernoulli_logits_grad(grad_zero, grad_one, probs):
-    """The gradient of the logits from those of ``log p(0 | eta)`` and ``log p(1 | eta)``:
-    ``dL1/deta = 1 - sigmoid(eta)`` and ``dL0/deta = -sigmoid(eta)``."""
-    total = (grad_zero + grad_one).mul_(probs)
-    return torch.sub(grad_one, total, out=total)
-
-
-class _BernoulliLogTable(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits):
-        table, probs = _bernoulli_table(logits)
-        ctx.save_for_backward(probs)
-        return table
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        return _bernoulli_logits_grad(*grad.unbind(-2), *ctx.saved_tensors)
-
-
-def bernoulli_log_table(logits):
-    """The table of :func:`tabulated_log_conditionals` for ``Bernoulli(logits=eta)``:
-
-    .. math::
-
-        L_{g1j} = \\log \\sigma(\\eta_{gj}), \\qquad
-        L_{g0j} = \\log \\sigma(\\eta_{gj}) - \\eta_{gj}.
-
-    :param torch.Tensor logits: ``eta``, shape ``(G, D)``.
-    :returns: a tensor of shape ``(G, 2, D)``, differentiable in ``logits``.
-    """
-    return _BernoulliLogTable.apply(logits)
-
-
-def bernoulli_log_conditionals(log_weights, logits, indicators, context):
-    """:func:`tabulated_log_conditionals` with the table :func:`bernoulli_log_table`
-    ``(logits)``, for binary data under ``Bernoulli(logits=eta)`` shared by every
-    observation. The table is built inside, and the gradient goes to the logits directly:
-    one temporary of the table's size each way, and half the passes over it.
-
-    :param torch.Tensor logits: ``eta``, shape ``(G, D)``.
-    :param torch.Tensor indicators: ``[x_nj = 0]`` and ``[x_nj = 1]``, shape
-        ``(2,) + batch + (D,)``.
-    """
-    return _tabulated(_BernoulliConditionals, log_weights, logits, indicators, context)

@@ -1,0 +1,97 @@
+"""The Bernoulli quadrature path, in each of its branches, against the dense quadrature of
+every observation at every node."""
+
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_mpt.ops import bernoulli_quadrature
+from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals
+from pyro_mpt.ops.quadrature import gauss_hermite_grid, quadrature_log_conditionals
+
+
+@pytest.fixture
+def branches(monkeypatch):
+    """Records, per call, how many entries the one-product path computed exactly, or
+    ``None`` where the two-value table took over."""
+    calls = []
+    oriented_forward = bernoulli_quadrature._oriented_forward
+
+    def spy(*args):
+        result = oriented_forward(*args)
+        calls.append(None if result is None else result[1][4].numel())
+        return result
+
+    monkeypatch.setattr(bernoulli_quadrature, "_oriented_forward", spy)
+    return calls
+
+
+def _decoder_case(logit_scale, from_model=True, num_obs=40, num_features=30, seed=0):
+    """Nodes under a 2-d prior, a linear decoder, data drawn from the model (or at random)
+    and masks of every rate: ``(log_weights, logits, x, context)``, in float64."""
+    dtype = torch.float64
+    generator = torch.Generator().manual_seed(seed)
+    nodes, log_weights = gauss_hermite_grid(6, 2, dtype)
+    weight = logit_scale * torch.randn(2, num_features, generator=generator, dtype=dtype)
+    bias = torch.randn(num_features, generator=generator, dtype=dtype) - 1
+    logits = nodes @ weight + bias
+    z = torch.randn(num_obs, 2, generator=generator, dtype=dtype)
+    probs = torch.sigmoid(z @ weight + bias) if from_model else torch.full_like(z[:, :1], 0.3)
+    x = torch.bernoulli(probs.expand(num_obs, num_features), generator=generator)
+    rates = torch.rand(3, num_obs, 1, generator=generator, dtype=dtype)
+    context = torch.rand(3, num_obs, num_features, generator=generator, dtype=dtype) > rates
+    return log_weights, logits, x, context
+
+
+def _compare(log_weights, logits, x, context, atol):
+    """Values and logits gradients of the fused function against the dense reference."""
+    logits = logits.detach().requires_grad_()
+    indicators = torch.stack([x == 0, x == 1])
+    fused = bernoulli_log_conditionals(log_weights, logits, indicators, context)
+    ll = dist.Bernoulli(logits=logits.unsqueeze(1)).log_prob(x)
+    dense = quadrature_log_conditionals(log_weights, ll, context)
+    torch.testing.assert_close(fused, dense, atol=atol, rtol=0)
+    upstream = torch.randn(fused.shape, dtype=fused.dtype)
+    (grad,) = torch.autograd.grad((fused * upstream).sum(), logits)
+    (expected,) = torch.autograd.grad((dense * upstream).sum(), logits)
+    torch.testing.assert_close(grad, expected, atol=atol * expected.abs().max(), rtol=0)
+
+
+def test_one_product_path_matches_dense_quadrature(branches):
+    _compare(*_decoder_case(logit_scale=1.0), atol=1e-12)
+    assert branches == [0]
+
+
+def test_confident_mispredictions_are_computed_exactly(branches, monkeypatch):
+    # Large logits and data not from the model: many observed values the model gives less
+    # than 1/64, all computed exactly when the limit on their number is lifted.
+    monkeypatch.setattr(bernoulli_quadrature, "_MAX_EXACT_FRACTION", 1.0)
+    _compare(*_decoder_case(logit_scale=6.0, from_model=False), atol=1e-12)
+    assert branches[0] > 100
+
+
+def test_too_many_exact_entries_fall_back_to_the_two_value_table(branches):
+    _compare(*_decoder_case(logit_scale=6.0, from_model=False), atol=1e-12)
+    assert branches == [None]
+
+
+def test_conditionals_near_the_floors_fall_back_to_the_two_value_table(branches):
+    log_weights, logits, x, context = _decoder_case(logit_scale=1.0)
+    # Feature 0 is one in most rows and its logit -400 at every node: p(x_0 = 1 | x_R)
+    # is about e^-400, below the fourth root of the smallest float64 (e^-177).
+    x[:, 0] = 1.0
+    logits[:, 0] = -400.0
+    _compare(log_weights, logits, x, context, atol=1e-12)
+    assert branches == [None]
+
+
+def test_float32_matches_the_float64_reference(branches):
+    log_weights, logits, x, context = _decoder_case(logit_scale=2.0, num_obs=128, seed=3)
+    indicators = torch.stack([x == 0, x == 1])
+    fused = bernoulli_log_conditionals(log_weights.float(), logits.float(), indicators, context)
+    ll = dist.Bernoulli(logits=logits.unsqueeze(1)).log_prob(x)
+    dense = quadrature_log_conditionals(log_weights, ll, context)
+    assert branches[0] is not None
+    # Relative error of each conditional: 64 (G + 1) rounding errors at worst.
+    bound = 64 * (log_weights.numel() + 1) * torch.finfo(torch.float32).eps
+    assert (fused.double() - dense).abs().max() < bound
