@@ -32,6 +32,7 @@ This module is pure tensor code: no Pyro effects.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,20 @@ def bernoulli_log_table(logits):
     return _BernoulliLogTable.apply(logits)
 
 
+class _OrientedSaved(NamedTuple):
+    """What the backward pass of the one-product path needs (``k`` exact entries)."""
+
+    likelihood: torch.Tensor  # F, (G, D), floored
+    slope: torch.Tensor  # (2 o - 1) sigmoid(eta) sigmoid(-eta), (G, D)
+    signs: torch.Tensor  # 2 o - 1, (D,)
+    agreement: torch.Tensor  # +1 where x = o, else -1, (R, D)
+    disagreement: torch.Tensor  # [x != o], (R, D)
+    numerator: torch.Tensor  # p(x_rj | x_R), (R, D)
+    index: torch.Tensor  # flat indices of the exact entries, (k,)
+    node_share: torch.Tensor  # p(z_g | x_R, x_rj) at the exact entries, (k, G)
+    other: torch.Tensor  # p(1 - x_rj | z_g) at the exact entries, (k, G)
+
+
 def _oriented_forward(logits, posterior, ones):
     """The forward pass with one product over the nodes (see the module notes), or ``None``
     when the two-value table must take over.
@@ -105,61 +120,66 @@ def _oriented_forward(logits, posterior, ones):
     :param logits: ``eta``, shape ``(G, D)``.
     :param posterior: the node posterior ``(R, G)``, floored.
     :param ones: ``[x_rj = 1]``, shape ``(R, D)``.
-    :returns: ``(log p(x_rj | x_R), saved)``.
+    :returns: ``(log p(x_rj | x_R), _OrientedSaved)``.
     """
     num_rows, num_features = ones.shape
     floor = _gemm_safe_floor(logits.dtype)
-    observed_one = ones > 0.5
-    # o_j: the value most rows observe, and F = p(x_j = o_j | z) = sigmoid(+-eta).
-    oriented = observed_one.sum(0) * 2 >= num_rows  # (D,)
-    signs = oriented.to(logits.dtype).mul_(2).sub_(1)
+    # o_j: the value most rows observe, as signs 2 o_j - 1; F = p(x_j = o_j | z).
+    signs = (ones.sum(0) * 2 >= num_rows).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     likelihood = torch.sigmoid(logits * signs)
-    # sigmoid(eta) sigmoid(-eta) = F (1 - F): exact to F's rounding error in absolute terms,
-    # which is all the gradient it scales needs.
-    slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1)
+    # (2 o_j - 1) sigmoid(eta) sigmoid(-eta) = (2 o_j - 1) F (1 - F): exact to F's rounding
+    # error in absolute terms, which is all the gradient it scales needs.
+    slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1).mul_(signs)
     torch.nn.functional.threshold_(likelihood, floor, 0.0)
     total = posterior @ likelihood  # T, (R, D)
-    matched = observed_one == oriented
-    if bool((matched & (total < math.sqrt(floor))).any()):
-        return None  # a conditional near the floors
-    numerator = torch.where(matched, total, 1 - total)
-    index = (numerator < _COMPLEMENT_FLOOR).logical_and_(~matched).flatten().nonzero().squeeze(-1)
+    # Arithmetic rather than boolean selections, which are slow on CPUs:
+    # agreement = +1 where x_rj = o_j, else -1, and the conditional T or 1 - T.
+    agreement = torch.mul(ones, 2 * signs).sub_(signs)
+    disagreement = torch.sub(1, agreement).mul_(0.5)
+    numerator = torch.addcmul(disagreement, total, agreement)
+    # Entries below 1/64: exact where x_rj != o_j; with x_rj = o_j, fine above the floors.
+    index = (numerator < _COMPLEMENT_FLOOR).flatten().nonzero().squeeze(-1)
     if index.numel() > _MAX_EXACT_FRACTION * numerator.numel():
         return None
-    # The exact entries (x_rj != o_j): p(x_rj | z_g) and p(1 - x_rj | z_g), (k, G) each.
+    unmatched = disagreement.flatten()[index] > 0
+    if bool((numerator.flatten()[index[~unmatched]] < math.sqrt(floor)).any()):
+        return None  # a conditional near the floors
+    index = index[unmatched]
+    # The exact entries: p(x_rj | z_g) and p(1 - x_rj | z_g), (k, G) each.
     rows, cols = index // num_features, index % num_features
-    signed = logits.index_select(1, cols).mul_(signs[cols]).T
-    observed, other = torch.sigmoid(-signed), torch.sigmoid(signed)
+    signed_logits = logits.index_select(1, cols).mul_(signs[cols]).T
+    observed, other = torch.sigmoid(-signed_logits), torch.sigmoid(signed_logits)
     node_share = observed.mul_(posterior[rows])
     conditional = node_share.sum(-1)
     if bool((conditional < math.sqrt(floor)).any()):
         return None
     node_share.div_(conditional.unsqueeze(-1))  # p(z_g | x_R, x_rj)
     numerator.view(-1)[index] = conditional
-    saved = (likelihood, slope, matched, numerator, index, node_share, other)
+    saved = _OrientedSaved(
+        likelihood, slope, signs, agreement, disagreement, numerator, index, node_share, other
+    )
     return numerator.log(), saved
 
 
-def _oriented_backward(grad, ones, posterior, saved):
+def _oriented_backward(grad, posterior, saved):
     """``(node_grad, logits_grad)``: the gradients of the log joint ``a`` ``(R, G)`` and of
     the logits through ``p(x | z)`` ``(G, D)``, from :func:`_oriented_forward`'s tensors."""
-    likelihood, slope, matched, numerator, index, node_share, other = saved
+    likelihood, slope, signs, agreement, disagreement, numerator, index, node_share, other = saved
     num_features = grad.shape[-1]
     ratio = grad / numerator  # h = g / p(x_rj | x_R)
     ratio.view(-1)[index] = 0  # exact entries are added below
-    signed = torch.where(matched, ratio, -ratio)
     # sum_j h_rj p(x_rj | z_g) = sum_j (+-h_rj) F_gj + sum over unmatched j of h_rj.
-    unmatched_sum = (ratio - signed).sum(-1, keepdim=True).mul_(0.5)
-    node_grad = torch.addmm(unmatched_sum - grad.sum(-1, keepdim=True), signed, likelihood.T)
-    node_grad.mul_(posterior)
+    offset = (ratio * disagreement).sum(-1, keepdim=True).sub_(grad.sum(-1, keepdim=True))
+    signed = ratio.mul_(agreement)
+    node_grad = torch.addmm(offset, signed, likelihood.T).mul_(posterior)
     rows, cols = index // num_features, index % num_features
     exact_grad = grad.flatten()[index].unsqueeze(-1)  # (k, 1)
     node_grad.index_add_(0, rows, exact_grad * node_share)
-    # d p(x | eta) / d eta = (2x - 1) sigma(eta) sigma(-eta).
-    signs = 2 * ones - 1
-    logits_grad = (posterior.T @ (ratio * signs)).mul_(slope)
-    exact_sign = signs.flatten()[index].unsqueeze(-1)
-    logits_grad.index_add_(1, cols, (exact_grad * exact_sign * node_share * other).T)
+    # d p(x | eta) / d eta = (2x - 1) sigmoid(eta) sigmoid(-eta), 2x - 1 = +-(2 o - 1).
+    logits_grad = (posterior.T @ signed).mul_(slope)
+    # The exact entries have x_rj = 1 - o_j: 2x - 1 = -(2 o_j - 1).
+    exact_slope = (exact_grad * node_share).mul_(other).mul_(-signs[cols].unsqueeze(-1))
+    logits_grad.index_add_(1, cols, exact_slope.T)
     return node_grad, logits_grad
 
 
@@ -176,7 +196,7 @@ class _BernoulliConditionals(torch.autograd.Function):
         ctx.oriented = oriented is not None
         if ctx.oriented:
             out, saved = oriented
-            ctx.save_for_backward(probs, weighted, posterior, ones, *saved)
+            ctx.save_for_backward(probs, weighted, posterior, *saved)
         else:
             out, saved = _conditionals_forward(posterior, table, onehot, overwrite=True)
             ctx.save_for_backward(probs, weighted, posterior, *saved)
@@ -190,8 +210,7 @@ class _BernoulliConditionals(torch.autograd.Function):
             table_grad = _conditionals_backward(grad, weighted, posterior, *saved)
             grad_zero, grad_one = table_grad.unflatten(-1, (2, -1)).unbind(-2)
             return None, _bernoulli_logits_grad(grad_zero, grad_one, probs), None, None
-        ones, *saved = saved
-        node_grad, logits_grad = _oriented_backward(grad, ones, posterior, saved)
+        node_grad, logits_grad = _oriented_backward(grad, posterior, _OrientedSaved(*saved))
         # The context sums: a_rg = log w_g + sum_k W_rk L_gk.
         grad_zero, grad_one = (node_grad.T @ weighted).unflatten(-1, (2, -1)).unbind(-2)
         logits_grad += _bernoulli_logits_grad(grad_zero, grad_one, probs)
