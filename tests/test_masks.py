@@ -132,14 +132,16 @@ def test_mask_scores_ignore_non_finite_values_outside_the_mask():
 
 
 def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
-    rand = torch.rand
+    from pyro_mpt.ops import masks as masks_module
 
-    def coarse_rand(*shape, dtype=None, **kwargs):
-        keys = rand(*shape, dtype=dtype, **kwargs)
-        # float32 keys on a grid of 8 values: ties in every row; float64 keys untouched.
-        return (keys * 8).floor() / 8 if dtype in (None, torch.float32) else keys
+    random_keys = masks_module._random_keys
 
-    monkeypatch.setattr(torch, "rand", coarse_rand)
+    def coarse_keys(shape, dtype, device):
+        keys = random_keys(shape, dtype, device)
+        # 16-bit keys on a grid of 8 values: ties in every row; float64 keys untouched.
+        return keys // 8192 * 8192 if dtype == torch.int16 else keys
+
+    monkeypatch.setattr(masks_module, "_random_keys", coarse_keys)
     sizes = torch.randint(0, 21, (500,))
     masks = masks_of_sizes(sizes, 20)
     assert torch.equal(masks.sum(-1), sizes)
@@ -150,3 +152,25 @@ def test_masked_sum_ignores_non_finite_values_outside_the_mask():
     masks = torch.tensor([[True, False, True], [False, True, True]])
     assert torch.equal(masked_sum(values, masks), torch.tensor([3.0, 7.0]))
     assert masked_sum(values, ~masks)[1] == -math.inf
+
+
+def test_masks_of_every_subset_are_equally_likely():
+    # 16-bit keys, three from each random 64-bit integer: every subset of size 2 of 5
+    # features (10 of them) is drawn with probability 1/10, within 5 standard errors.
+    torch.manual_seed(0)
+    masks = masks_of_sizes(torch.full((40_000,), 2), 5)
+    codes = (masks.long() * (2 ** torch.arange(5))).sum(-1)
+    counts = torch.bincount(codes, minlength=32)[codes.unique()].double()
+    assert counts.numel() == 10
+    stderr = (0.1 * 0.9 / masks.shape[0]) ** 0.5
+    assert (counts / masks.shape[0] - 0.1).abs().max() < 5 * stderr
+
+
+def test_long_rows_have_exact_sizes_and_uniform_features():
+    # 784 features: 16-bit keys tie at the threshold in about 1 row of 100, which is drawn
+    # again; every feature is masked with probability 1/2 within 5 standard errors.
+    torch.manual_seed(0)
+    masks = masks_of_sizes(torch.full((20_000,), 392), 784)
+    assert torch.equal(masks.sum(-1), torch.full((20_000,), 392))
+    stderr = (0.25 / masks.shape[0]) ** 0.5
+    assert (masks.double().mean(0) - 0.5).abs().max() < 5 * stderr
