@@ -99,44 +99,58 @@ def bernoulli_log_table(logits):
     return _BernoulliLogTable.apply(logits)
 
 
+class _Orientation(NamedTuple):
+    """The value ``o_j`` most rows observe at each feature, and the likelihood of it."""
+
+    signs: torch.Tensor  # 2 o_j - 1, (D,)
+    likelihood: torch.Tensor  # F = p(x_j = o_j | z_g) = sigmoid((2 o_j - 1) eta_gj), (G, D)
+    agreement: torch.Tensor  # +1 where x_rj = o_j, else -1, (R, D)
+    disagreement: torch.Tensor  # [x_rj != o_j], (R, D)
+
+
+def _orient(logits, ones, table):
+    """The :class:`_Orientation` of the rows, and the log-likelihood table in its layout,
+    ``table[:, 0] = log p(o_j | z_g)`` and ``table[:, 1] = log p(1 - o_j | z_g)``, written into
+    ``table`` ``(G, 2, D)``."""
+    signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
+    signed_logits = logits * signs
+    log_agree, log_disagree = table.unbind(-2)
+    _, likelihood = log_sigmoid(signed_logits, out=log_agree)
+    torch.sub(log_agree, signed_logits, out=log_disagree)  # log sigmoid(-s) = log sigmoid(s) - s
+    # Arithmetic rather than boolean selections, which are slow on CPUs.
+    agreement = torch.mul(ones, 2 * signs).sub_(signs)
+    disagreement = torch.sub(1, agreement).mul_(0.5)
+    return _Orientation(signs, likelihood, agreement, disagreement)
+
+
 class _OrientedSaved(NamedTuple):
     """What the backward pass of the one-product path needs (``k`` exact entries)."""
 
-    likelihood: torch.Tensor  # F, (G, D), floored
     slope: torch.Tensor  # (2 o - 1) sigmoid(eta) sigmoid(-eta), (G, D)
-    signs: torch.Tensor  # 2 o - 1, (D,)
-    agreement: torch.Tensor  # +1 where x = o, else -1, (R, D)
-    disagreement: torch.Tensor  # [x != o], (R, D)
     numerator: torch.Tensor  # p(x_rj | x_R), (R, D)
     index: torch.Tensor  # flat indices of the exact entries, (k,)
     node_share: torch.Tensor  # p(z_g | x_R, x_rj) at the exact entries, (k, G)
     other: torch.Tensor  # p(1 - x_rj | z_g) at the exact entries, (k, G)
 
 
-def _oriented_forward(logits, posterior, ones):
+def _oriented_forward(logits, posterior, orientation):
     """The forward pass with one product over the nodes (see the module notes), or ``None``
     when the two-value table must take over.
 
     :param logits: ``eta``, shape ``(G, D)``.
     :param posterior: the node posterior ``(R, G)``, floored.
-    :param ones: ``[x_rj = 1]``, shape ``(R, D)``.
+    :param _Orientation orientation: its likelihood is floored in place.
     :returns: ``(log p(x_rj | x_R), _OrientedSaved)``.
     """
-    num_rows, num_features = ones.shape
+    signs, likelihood, agreement, disagreement = orientation
+    num_features = likelihood.shape[-1]
     floor = _gemm_safe_floor(logits.dtype)
-    # o_j: the value most rows observe, as signs 2 o_j - 1; F = p(x_j = o_j | z).
-    signs = (ones.sum(0) * 2 >= num_rows).to(logits.dtype).mul_(2).sub_(1)  # (D,)
-    likelihood = torch.sigmoid(logits * signs)
     # (2 o_j - 1) sigmoid(eta) sigmoid(-eta) = (2 o_j - 1) F (1 - F): exact to F's rounding
     # error in absolute terms, which is all the gradient it scales needs.
     slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1).mul_(signs)
     torch.nn.functional.threshold_(likelihood, floor, 0.0)
     total = posterior @ likelihood  # T, (R, D)
-    # Arithmetic rather than boolean selections, which are slow on CPUs:
-    # agreement = +1 where x_rj = o_j, else -1, and the conditional T or 1 - T.
-    agreement = torch.mul(ones, 2 * signs).sub_(signs)
-    disagreement = torch.sub(1, agreement).mul_(0.5)
-    numerator = torch.addcmul(disagreement, total, agreement)
+    numerator = torch.addcmul(disagreement, total, agreement)  # T or 1 - T
     # Entries below 1/64: exact where x_rj != o_j; with x_rj = o_j, fine above the floors.
     index = (numerator < _COMPLEMENT_FLOOR).flatten().nonzero().squeeze(-1)
     if index.numel() > _MAX_EXACT_FRACTION * numerator.numel():
@@ -155,16 +169,14 @@ def _oriented_forward(logits, posterior, ones):
         return None
     node_share.div_(conditional.unsqueeze(-1))  # p(z_g | x_R, x_rj)
     numerator.view(-1)[index] = conditional
-    saved = _OrientedSaved(
-        likelihood, slope, signs, agreement, disagreement, numerator, index, node_share, other
-    )
-    return numerator.log(), saved
+    return numerator.log(), _OrientedSaved(slope, numerator, index, node_share, other)
 
 
-def _oriented_backward(grad, posterior, saved):
+def _oriented_backward(grad, posterior, orientation, saved):
     """``(node_grad, logits_grad)``: the gradients of the log joint ``a`` ``(R, G)`` and of
     the logits through ``p(x | z)`` ``(G, D)``, from :func:`_oriented_forward`'s tensors."""
-    likelihood, slope, signs, agreement, disagreement, numerator, index, node_share, other = saved
+    signs, likelihood, agreement, disagreement = orientation
+    slope, numerator, index, node_share, other = saved
     num_features = grad.shape[-1]
     ratio = grad / numerator  # h = g / p(x_rj | x_R)
     ratio.view(-1)[index] = 0  # exact entries are added below
@@ -183,37 +195,47 @@ def _oriented_backward(grad, posterior, saved):
     return node_grad, logits_grad
 
 
+def _oriented_table_grad(table_grad, orientation):
+    """The gradient of the logits from that of the oriented table ``(G, 2D)``:
+    ``d/d eta log sigmoid(s eta) = s (1 - F)`` and ``d/d eta log sigmoid(-s eta) = -s F``."""
+    grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
+    total = (grad_agree + grad_disagree).mul_(orientation.likelihood)
+    return torch.sub(grad_agree, total, out=total).mul_(orientation.signs)
+
+
 class _BernoulliConditionals(torch.autograd.Function):
-    """:func:`bernoulli_log_conditionals` on rows, with hand-written backward passes."""
+    """:func:`bernoulli_log_conditionals` on rows, with hand-written backward passes.
+
+    Everything runs in the layout of the :class:`_Orientation`: the table's two values are
+    ``o_j`` and ``1 - o_j``, and the context weights ``c [x = o]`` and ``c [x != o]``."""
 
     @staticmethod
     def forward(ctx, log_weights, logits, onehot, context):
-        table, probs = _bernoulli_table(logits)
+        table = logits.new_empty(logits.shape[:-1] + (2,) + logits.shape[-1:])
+        orientation = _orient(logits, onehot[:, 1], table)
         table = table.flatten(-2)  # (G, 2D)
-        weighted, posterior = _context_posterior(log_weights, table, onehot, context)
-        ones = onehot[:, 1]
-        oriented = _oriented_forward(logits, posterior, ones)
-        ctx.oriented = oriented is not None
-        if ctx.oriented:
-            out, saved = oriented
-            ctx.save_for_backward(probs, weighted, posterior, *saved)
-        else:
-            out, saved = _conditionals_forward(posterior, table, onehot, overwrite=True)
-            ctx.save_for_backward(probs, weighted, posterior, *saved)
+        oriented_onehot = torch.stack([1 - orientation.disagreement, orientation.disagreement], 1)
+        weighted, posterior = _context_posterior(log_weights, table, oriented_onehot, context)
+        result = _oriented_forward(logits, posterior, orientation)
+        ctx.oriented = result is not None
+        if not ctx.oriented:
+            result = _conditionals_forward(posterior, table, oriented_onehot, overwrite=True)
+        out, saved = result
+        ctx.save_for_backward(weighted, posterior, *orientation, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        probs, weighted, posterior, *saved = ctx.saved_tensors
+        weighted, posterior, *saved = ctx.saved_tensors
+        orientation, saved = _Orientation(*saved[:4]), saved[4:]
         if not ctx.oriented:
             table_grad = _conditionals_backward(grad, weighted, posterior, *saved)
-            grad_zero, grad_one = table_grad.unflatten(-1, (2, -1)).unbind(-2)
-            return None, _bernoulli_logits_grad(grad_zero, grad_one, probs), None, None
-        node_grad, logits_grad = _oriented_backward(grad, posterior, _OrientedSaved(*saved))
+            return None, _oriented_table_grad(table_grad, orientation), None, None
+        saved = _OrientedSaved(*saved)
+        node_grad, logits_grad = _oriented_backward(grad, posterior, orientation, saved)
         # The context sums: a_rg = log w_g + sum_k W_rk L_gk.
-        grad_zero, grad_one = (node_grad.T @ weighted).unflatten(-1, (2, -1)).unbind(-2)
-        logits_grad += _bernoulli_logits_grad(grad_zero, grad_one, probs)
+        logits_grad += _oriented_table_grad(node_grad.T @ weighted, orientation)
         return None, logits_grad, None, None
 
 
