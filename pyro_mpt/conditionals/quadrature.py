@@ -14,6 +14,7 @@ from pyro_mpt.infer.latent_probe import (
     trace_local_model,
     whitened_priors,
 )
+from pyro_mpt.infer.probe_cache import ProbeCache, ProbedModel
 from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature import (
@@ -125,6 +126,10 @@ class Quadrature(Conditionals):
     ``(G, N, D)`` tensor, in time or memory. Other cases evaluate the likelihood of every
     observation at every node.
 
+    The first call runs the model twice, once to read its structure and once at the nodes;
+    with nodes under the prior, later calls with data of the same shape run it once, at the
+    nodes (:mod:`pyro_mpt.infer.probe_cache`).
+
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
         (``num_points ** K`` nodes; the default 3).
@@ -154,11 +159,19 @@ class Quadrature(Conditionals):
         self.num_points = int(num_points)
         self.max_latent_dim = int(max_latent_dim)
         self.center = center
+        self._probes = ProbeCache()
 
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
+        if self.center == "prior":
+            remembered = self._probes.latents_for(model, args, kwargs, max_plate_nesting)
+            if remembered is not None:
+                nodes, log_weights = gauss_hermite_grid(self.num_points, *remembered)
+                probed = self._probes.run(model, args, kwargs, nodes)
+                if probed is not None:
+                    return _self_predictive(probed, log_weights)
         local = trace_local_model(model, args, kwargs, max_plate_nesting)
         if not local.latent_names:
             raise NotApplicableError(
@@ -189,17 +202,25 @@ class Quadrature(Conditionals):
             center, scale = _guide_in_whitened_coordinates(guide, args, kwargs, local, priors)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         fn = run_at_latent_points(model, args, kwargs, local, priors, nodes)
-        if log_weights.dim() == 1:
-            table = _shared_log_table(fn, local.observed)
-            if table is not None:
-                kind, table, indicators = table
-                return kind(local.observed, local.scale, log_weights, table, indicators)
-        value = obs_site["value"]
-        ll = unwrap_independent(fn).log_prob(value)
-        ll = flatten_tail(ll, local.observed.num_feature_dims)
-        ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
-        ll = ll.reshape((nodes.shape[0],) + local.observed.batch_shape + (-1,))
-        return QuadratureSelfPredictive(local.observed, local.scale, log_weights, ll)
+        if self.center == "prior":
+            self._probes.remember(model, args, kwargs, max_plate_nesting, local, priors)
+        probed = ProbedModel(local.observed, local.scale, fn, obs_site["value"])
+        return _self_predictive(probed, log_weights)
+
+
+def _self_predictive(probed, log_weights):
+    """The :class:`SelfPredictive` of a model probed at the nodes."""
+    observed, fn = probed.observed, probed.fn
+    if log_weights.dim() == 1:
+        table = _shared_log_table(fn, observed)
+        if table is not None:
+            kind, table, indicators = table
+            return kind(observed, probed.scale, log_weights, table, indicators)
+    ll = unwrap_independent(fn).log_prob(probed.value)
+    ll = flatten_tail(ll, observed.num_feature_dims)
+    ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
+    ll = ll.reshape((log_weights.shape[0],) + observed.batch_shape + (-1,))
+    return QuadratureSelfPredictive(observed, probed.scale, log_weights, ll)
 
 
 def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):

@@ -35,8 +35,12 @@ from pyro_mpt.infer.trace_utils import (
 __all__ = [
     "LatentPrior",
     "LocalModel",
+    "check_compact_parameters",
     "compact_parameter",
     "flatten_tail",
+    "observed_site",
+    "probe_plate",
+    "probe_value",
     "run_at_latent_points",
     "trace_local_model",
     "whitened_priors",
@@ -101,7 +105,18 @@ def _max_plate_nesting(trace):
 def _observed(trace, name, data_dims):
     site = trace.nodes[name]
     fn = site["fn"]
-    value = site["value"].expand(fn.batch_shape + fn.event_shape)
+    batch_shape, _ = observation_shape(site, data_dims)
+    return observed_site(name, site["value"], fn.batch_shape + fn.event_shape, batch_shape)
+
+
+def observed_site(name, value, full_shape, batch_shape):
+    """The :class:`ObservedSite` of observations ``value`` (broadcast to ``full_shape``, the
+    distribution's batch and event shape) whose first dims ``batch_shape`` index
+    observations.
+
+    :raises ValueError: for NaN observations.
+    """
+    value = value.expand(full_shape)
     # One isnan pass is cheap next to the model run, so it is always made.
     num_nan = int(torch.isnan(value).sum())
     if num_nan:
@@ -110,7 +125,7 @@ def _observed(trace, name, data_dims):
             f"{value.numel()}. MPTLoss scores every observed feature; drop the "
             f"observations with missing features or impute them before training."
         )
-    batch_shape, num_feature_dims = observation_shape(site, data_dims)
+    num_feature_dims = len(full_shape) - len(batch_shape)
     return ObservedSite(name, flatten_tail(value, num_feature_dims), batch_shape, num_feature_dims)
 
 
@@ -256,34 +271,63 @@ def compact_parameter(param, fn, observed):
     return param
 
 
+def probe_value(site, num_batch_dims, mean, scale_fn, u, max_plate_nesting, compact=True):
+    """The value of a latent site at whitened points ``u`` inside the probe plate.
+
+    :param dict site: the latent's site (its ``fn`` without the probe dim).
+    :param mean: and ``scale_fn``: its whitened prior (see :class:`LatentPrior`).
+    :param u: points ``(Q, K_i)`` shared by every observation, or ``(Q,) + batch + (K_i,)``.
+    :param bool compact: keep batch dims of size 1 where the points and prior are shared.
+    :returns: ``z`` of shape ``(Q,) + pad + batch + event``, ``pad`` up to the plate nesting.
+    """
+    num_probes, size = u.shape[0], mean.shape[-1]
+    if u.dim() == 2:  # the same points for every observation
+        u = u.reshape((num_probes,) + (1,) * (mean.dim() - 1) + (size,))
+    z = mean + scale_fn(u)  # (Q,) + batch + (K_i,)
+    full = site["fn"].batch_shape + site["fn"].event_shape
+    batch = z.shape[1 : 1 + num_batch_dims] if compact else full[:num_batch_dims]
+    if not compact:
+        z = z.expand((num_probes,) + full[:num_batch_dims] + (size,))
+    pad = (1,) * (max_plate_nesting - len(site["fn"].batch_shape))
+    return z.reshape((num_probes,) + pad + batch + full[num_batch_dims:])
+
+
+def probe_plate(num_probes, max_plate_nesting):
+    """The plate over probe points, left of every plate of the model."""
+    return pyro.plate(_PROBE_PLATE, num_probes, dim=-(max_plate_nesting + 1))
+
+
+def check_compact_parameters(fn, observed):
+    """Raises ``RuntimeError`` unless every parameter of the probed ``fn`` broadcasts to the
+    observations with batch dims of size 1 kept (see :func:`compact_parameter`)."""
+    for param in _distribution_parameters(fn):
+        compact_parameter(param, fn, observed)
+
+
 def _probe(model, args, kwargs, local, priors, points, compact):
-    num_probes, offset = points.shape[0], 0
-    probe_trace = local.trace.copy()
+    probe_trace, offset = local.trace.copy(), 0
     for prior in priors:
-        site, num_batch, loc = prior.site, prior.num_batch_dims, prior.mean
-        size = loc.shape[-1]
+        size = prior.mean.shape[-1]
         u = points[..., offset : offset + size]
         offset += size
-        if u.dim() == 2:  # the same points for every observation
-            u = u.reshape((num_probes,) + (1,) * (loc.dim() - 1) + (size,))
-        z = loc + prior.scale_fn(u)  # (Q,) + batch + (K_i,)
-        full = site["fn"].batch_shape + site["fn"].event_shape
-        batch = z.shape[1 : 1 + num_batch] if compact else full[:num_batch]
-        if not compact:
-            z = z.expand((num_probes,) + full[:num_batch] + (size,))
-        pad = (1,) * (local.max_plate_nesting - len(site["fn"].batch_shape))
-        z = z.reshape((num_probes,) + pad + batch + full[num_batch:])
-        probe_trace.nodes[prior.name] = dict(site, value=z)
+        z = probe_value(
+            prior.site,
+            prior.num_batch_dims,
+            prior.mean,
+            prior.scale_fn,
+            u,
+            local.max_plate_nesting,
+            compact,
+        )
+        probe_trace.nodes[prior.name] = dict(prior.site, value=z)
     # The first trace validated the model on the data; checking every distribution again at
     # every point would double the cost of this run.
-    plate = pyro.plate(_PROBE_PLATE, num_probes, dim=-(local.max_plate_nesting + 1))
-    with plate, pyro.validation_enabled(False):
+    with probe_plate(points.shape[0], local.max_plate_nesting), pyro.validation_enabled(False):
         probed = poutine.trace(poutine.replay(model, trace=probe_trace)).get_trace(*args, **kwargs)
     fn = probed.nodes[local.observed.name]["fn"]
     if compact:
         # Check the shapes here so that a model that broke them falls back to full size.
-        for param in _distribution_parameters(fn):
-            compact_parameter(param, fn, local.observed)
+        check_compact_parameters(fn, local.observed)
     return fn
 
 
