@@ -41,7 +41,7 @@ from pyro_mpt.ops.quadrature import _gemm_safe_floor
 from pyro_mpt.ops.tabulated_quadrature import (
     _conditionals_backward,
     _conditionals_forward,
-    _context_posterior,
+    _node_posterior,
     _tabulated,
 )
 
@@ -108,19 +108,18 @@ class _Orientation(NamedTuple):
     disagreement: torch.Tensor  # [x_rj != o_j], (R, D)
 
 
-def _orient(logits, ones, table):
-    """The :class:`_Orientation` of the rows, and the log-likelihood table in its layout,
-    ``table[:, 0] = log p(o_j | z_g)`` and ``table[:, 1] = log p(1 - o_j | z_g)``, written into
-    ``table`` ``(G, 2, D)``."""
+def _orient(logits, ones):
+    """The :class:`_Orientation` of the rows, and the log-likelihoods of ``o_j`` and of
+    ``1 - o_j`` at the nodes, ``(G, D)`` each."""
     signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     signed_logits = logits * signs
-    log_agree, log_disagree = table.unbind(-2)
-    _, likelihood = log_sigmoid(signed_logits, out=log_agree)
-    torch.sub(log_agree, signed_logits, out=log_disagree)  # log sigmoid(-s) = log sigmoid(s) - s
+    log_agree, likelihood = log_sigmoid(signed_logits)
+    log_disagree = log_agree - signed_logits  # log sigmoid(-s) = log sigmoid(s) - s
     # Arithmetic rather than boolean selections, which are slow on CPUs.
     agreement = torch.mul(ones, 2 * signs).sub_(signs)
     disagreement = torch.sub(1, agreement).mul_(0.5)
-    return _Orientation(signs, likelihood, agreement, disagreement)
+    orientation = _Orientation(signs, likelihood, agreement, disagreement)
+    return orientation, log_agree, log_disagree
 
 
 class _OrientedSaved(NamedTuple):
@@ -195,10 +194,10 @@ def _oriented_backward(grad, posterior, orientation, saved):
     return node_grad, logits_grad
 
 
-def _oriented_table_grad(table_grad, orientation):
-    """The gradient of the logits from that of the oriented table ``(G, 2D)``:
-    ``d/d eta log sigmoid(s eta) = s (1 - F)`` and ``d/d eta log sigmoid(-s eta) = -s F``."""
-    grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
+def _oriented_table_grad(grad_agree, grad_disagree, orientation):
+    """The gradient of the logits from those of ``log p(o_j | z)`` and ``log p(1 - o_j | z)``
+    ``(G, D)``: ``d/d eta log sigmoid(s eta) = s (1 - F)``, ``d/d eta log sigmoid(-s eta) =
+    -s F``."""
     total = (grad_agree + grad_disagree).mul_(orientation.likelihood)
     return torch.sub(grad_agree, total, out=total).mul_(orientation.signs)
 
@@ -207,35 +206,42 @@ class _BernoulliConditionals(torch.autograd.Function):
     """:func:`bernoulli_log_conditionals` on rows, with hand-written backward passes.
 
     Everything runs in the layout of the :class:`_Orientation`: the table's two values are
-    ``o_j`` and ``1 - o_j``, and the context weights ``c [x = o]`` and ``c [x != o]``."""
+    ``o_j`` and ``1 - o_j``, with context weights ``c [x = o]`` and ``c [x != o]``."""
 
     @staticmethod
     def forward(ctx, log_weights, logits, onehot, context):
-        table = logits.new_empty(logits.shape[:-1] + (2,) + logits.shape[-1:])
-        orientation = _orient(logits, onehot[:, 1], table)
-        table = table.flatten(-2)  # (G, 2D)
-        oriented_onehot = torch.stack([1 - orientation.disagreement, orientation.disagreement], 1)
-        weighted, posterior = _context_posterior(log_weights, table, oriented_onehot, context)
+        orientation, log_agree, log_disagree = _orient(logits, onehot[:, 1])
+        weight_disagree = context * orientation.disagreement
+        weight_agree = context - weight_disagree
+        # a_rg = log w_g + sum_j c_rj log p(x_rj | z_g)
+        log_joint = torch.addmm(log_weights, weight_agree, log_agree.T)
+        posterior = _node_posterior(log_joint.addmm_(weight_disagree, log_disagree.T))
         result = _oriented_forward(logits, posterior, orientation)
         ctx.oriented = result is not None
         if not ctx.oriented:
+            table = torch.cat([log_agree, log_disagree], -1)  # (G, 2D)
+            disagreement = orientation.disagreement
+            oriented_onehot = torch.stack([1 - disagreement, disagreement], 1)
             result = _conditionals_forward(posterior, table, oriented_onehot, overwrite=True)
         out, saved = result
-        ctx.save_for_backward(weighted, posterior, *orientation, *saved)
+        ctx.save_for_backward(weight_agree, weight_disagree, posterior, *orientation, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        weighted, posterior, *saved = ctx.saved_tensors
+        weight_agree, weight_disagree, posterior, *saved = ctx.saved_tensors
         orientation, saved = _Orientation(*saved[:4]), saved[4:]
         if not ctx.oriented:
+            weighted = torch.cat([weight_agree, weight_disagree], -1)
             table_grad = _conditionals_backward(grad, weighted, posterior, *saved)
-            return None, _oriented_table_grad(table_grad, orientation), None, None
+            grads = table_grad.unflatten(-1, (2, -1)).unbind(-2)
+            return None, _oriented_table_grad(*grads, orientation), None, None
         saved = _OrientedSaved(*saved)
         node_grad, logits_grad = _oriented_backward(grad, posterior, orientation, saved)
-        # The context sums: a_rg = log w_g + sum_k W_rk L_gk.
-        logits_grad += _oriented_table_grad(node_grad.T @ weighted, orientation)
+        # The context sums.
+        grad_agree, grad_disagree = node_grad.T @ weight_agree, node_grad.T @ weight_disagree
+        logits_grad += _oriented_table_grad(grad_agree, grad_disagree, orientation)
         return None, logits_grad, None, None
 
 
