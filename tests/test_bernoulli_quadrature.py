@@ -46,8 +46,7 @@ def _decoder_case(logit_scale, from_model=True, num_obs=40, num_features=30, see
 def _compare(log_weights, logits, x, context, atol):
     """Values and logits gradients of the fused function against the dense reference."""
     logits = logits.detach().requires_grad_()
-    indicators = torch.stack([x == 0, x == 1])
-    fused = bernoulli_log_conditionals(log_weights, logits, indicators, context)
+    fused = bernoulli_log_conditionals(log_weights, logits, x, context)
     ll = dist.Bernoulli(logits=logits.unsqueeze(1)).log_prob(x)
     dense = quadrature_log_conditionals(log_weights, ll, context)
     torch.testing.assert_close(fused, dense, atol=atol, rtol=0)
@@ -87,8 +86,7 @@ def test_conditionals_near_the_floors_fall_back_to_the_two_value_table(branches)
 
 def test_float32_matches_the_float64_reference(branches):
     log_weights, logits, x, context = _decoder_case(logit_scale=2.0, num_obs=128, seed=3)
-    indicators = torch.stack([x == 0, x == 1])
-    fused = bernoulli_log_conditionals(log_weights.float(), logits.float(), indicators, context)
+    fused = bernoulli_log_conditionals(log_weights.float(), logits.float(), x, context)
     ll = dist.Bernoulli(logits=logits.unsqueeze(1)).log_prob(x)
     dense = quadrature_log_conditionals(log_weights, ll, context)
     assert branches[0] is not None

@@ -87,7 +87,7 @@ def test_bernoulli_log_table_values_and_gradient():
         rtol=0,
     )
     # The fused function: the same values, and the same gradient as the dense path.
-    fused = bernoulli_log_conditionals(log_weights, logits, indicators, context)
+    fused = bernoulli_log_conditionals(log_weights, logits, x, context)
     torch.testing.assert_close(fused, dense, atol=1e-12, rtol=0)
     upstream = torch.randn(fused.shape)
     (grad,) = torch.autograd.grad((fused * upstream).sum(), logits, retain_graph=True)

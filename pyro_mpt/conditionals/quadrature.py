@@ -85,22 +85,24 @@ class TabulatedQuadratureSelfPredictive(SelfPredictive):
 
 class BernoulliQuadratureSelfPredictive(SelfPredictive):
     """Quadrature conditionals of binary data under ``Bernoulli(logits)`` with logits
-    ``(G, D)`` shared by every observation: :class:`TabulatedQuadratureSelfPredictive` with
-    the table built from the logits inside one function."""
+    ``(G, D)`` shared by every observation, by
+    :func:`~pyro_mpt.ops.bernoulli_quadrature.bernoulli_log_conditionals`."""
 
-    def __init__(self, observed, scale, log_weights, logits, indicators):
+    def __init__(self, observed, scale, log_weights, logits):
         super().__init__(observed, scale)
         self.log_weights = log_weights
         self.logits = logits
-        self.indicators = indicators
 
     def log_prob(self, masks):
-        return bernoulli_log_conditionals(self.log_weights, self.logits, self.indicators, ~masks)
+        return bernoulli_log_conditionals(
+            self.log_weights, self.logits, self.observed.value, ~masks
+        )
 
     def log_marginal(self):
         """``log p(x)`` of each observation by the same quadrature rule."""
         log_table = bernoulli_log_table(self.logits)
-        return tabulated_log_marginal(self.log_weights, log_table, self.indicators)
+        indicators = _binary_indicators(self.observed.value.to(log_table.dtype))
+        return tabulated_log_marginal(self.log_weights, log_table, indicators)
 
 
 class Quadrature(Conditionals):
@@ -212,10 +214,9 @@ def _self_predictive(probed, log_weights):
     """The :class:`SelfPredictive` of a model probed at the nodes."""
     observed, fn = probed.observed, probed.fn
     if log_weights.dim() == 1:
-        table = _shared_log_table(fn, observed)
-        if table is not None:
-            kind, table, indicators = table
-            return kind(observed, probed.scale, log_weights, table, indicators)
+        tabulated = _tabulated_self_predictive(fn, observed, probed.scale, log_weights)
+        if tabulated is not None:
+            return tabulated
     ll = unwrap_independent(fn).log_prob(probed.value)
     ll = flatten_tail(ll, observed.num_feature_dims)
     ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
@@ -252,13 +253,18 @@ def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):
     return torch.cat(centers, -1), torch.cat(scales, -1)
 
 
-def _shared_log_table(fn, observed):
-    """``(kind, log_table, indicators)`` with tables of shape ``(G, V, D)`` and
-    ``(V,) + batch + (D,)`` when the probed likelihood is one of ``_TABULATED_PARAMETERS``
+def _binary_indicators(ones):
+    """``[x = 0]`` and ``[x = 1]``, ``(2,) + batch + (D,)``, stacked on dim -2 and viewed
+    as such: the layout the tables use."""
+    return torch.stack([1 - ones, ones], -2).movedim(-2, 0)
+
+
+def _tabulated_self_predictive(fn, observed, scale, log_weights):
+    """A :class:`BernoulliQuadratureSelfPredictive` for ``Bernoulli(logits)`` over binary
+    data, or a :class:`TabulatedQuadratureSelfPredictive` with tables ``(G, V, D)`` and
+    ``(V,) + batch + (D,)``, when the probed likelihood is one of ``_TABULATED_PARAMETERS``
     with parameters shared by every observation and the data take at most
-    ``_MAX_TABULATED_VALUES`` distinct values; ``kind`` is the :class:`SelfPredictive` to
-    build, :class:`BernoulliQuadratureSelfPredictive` (with the logits ``(G, D)`` in place of
-    the table) for ``Bernoulli(logits)`` over binary data. ``None`` otherwise."""
+    ``_MAX_TABULATED_VALUES`` distinct values; ``None`` otherwise."""
     base = unwrap_independent(fn)
     names = next((n for t, n in _TABULATED_PARAMETERS.items() if isinstance(base, t)), None)
     if names is None:
@@ -281,11 +287,10 @@ def _shared_log_table(fn, observed):
     value = observed.value
     ones = value.to(param.dtype)
     if not bool((ones * (1 - ones)).any()):  # binary data (NaN was ruled out by the trace)
-        # Stacked on dim -2 and viewed as (V,) + batch + (D,): the layout the tables use.
-        indicators = torch.stack([1 - ones, ones], -2).movedim(-2, 0)
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
-            return BernoulliQuadratureSelfPredictive, param, indicators
+            return BernoulliQuadratureSelfPredictive(observed, scale, log_weights, param)
         values = value.new_tensor([0, 1])
+        indicators = _binary_indicators(ones)
     else:
         values = torch.unique(value)
         if values.numel() > _MAX_TABULATED_VALUES:
@@ -295,4 +300,4 @@ def _shared_log_table(fn, observed):
     log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1))  # (G, V, D)
     if not bool(torch.isfinite(log_table).all()):
         return None  # a value impossible at some node (e.g. probs of exactly 0 or 1)
-    return TabulatedQuadratureSelfPredictive, log_table, indicators
+    return TabulatedQuadratureSelfPredictive(observed, scale, log_weights, log_table, indicators)

@@ -42,7 +42,6 @@ from pyro_mpt.ops.tabulated_quadrature import (
     _conditionals_backward,
     _conditionals_forward,
     _node_posterior,
-    _tabulated,
 )
 
 __all__ = ["bernoulli_log_conditionals", "bernoulli_log_table"]
@@ -209,8 +208,8 @@ class _BernoulliConditionals(torch.autograd.Function):
     ``o_j`` and ``1 - o_j``, with context weights ``c [x = o]`` and ``c [x != o]``."""
 
     @staticmethod
-    def forward(ctx, log_weights, logits, onehot, context):
-        orientation, log_agree, log_disagree = _orient(logits, onehot[:, 1])
+    def forward(ctx, log_weights, logits, ones, context):
+        orientation, log_agree, log_disagree = _orient(logits, ones)
         weight_disagree = context * orientation.disagreement
         weight_agree = context - weight_disagree
         # a_rg = log w_g + sum_j c_rj log p(x_rj | z_g)
@@ -245,7 +244,7 @@ class _BernoulliConditionals(torch.autograd.Function):
         return None, logits_grad, None, None
 
 
-def bernoulli_log_conditionals(log_weights, logits, indicators, context):
+def bernoulli_log_conditionals(log_weights, logits, data, context):
     """:func:`~pyro_mpt.ops.tabulated_quadrature.tabulated_log_conditionals` with the
     table :func:`bernoulli_log_table` ``(logits)``, for binary data under
     ``Bernoulli(logits=eta)`` shared by every observation. The table is built inside, the
@@ -254,9 +253,14 @@ def bernoulli_log_conditionals(log_weights, logits, indicators, context):
 
     :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``; no gradient flows to it.
     :param torch.Tensor logits: ``eta``, shape ``(G, D)``.
-    :param torch.Tensor indicators: ``[x_nj = 0]`` and ``[x_nj = 1]``, shape
-        ``(2,) + batch + (D,)``.
+    :param torch.Tensor data: the observations, zeros and ones, shape ``batch + (D,)``.
     :param torch.Tensor context: 1/True at observed features, ``(P,) + batch + (D,)``.
     :returns: ``log p(x_j | x_R)``, shape ``(P,) + batch + (D,)``.
     """
-    return _tabulated(_BernoulliConditionals, log_weights, logits, indicators, context)
+    dtype, num_features = logits.dtype, context.shape[-1]
+    shape = torch.broadcast_shapes(context.shape[:-1], (1,) + data.shape[:-1])
+    rows = shape + (num_features,)
+    context = context.to(dtype).expand(rows).reshape(-1, num_features)
+    ones = data.to(dtype).expand(rows).reshape(-1, num_features)
+    out = _BernoulliConditionals.apply(log_weights.detach(), logits, ones, context)
+    return out.reshape(rows)
