@@ -93,3 +93,14 @@ def test_float32_matches_the_float64_reference(branches):
     # Relative error of each conditional: 64 (G + 1) rounding errors at worst.
     bound = 64 * (log_weights.numel() + 1) * torch.finfo(torch.float32).eps
     assert (fused.double() - dense).abs().max() < bound
+
+
+def test_likelihoods_below_the_floor_leave_the_one_product_path_exact(branches):
+    log_weights, logits, x, context = _decoder_case(logit_scale=1.0)
+    # Feature 0: one in every row, a logit of -720 (sigmoid ~1e-313, subnormal) at every
+    # other node and +3 elsewhere: floored likelihoods, conditionals far above the floors.
+    x[:, 0] = 1.0
+    logits[::2, 0] = -720.0
+    logits[1::2, 0] = 3.0
+    _compare(log_weights, logits, x, context, atol=1e-12)
+    assert branches == [0]

@@ -108,45 +108,56 @@ class _Orientation(NamedTuple):
 
 
 def _orient(logits, ones):
-    """The :class:`_Orientation` of the rows, and the log-likelihoods of ``o_j`` and of
-    ``1 - o_j`` at the nodes, ``(G, D)`` each."""
+    """The :class:`_Orientation` of the rows, the log-likelihoods of ``o_j`` and of
+    ``1 - o_j`` at the nodes, ``(G, D)`` each, and whether some ``F`` may be below the floor
+    of :mod:`pyro_mpt.ops.quadrature`."""
     signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     signed_logits = logits * signs
-    log_agree, likelihood = log_sigmoid(signed_logits)
+    likelihood = torch.sigmoid(signed_logits)
+    # log(sigmoid) where sigmoid is a normal number (see pyro_mpt.ops.bernoulli.log_sigmoid).
+    lowest = float(signed_logits.min()) if signed_logits.numel() else 0.0
+    if lowest > math.log(torch.finfo(logits.dtype).tiny) + 8:
+        log_agree = likelihood.log()
+    else:
+        log_agree = torch.nn.functional.logsigmoid(signed_logits)
     log_disagree = log_agree - signed_logits  # log sigmoid(-s) = log sigmoid(s) - s
     # Arithmetic rather than boolean selections, which are slow on CPUs.
     agreement = torch.mul(ones, 2 * signs).sub_(signs)
     disagreement = torch.sub(1, agreement).mul_(0.5)
     orientation = _Orientation(signs, likelihood, agreement, disagreement)
-    return orientation, log_agree, log_disagree
+    # sigmoid(l) >= exp(l) / 2: below the floor only where l < log(floor) + log(2).
+    needs_floor = lowest < math.log(_gemm_safe_floor(logits.dtype)) + 1
+    return orientation, log_agree, log_disagree, needs_floor
 
 
 class _OrientedSaved(NamedTuple):
     """What the backward pass of the one-product path needs (``k`` exact entries)."""
 
-    slope: torch.Tensor  # (2 o - 1) sigmoid(eta) sigmoid(-eta), (G, D)
+    slope: torch.Tensor  # sigmoid(eta) sigmoid(-eta), (G, D)
     numerator: torch.Tensor  # p(x_rj | x_R), (R, D)
     index: torch.Tensor  # flat indices of the exact entries, (k,)
     node_share: torch.Tensor  # p(z_g | x_R, x_rj) at the exact entries, (k, G)
     other: torch.Tensor  # p(1 - x_rj | z_g) at the exact entries, (k, G)
 
 
-def _oriented_forward(logits, posterior, orientation):
+def _oriented_forward(logits, posterior, orientation, needs_floor=True):
     """The forward pass with one product over the nodes (see the module notes), or ``None``
     when the two-value table must take over.
 
     :param logits: ``eta``, shape ``(G, D)``.
     :param posterior: the node posterior ``(R, G)``, floored.
     :param _Orientation orientation: its likelihood is floored in place.
+    :param bool needs_floor: whether some of that likelihood may be below the floor.
     :returns: ``(log p(x_rj | x_R), _OrientedSaved)``.
     """
     signs, likelihood, agreement, disagreement = orientation
     num_features = likelihood.shape[-1]
     floor = _gemm_safe_floor(logits.dtype)
-    # (2 o_j - 1) sigmoid(eta) sigmoid(-eta) = (2 o_j - 1) F (1 - F): exact to F's rounding
-    # error in absolute terms, which is all the gradient it scales needs.
-    slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1).mul_(signs)
-    torch.nn.functional.threshold_(likelihood, floor, 0.0)
+    # sigmoid(eta) sigmoid(-eta) = F (1 - F): exact to F's rounding error in absolute
+    # terms, which is all the gradient it scales needs.
+    slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1)
+    if needs_floor:
+        torch.nn.functional.threshold_(likelihood, floor, 0.0)
     total = posterior @ likelihood  # T, (R, D)
     numerator = torch.addcmul(disagreement, total, agreement)  # T or 1 - T
     # Entries below 1/64: exact where x_rj != o_j; with x_rj = o_j, fine above the floors.
@@ -171,8 +182,9 @@ def _oriented_forward(logits, posterior, orientation):
 
 
 def _oriented_backward(grad, posterior, orientation, saved):
-    """``(node_grad, logits_grad)``: the gradients of the log joint ``a`` ``(R, G)`` and of
-    the logits through ``p(x | z)`` ``(G, D)``, from :func:`_oriented_forward`'s tensors."""
+    """``(node_grad, logits_grad)``: the gradient of the log joint ``a`` ``(R, G)``, and that
+    of the logits through ``p(x | z)`` ``(G, D)`` divided by the signs ``2 o - 1``, from
+    :func:`_oriented_forward`'s tensors."""
     signs, likelihood, agreement, disagreement = orientation
     slope, numerator, index, node_share, other = saved
     num_features = grad.shape[-1]
@@ -188,17 +200,18 @@ def _oriented_backward(grad, posterior, orientation, saved):
     # d p(x | eta) / d eta = (2x - 1) sigmoid(eta) sigmoid(-eta), 2x - 1 = +-(2 o - 1).
     logits_grad = (posterior.T @ signed).mul_(slope)
     # The exact entries have x_rj = 1 - o_j: 2x - 1 = -(2 o_j - 1).
-    exact_slope = (exact_grad * node_share).mul_(other).mul_(-signs[cols].unsqueeze(-1))
+    exact_slope = (exact_grad * node_share).mul_(other).neg_()
     logits_grad.index_add_(1, cols, exact_slope.T)
     return node_grad, logits_grad
 
 
-def _oriented_table_grad(grad_agree, grad_disagree, orientation):
-    """The gradient of the logits from those of ``log p(o_j | z)`` and ``log p(1 - o_j | z)``
-    ``(G, D)``: ``d/d eta log sigmoid(s eta) = s (1 - F)``, ``d/d eta log sigmoid(-s eta) =
-    -s F``."""
-    total = (grad_agree + grad_disagree).mul_(orientation.likelihood)
-    return torch.sub(grad_agree, total, out=total).mul_(orientation.signs)
+def _add_table_grad_(logits_grad, grad_agree, grad_disagree, orientation):
+    """Adds to ``logits_grad`` the gradient of the logits from those of ``log p(o_j | z)``
+    and ``log p(1 - o_j | z)`` ``(G, D)`` divided by the signs ``s = 2 o - 1``,
+    ``1 - F`` and ``-F``, and multiplies the sum by ``s``; ``grad_agree`` is overwritten."""
+    logits_grad += grad_agree
+    total = grad_agree.add_(grad_disagree)
+    return logits_grad.addcmul_(total, orientation.likelihood, value=-1).mul_(orientation.signs)
 
 
 class _BernoulliConditionals(torch.autograd.Function):
@@ -209,13 +222,13 @@ class _BernoulliConditionals(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_weights, logits, ones, context):
-        orientation, log_agree, log_disagree = _orient(logits, ones)
+        orientation, log_agree, log_disagree, needs_floor = _orient(logits, ones)
         weight_disagree = context * orientation.disagreement
         weight_agree = context - weight_disagree
         # a_rg = log w_g + sum_j c_rj log p(x_rj | z_g)
         log_joint = torch.addmm(log_weights, weight_agree, log_agree.T)
         posterior = _node_posterior(log_joint.addmm_(weight_disagree, log_disagree.T))
-        result = _oriented_forward(logits, posterior, orientation)
+        result = _oriented_forward(logits, posterior, orientation, needs_floor)
         ctx.oriented = result is not None
         if not ctx.oriented:
             table = torch.cat([log_agree, log_disagree], -1)  # (G, 2D)
@@ -234,13 +247,15 @@ class _BernoulliConditionals(torch.autograd.Function):
         if not ctx.oriented:
             weighted = torch.cat([weight_agree, weight_disagree], -1)
             table_grad = _conditionals_backward(grad, weighted, posterior, *saved)
-            grads = table_grad.unflatten(-1, (2, -1)).unbind(-2)
-            return None, _oriented_table_grad(*grads, orientation), None, None
-        saved = _OrientedSaved(*saved)
-        node_grad, logits_grad = _oriented_backward(grad, posterior, orientation, saved)
-        # The context sums.
-        grad_agree, grad_disagree = node_grad.T @ weight_agree, node_grad.T @ weight_disagree
-        logits_grad += _oriented_table_grad(grad_agree, grad_disagree, orientation)
+            grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
+            logits_grad = torch.zeros_like(grad_agree)
+        else:
+            saved = _OrientedSaved(*saved)
+            node_grad, logits_grad = _oriented_backward(grad, posterior, orientation, saved)
+            # The context sums.
+            grad_agree = node_grad.T @ weight_agree
+            grad_disagree = node_grad.T @ weight_disagree
+        logits_grad = _add_table_grad_(logits_grad, grad_agree, grad_disagree, orientation)
         return None, logits_grad, None, None
 
 
