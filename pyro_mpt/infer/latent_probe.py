@@ -275,8 +275,11 @@ def probe_value(site, num_batch_dims, mean, scale_fn, u, max_plate_nesting, comp
     """The value of a latent site at whitened points ``u`` inside the probe plate.
 
     :param dict site: the latent's site (its ``fn`` without the probe dim).
-    :param mean: and ``scale_fn``: its whitened prior (see :class:`LatentPrior`).
+    :param int num_batch_dims: how many leading dims of the site index observations.
+    :param mean: the whitened prior's mean (see :class:`LatentPrior`).
+    :param scale_fn: the whitened prior's scale map.
     :param u: points ``(Q, K_i)`` shared by every observation, or ``(Q,) + batch + (K_i,)``.
+    :param int max_plate_nesting: the model's plate nesting.
     :param bool compact: keep batch dims of size 1 where the points and prior are shared.
     :returns: ``z`` of shape ``(Q,) + pad + batch + event``, ``pad`` up to the plate nesting.
     """
