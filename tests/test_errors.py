@@ -1,5 +1,7 @@
 """Every bad input gets a clear error, and a failing call changes nothing."""
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -9,6 +11,7 @@ from pyro.nn import PyroModule, PyroParam
 from pyro_mpt import MPTLoss, log_marginal, mpt_curve
 from pyro_mpt.conditionals import Conditionals, Exact
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.models import LinearVAE
 
 
 def _model_factory(kind):
@@ -61,7 +64,7 @@ INVALID_FOR_ALL = {"gamma_latent", "global_latent", "no_obs", "two_obs"}
 def test_invalid_models_raise_and_leave_the_param_store_untouched(kind, error, match, conditionals):
     if conditionals == "auto" and kind not in INVALID_FOR_ALL:
         pytest.skip("quadrature applies to this model under conditionals='auto'")
-    x = torch.randn(5, 3)
+    x = torch.randn(5, 3) if kind != "bernoulli" else torch.bernoulli(torch.full((5, 3), 0.5))
     pyro.param("existing", torch.zeros(2))
     loss = MPTLoss(conditionals=conditionals)
     for call in (loss.loss, loss.differentiable_loss, loss.loss_and_grads):
@@ -134,3 +137,21 @@ def test_mpt_curve_argument_errors():
         mpt_curve(model, x, sizes=[0, 4])
     with pytest.raises(ValueError, match=r"rates must be a non-empty list of values in \(0, 1\]"):
         mpt_curve(model, x, rates=[0.0, 0.5])
+
+
+@pytest.mark.parametrize("conditionals", ["quadrature", "importance"])
+def test_observations_outside_the_likelihood_support_raise(conditionals):
+    # Grey values under a Bernoulli likelihood: log_prob would reject them under validation.
+    pyro.clear_param_store()
+    vae = LinearVAE(4, latent_dim=1)
+    loss = MPTLoss(conditionals=conditionals)
+    binary = torch.bernoulli(torch.full((6, 4), 0.5))
+    loss.loss(vae.model, vae.guide, binary)  # a valid first call
+    grey = binary.clone()
+    grey[1, 2] = 0.5
+    names = set(pyro.get_param_store().keys())
+    with pytest.raises(ValueError, match=r"site 'x' has 1 values outside the support .*Bernoulli"):
+        loss.loss(vae.model, vae.guide, grey)
+    assert set(pyro.get_param_store().keys()) == names
+    with pyro.validation_enabled(False):
+        assert math.isfinite(loss.loss(vae.model, vae.guide, grey))

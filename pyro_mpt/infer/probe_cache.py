@@ -186,7 +186,7 @@ class ProbeCache:
             ):
                 raise _Mismatch
             observed = observed_site(
-                name, site["value"], structure.full_shape, structure.batch_shape
+                name, site["value"], structure.full_shape, structure.batch_shape, fn
             )
             check_compact_parameters(fn, observed)
         except Exception:
