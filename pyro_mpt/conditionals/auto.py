@@ -8,6 +8,7 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.probe_cache import call_key
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
@@ -32,6 +33,10 @@ class Auto(Conditionals):
     then ``"importance"`` (any model, when a guide is given). ``"encode-decode"`` is never
     tried: it is an approximation, selectable by name.
 
+    The choice is remembered: later calls with the same model and arguments of the same
+    shapes go straight to the chosen strategy (the same object, with whatever it keeps
+    between calls), and search again only if it no longer applies.
+
     :ivar chosen: the strategy used by the last call, or None before the first.
     """
 
@@ -39,18 +44,28 @@ class Auto(Conditionals):
 
     def __init__(self):
         self.chosen = None
+        self._chosen_for = None
+        self._strategies = {}
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
+        key = call_key(model, args, kwargs, max_plate_nesting)
+        if self.chosen is not None and key == self._chosen_for:
+            try:
+                return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
+            except NotApplicableError:
+                pass  # the model changed: search again
         reasons = []
         names = [name for name, cls in STRATEGIES.items() if _tried_by_auto(cls)]
         for name in names:
-            strategy = STRATEGIES[name]()
+            if name not in self._strategies:
+                self._strategies[name] = STRATEGIES[name]()
+            strategy = self._strategies[name]
             try:
                 prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError as error:
                 reasons.append(f"  {name}: {error}")
                 continue
-            self.chosen = strategy
+            self.chosen, self._chosen_for = strategy, key
             return prepared
         raise NotApplicableError(
             "conditionals='auto' found no strategy for this model. Available strategies: "

@@ -27,7 +27,7 @@ from pyro_mpt.infer.latent_probe import (
 )
 from pyro_mpt.infer.trace_utils import find_observed_site, latent_sites, site_scale
 
-__all__ = ["ProbeCache", "ProbedModel"]
+__all__ = ["ProbeCache", "ProbedModel", "call_key"]
 
 
 class ProbedModel(NamedTuple):
@@ -57,7 +57,7 @@ class _Structure(NamedTuple):
     latent_dim: int
 
 
-def _call_key(model, args, kwargs, max_plate_nesting):
+def call_key(model, args, kwargs, max_plate_nesting):
     """What must not change between calls for a remembered structure to apply: the model
     (a function, or a method and its object) and the shapes of its tensor arguments. Only
     ``id`` s are kept, not the objects; a stale match is caught by the run's own checks."""
@@ -131,7 +131,7 @@ class ProbeCache:
         :func:`~pyro_mpt.infer.latent_probe.trace_local_model` and
         :func:`~pyro_mpt.infer.latent_probe.whitened_priors`."""
         site = local.trace.nodes[local.observed.name]
-        self._key = _call_key(model, args, kwargs, max_plate_nesting)
+        self._key = call_key(model, args, kwargs, max_plate_nesting)
         self._structure = _Structure(
             observed_name=local.observed.name,
             latent_names=tuple(local.latent_names),
@@ -151,7 +151,7 @@ class ProbeCache:
     def latents_for(self, model, args, kwargs, max_plate_nesting):
         """``(K, dtype, device)`` of the remembered latents when they apply to this call,
         else ``None``."""
-        if self._key is None or self._key != _call_key(model, args, kwargs, max_plate_nesting):
+        if self._key is None or self._key != call_key(model, args, kwargs, max_plate_nesting):
             return None
         structure = self._structure
         return structure.latent_dim, structure.dtype, structure.device

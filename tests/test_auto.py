@@ -1,0 +1,65 @@
+"""``conditionals="auto"`` remembers its choice, and searches again when it stops applying."""
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import Exact, Quadrature
+from pyro_mpt.models import LinearVAE
+
+
+class _Counting:
+    """Counts the calls of a strategy class's ``prepare``."""
+
+    def __init__(self, monkeypatch, cls):
+        self.calls = 0
+        prepare = cls.prepare
+
+        def counted(strategy, *args, **kwargs):
+            self.calls += 1
+            return prepare(strategy, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "prepare", counted)
+
+
+def test_auto_goes_straight_to_its_choice(monkeypatch):
+    pyro.clear_param_store()
+    vae = LinearVAE(6, latent_dim=2)
+    x = torch.bernoulli(torch.full((10, 6), 0.5))
+    exact, quadrature = _Counting(monkeypatch, Exact), _Counting(monkeypatch, Quadrature)
+    loss = MPTLoss()
+    loss.loss(vae.model, vae.guide, x)
+    chosen = loss.conditionals.chosen
+    assert isinstance(chosen, Quadrature) and (exact.calls, quadrature.calls) == (1, 1)
+    loss.loss(vae.model, vae.guide, x.flip(0))
+    # The same Quadrature object, and no second try of the exact strategy.
+    assert loss.conditionals.chosen is chosen and (exact.calls, quadrature.calls) == (1, 2)
+    # Another batch shape: the search runs again.
+    loss.loss(vae.model, vae.guide, x[:7])
+    assert (exact.calls, quadrature.calls) == (2, 3)
+
+
+def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
+    likelihood = {"kind": "normal"}
+
+    def model(x):
+        weight = torch.linspace(-1, 1, 2 * x.shape[-1]).reshape(-1, 2)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            loc = z @ weight.T
+            if likelihood["kind"] == "normal":
+                pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+            else:
+                pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
+
+    x = torch.bernoulli(torch.full((8, 5), 0.5))
+    loss = MPTLoss()
+    loss.loss(model, None, x)
+    assert isinstance(loss.conditionals.chosen, Exact)
+    likelihood["kind"] = "bernoulli"  # exact conditionals no longer apply
+    masks = torch.rand(1, 8, 5) < 0.5
+    prepared = loss.conditionals.prepare(model, None, (x,), {})
+    assert isinstance(loss.conditionals.chosen, Quadrature)
+    expected = Quadrature().prepare(model, None, (x,), {})
+    torch.testing.assert_close(prepared.log_prob(masks), expected.log_prob(masks), rtol=0, atol=0)
