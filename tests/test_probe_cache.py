@@ -6,9 +6,10 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_mpt.conditionals import Quadrature
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import Exact, Quadrature
 from pyro_mpt.infer.probe_cache import ProbeCache
-from pyro_mpt.models import LinearVAE
+from pyro_mpt.models import PPCA, LinearVAE
 from pyro_mpt.ops.masks import masks_of_sizes
 
 
@@ -106,3 +107,39 @@ def test_other_shapes_take_the_two_run_path(fused_runs):
     assert fused_runs == []
     strategy.prepare(vae.model, None, (torch.ones(6, 5),), {})
     assert fused_runs == [True]
+
+
+@pytest.mark.parametrize("subsample_size", [None, 16])
+def test_exact_conditionals_in_one_run_match_two_runs(subsample_size, fused_runs):
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    ppca = PPCA(num_features=7, latent_dim=2, subsample_size=subsample_size)
+    x = torch.randn(40, 7)
+    masks = masks_of_sizes(torch.randint(1, 7, (1, 40 if subsample_size is None else 16)), 7)
+    cached = Exact()
+    cached.prepare(ppca.model, None, (x,), {})
+    torch.manual_seed(1)  # the same subsample in both calls below
+    values, grads = _conditionals_and_grads(cached, ppca.model, x, masks)
+    assert fused_runs == [True]
+    torch.manual_seed(1)
+    fresh_values, fresh_grads = _conditionals_and_grads(Exact(), ppca.model, x, masks)
+    torch.testing.assert_close(values, fresh_values, rtol=0, atol=0)
+    assert len(grads) == len(fresh_grads) > 0
+    for grad, fresh in zip(grads, fresh_grads):
+        torch.testing.assert_close(grad, fresh, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("conditionals", ["auto", "quadrature", "exact"])
+def test_seeded_calls_repeat_whether_or_not_the_structure_is_remembered(conditionals):
+    # The first call runs the model twice (and "auto" tries strategies that do not apply);
+    # later calls run it once. A seeded call must draw the same masks either way.
+    pyro.clear_param_store()
+    likelihood = "normal" if conditionals == "exact" else "bernoulli"
+    vae = LinearVAE(6, latent_dim=2, likelihood=likelihood)
+    x = torch.bernoulli(torch.full((10, 6), 0.5))
+    loss = MPTLoss(conditionals=conditionals)
+    values = []
+    for _ in range(3):
+        pyro.set_rng_seed(3)
+        values.append(loss.loss(vae.model, vae.guide, x))
+    assert values[0] == values[1] == values[2]

@@ -8,7 +8,7 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.probe_cache import call_key
+from pyro_mpt.infer.probe_cache import call_key, random_state, restore_random_state
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
@@ -50,19 +50,24 @@ class Auto(Conditionals):
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         key = call_key(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
+            state = random_state()
             try:
                 return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError:
-                pass  # the model changed: search again
+                restore_random_state(state)  # the model changed: search again
         reasons = []
         names = [name for name, cls in STRATEGIES.items() if _tried_by_auto(cls)]
         for name in names:
             if name not in self._strategies:
                 self._strategies[name] = STRATEGIES[name]()
             strategy = self._strategies[name]
+            # A strategy that does not apply leaves the random state as it found it: a
+            # seeded call draws the same numbers whether or not it searched.
+            state = random_state()
             try:
                 prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError as error:
+                restore_random_state(state)
                 reasons.append(f"  {name}: {error}")
                 continue
             self.chosen, self._chosen_for = strategy, key

@@ -6,6 +6,7 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.infer.gaussian_form import extract_gaussian_form
+from pyro_mpt.infer.probe_cache import ProbeCache
 from pyro_mpt.ops.gaussian import (
     dense_gaussian_conditionals,
     latent_gaussian_conditionals,
@@ -59,7 +60,9 @@ class Exact(Conditionals):
     ``|R| x |R|`` Cholesky of the context block and the predictive variances of the masked
     features only.
 
-    The guide is not used: the latents are integrated out exactly.
+    The guide is not used: the latents are integrated out exactly. The first call runs the
+    model twice, to read its structure and at ``K + 2`` probe points; later calls with
+    arguments of the same shapes run it once (:mod:`pyro_mpt.infer.probe_cache`).
 
     Example::
 
@@ -70,5 +73,9 @@ class Exact(Conditionals):
 
     name = "exact"
 
+    def __init__(self):
+        self._probes = ProbeCache()
+
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        return GaussianSelfPredictive(extract_gaussian_form(model, args, kwargs, max_plate_nesting))
+        form = extract_gaussian_form(model, args, kwargs, max_plate_nesting, self._probes)
+        return GaussianSelfPredictive(form)

@@ -206,7 +206,8 @@ class Quadrature(Conditionals):
         fn = run_at_latent_points(model, args, kwargs, local, priors, nodes)
         if self.center == "prior":
             self._probes.remember(model, args, kwargs, max_plate_nesting, local, priors)
-        probed = ProbedModel(local.observed, local.scale, fn, obs_site["value"])
+        latents = tuple(local.latent_names)
+        probed = ProbedModel(local.observed, local.scale, fn, obs_site["value"], latents)
         return _self_predictive(probed, log_weights)
 
 

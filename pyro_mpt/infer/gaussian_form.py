@@ -31,6 +31,7 @@ from pyro_mpt.infer.latent_probe import (
     trace_local_model,
     whitened_priors,
 )
+from pyro_mpt.infer.probe_cache import ProbedModel, random_state, restore_random_state
 from pyro_mpt.infer.trace_utils import ObservedSite, unwrap_independent
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form"]
@@ -129,29 +130,61 @@ def _no_latent_form(site, observed, scale):
     )
 
 
-def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf):
+def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf, probes=None):
     """Traces ``model`` and returns its :class:`GaussianForm`.
 
+    :param ProbeCache probes: remembers the model's structure between calls, so that calls
+        after the first run it once (:mod:`pyro_mpt.infer.probe_cache`).
     :raises NotGaussianError: if the model is not linear-Gaussian.
     :raises ValueError: for invalid models (no observed site, NaN observations, a latent
         site outside the data plate).
     """
+    if probes is not None:
+        remembered = probes.latents_for(model, args, kwargs, max_plate_nesting)
+        if remembered is not None:
+            points = _probe_points(*remembered)
+            state = random_state()
+            probed = probes.run(model, args, kwargs, points)
+            if probed is not None:
+                try:
+                    return _form_at_points(probed, points)
+                except Exception:
+                    # The two-run path below meets it again and says why.
+                    restore_random_state(state)
+                    probes.forget()
     local = trace_local_model(model, args, kwargs, max_plate_nesting)
     observed, obs_name, latents = local.observed, local.observed.name, local.latent_names
     obs_site = local.trace.nodes[obs_name]
     if not latents:
         return _no_latent_form(obs_site, observed, local.scale)
-    obs_fn = unwrap_independent(obs_site["fn"])
-    if not isinstance(obs_fn, torch.distributions.Normal):
-        raise NotGaussianError(
-            f"Observed site {obs_name!r} has a {type(obs_fn).__name__} likelihood; exact "
-            f"conditionals need a Normal likelihood whose loc is affine in the latents."
-        )
+    _check_normal(obs_site["fn"], obs_name)  # before the probe run, which would be wasted
     priors = whitened_priors(local)
     x = observed.value
     points = _probe_points(sum(p.mean.shape[-1] for p in priors), x.dtype, x.device)
     fn = run_at_latent_points(model, args, kwargs, local, priors, points)
+    probed = ProbedModel(observed, local.scale, fn, obs_site["value"], tuple(latents))
+    form = _form_at_points(probed, points)
+    if probes is not None and priors[0].mean.dtype == x.dtype:
+        probes.remember(model, args, kwargs, max_plate_nesting, local, priors)
+    return form
+
+
+def _check_normal(fn, name):
+    """The base distribution of the observed site ``fn``, which must be ``Normal``."""
     base = unwrap_independent(fn)
+    if not isinstance(base, torch.distributions.Normal):
+        raise NotGaussianError(
+            f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
+            f"conditionals need a Normal likelihood whose loc is affine in the latents."
+        )
+    return base
+
+
+def _form_at_points(probed, points):
+    """The latent linear-Gaussian form from the likelihood at the probe points."""
+    observed, fn, latents = probed.observed, probed.fn, probed.latent_names
+    x, obs_name = observed.value, observed.name
+    base = _check_normal(fn, obs_name)
     locs = compact_parameter(base.loc, fn, observed)
     scales = compact_parameter(base.scale, fn, observed)
     # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
@@ -168,11 +201,11 @@ def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf):
     if not affine:
         raise NotGaussianError(
             f"The loc of observed site {obs_name!r} is not affine in the latent sites "
-            f"{latents}; exact conditionals need a linear-Gaussian model."
+            f"{list(latents)}; exact conditionals need a linear-Gaussian model."
         )
     if not constant_scale:
         raise NotGaussianError(
-            f"The scale of observed site {obs_name!r} depends on the latent sites {latents}; "
-            f"exact conditionals need a noise scale that does not."
+            f"The scale of observed site {obs_name!r} depends on the latent sites "
+            f"{list(latents)}; exact conditionals need a noise scale that does not."
         )
-    return GaussianForm(observed, local.scale, bias, weight, scales[0] ** 2, None, tuple(latents))
+    return GaussianForm(observed, probed.scale, bias, weight, scales[0] ** 2, None, tuple(latents))

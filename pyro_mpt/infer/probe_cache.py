@@ -27,7 +27,7 @@ from pyro_mpt.infer.latent_probe import (
 )
 from pyro_mpt.infer.trace_utils import find_observed_site, latent_sites, site_scale
 
-__all__ = ["ProbeCache", "ProbedModel", "call_key"]
+__all__ = ["ProbeCache", "ProbedModel", "call_key", "random_state", "restore_random_state"]
 
 
 class ProbedModel(NamedTuple):
@@ -37,12 +37,14 @@ class ProbedModel(NamedTuple):
     :ivar scale: log-probability scale per observation.
     :ivar fn: the observed site's distribution, with a leading probe dim.
     :ivar value: the observed site's value, as the model gave it.
+    :ivar tuple latent_names: the latent sites set to the points.
     """
 
     observed: object
     scale: object
     fn: object
     value: torch.Tensor
+    latent_names: tuple
 
 
 class _Structure(NamedTuple):
@@ -76,6 +78,20 @@ def call_key(model, args, kwargs, max_plate_nesting):
     )
 
 
+def random_state():
+    """The state of torch's random number generators (CPU, and CUDA once initialised)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def restore_random_state(state):
+    """Puts back a state from :func:`random_state`."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 class _Mismatch(Exception):
     """The run does not follow the remembered structure."""
 
@@ -107,6 +123,10 @@ class _LatentsAtPoints(Messenger):
         self.offset += size
         if self.offset > self.points.shape[-1]:
             raise _Mismatch
+        # Draw what the model's own sample would, and discard it: a seeded call then uses
+        # the same random numbers (masks, subsamples) whether or not the structure was
+        # remembered.
+        msg["fn"](*msg["args"], **msg["kwargs"])
         msg["value"] = probe_value(
             msg, num_batch, mean, scale_fn, u, self.structure.max_plate_nesting
         )
@@ -165,6 +185,7 @@ class ProbeCache:
         """
         structure = self._structure
         latents = _LatentsAtPoints(structure, points)
+        state = random_state()
         try:
             # As in the two-run path's probe, distributions at the points go unvalidated (it
             # would cost as much as the run); the first call validated the model.
@@ -190,7 +211,10 @@ class ProbeCache:
             )
             check_compact_parameters(fn, observed)
         except Exception:
-            # Whatever went wrong, the two-run path will meet it again and report it.
+            # Whatever went wrong, the two-run path will meet it again and report it, from
+            # the same random state.
+            restore_random_state(state)
             self.forget()
             return None
-        return ProbedModel(observed, site_scale(site, structure.batch_shape), fn, site["value"])
+        scale = site_scale(site, structure.batch_shape)
+        return ProbedModel(observed, scale, fn, site["value"], structure.latent_names)
