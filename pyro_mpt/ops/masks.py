@@ -242,7 +242,7 @@ def masks_of_sizes(sizes, num_features):
     dtype = torch.int16 if num_features <= _MAX_FEATURES_FOR_SHORT_KEYS else torch.float32
     masks, tied = _masks_below_threshold(sizes, num_features, dtype)
     # A tie between the M-th and the next key would mask one feature too many: those rows
-    # (about 1 in 100 of 784 features with 16-bit keys, 1 in 40000 with float32 keys) are
+    # (about 1 row in 100 of 784 features with 16-bit keys, 1 in 40000 with float32 keys) are
     # drawn again with float64 keys.
     if bool(tied.any()):
         masks[tied] = _masks_below_threshold(sizes[tied], num_features, torch.float64)[0]
