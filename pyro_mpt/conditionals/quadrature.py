@@ -9,13 +9,12 @@ from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.infer.latent_probe import (
     compact_parameter,
-    flatten_tail,
     run_at_latent_points,
     trace_local_model,
     whitened_priors,
 )
 from pyro_mpt.infer.probe_cache import ProbeCache, ProbedModel
-from pyro_mpt.infer.trace_utils import unwrap_independent
+from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature import (
     adapted_nodes,

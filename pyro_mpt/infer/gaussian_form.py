@@ -26,13 +26,12 @@ import torch
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.latent_probe import (
     compact_parameter,
-    flatten_tail,
     run_at_latent_points,
     trace_local_model,
     whitened_priors,
 )
 from pyro_mpt.infer.probe_cache import ProbedModel, random_state, restore_random_state
-from pyro_mpt.infer.trace_utils import ObservedSite, unwrap_independent
+from pyro_mpt.infer.trace_utils import ObservedSite, flatten_tail, unwrap_independent
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form"]
 

@@ -13,8 +13,8 @@ import pyro.poutine as poutine
 import torch
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.latent_probe import LocalModel, flatten_tail, trace_local_model
-from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.infer.latent_probe import LocalModel, trace_local_model
+from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, unwrap_independent
 
 __all__ = [
     "GuidedModel",

@@ -20,15 +20,15 @@ from typing import NamedTuple
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.infer.util import is_validation_enabled
-from torch.distributions import constraints
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.trace_utils import (
     ObservedSite,
     find_observed_site,
+    flatten_tail,
     latent_sites,
     observation_shape,
+    observed_site,
     plate_frames,
     site_scale,
     unwrap_independent,
@@ -39,8 +39,6 @@ __all__ = [
     "LocalModel",
     "check_compact_parameters",
     "compact_parameter",
-    "flatten_tail",
-    "observed_site",
     "probe_plate",
     "probe_value",
     "run_at_latent_points",
@@ -87,13 +85,6 @@ class LocalModel(NamedTuple):
     max_plate_nesting: int
 
 
-def flatten_tail(tensor, num_dims):
-    """Merges the rightmost ``num_dims`` dims into one (a new one if ``num_dims == 0``)."""
-    if num_dims == 0:
-        return tensor.unsqueeze(-1)
-    return tensor.reshape(tensor.shape[: tensor.dim() - num_dims] + (-1,))
-
-
 def _max_plate_nesting(trace):
     dims = [
         -frame.dim
@@ -109,55 +100,6 @@ def _observed(trace, name, data_dims):
     fn = site["fn"]
     batch_shape, _ = observation_shape(site, data_dims)
     return observed_site(name, site["value"], fn.batch_shape + fn.event_shape, batch_shape, fn)
-
-
-def observed_site(name, value, full_shape, batch_shape, fn=None):
-    """The :class:`ObservedSite` of observations ``value`` (broadcast to ``full_shape``, the
-    distribution's batch and event shape) whose first dims ``batch_shape`` index
-    observations.
-
-    :param fn: the site's distribution; with Pyro's validation on, every observation must
-        lie in its support, as ``log_prob`` would demand.
-    :raises ValueError: for NaN observations, or observations outside the support.
-    """
-    value = value.expand(full_shape)
-    # One isnan pass is cheap next to the model run, so it is always made.
-    num_nan = int(torch.isnan(value).sum())
-    if num_nan:
-        raise ValueError(
-            f"Observed site {name!r} contains {num_nan} NaN values out of "
-            f"{value.numel()}. MPTLoss scores every observed feature; drop the "
-            f"observations with missing features or impute them before training."
-        )
-    if fn is not None and is_validation_enabled():
-        _check_support(name, unwrap_independent(fn), value)
-    num_feature_dims = len(full_shape) - len(batch_shape)
-    return ObservedSite(name, flatten_tail(value, num_feature_dims), batch_shape, num_feature_dims)
-
-
-def _check_support(name, fn, value):
-    """Raises ``ValueError`` for observations outside the support of ``fn``, when the support
-    does not depend on the distribution's parameters."""
-    # Boolean tests are slow on CPUs: the two common supports are checked by arithmetic
-    # first (NaN was ruled out), the exact test runs only if that fails.
-    if fn.support is constraints.real and bool(torch.isfinite(value.sum())):
-        return
-    if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
-        return
-    try:
-        inside = fn.support.check(value)
-    except (NotImplementedError, RuntimeError):
-        return
-    if inside.shape != value.shape or bool(inside.all()):
-        return
-    outside = value[~inside]
-    raise ValueError(
-        f"Observed site {name!r} has {outside.numel()} values outside the support "
-        f"{fn.support} of its {type(fn).__name__} likelihood, e.g. {outside[0].item()!r}. "
-        f"Bring the data into the support (binary images: binarise them, e.g. "
-        f"(x > 0.5).float()), or choose a likelihood that covers it; "
-        f"pyro.enable_validation(False) skips this check."
-    )
 
 
 def _data_dims(trace, obs_name, latent_names):

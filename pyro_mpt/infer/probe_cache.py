@@ -21,11 +21,15 @@ from pyro.poutine.util import site_is_subsample
 from pyro_mpt.infer.latent_probe import (
     _whitened_prior,
     check_compact_parameters,
-    observed_site,
     probe_plate,
     probe_value,
 )
-from pyro_mpt.infer.trace_utils import find_observed_site, latent_sites, site_scale
+from pyro_mpt.infer.trace_utils import (
+    find_observed_site,
+    latent_sites,
+    observed_site,
+    site_scale,
+)
 
 __all__ = ["ProbeCache", "ProbedModel", "call_key", "random_state", "restore_random_state"]
 
