@@ -44,11 +44,20 @@ class MPTDataCollator:
         \\widehat{\\log p}(x_i) = \\frac{D_i}{M_i} \\sum_{j \\in \\mathcal{M}_i}
             \\log q_\\theta(x_{ij} \\mid \\tilde x_i)
 
-    is the MPT estimate of ``log p(x_i)`` (unbiased for the model's pseudo-joint with
-    ``rate="uniform"``); :func:`pyro_mpt.transformers.mpt_mlm_loss` computes it from the
-    logits. With whole words a word's log-probability is the sum over its tokens, and ``D``
-    and ``M`` count words. A span mask is not uniform given its size, so with
-    ``span_masking=True`` the weight keeps the estimate's scale but not its unbiasedness.
+    is weighted like the MPT estimate of ``log p(x_i)``;
+    :func:`pyro_mpt.transformers.mpt_mlm_loss` computes it from the logits. With whole words
+    a word's log-probability is the sum over its tokens, and ``D`` and ``M`` count words.
+
+    .. note:: The estimate is unbiased for the model's pseudo-joint
+        :math:`\\sum_{M=1}^{D} \\mathcal{S}(x; M)` only when every scored unit is hidden:
+        ``mask_replace_prob=1.0`` with ``rate="uniform"`` and no span masking. Under the
+        default 80/10/10 corruption about a fifth of the scored units do not become the
+        mask token: the model sees the unit itself, or a random token in its place, so their
+        terms are not the conditionals :math:`q_\\theta(x_j \\mid x_\\mathcal{R})` of the
+        identity and the ``D/M``-weighted sum is not an unbiased estimate of the
+        pseudo-joint; it is BERT's training signal on the MPT scale. A span mask is not
+        uniform given its size either, so with ``span_masking=True`` the weight keeps the
+        estimate's scale but not its unbiasedness.
 
     :param tokenizer: a ``transformers`` tokenizer with a mask token (and a pad token when
         sequences differ in length).

@@ -44,7 +44,8 @@ def masked_token_log_probs(logits, labels):
 
 
 def mpt_sequence_estimates(logits, labels, weights):
-    """The MPT estimate of ``log p(x_i)`` of every sequence.
+    """The MPT estimate of ``log p(x_i)`` of every sequence: the scored tokens'
+    log-probabilities, summed and weighted by ``D_i / M_i``.
 
     .. math::
 
@@ -55,6 +56,11 @@ def mpt_sequence_estimates(logits, labels, weights):
     :param torch.Tensor labels: long ``(B, L)`` with ``-100`` at unscored positions.
     :param torch.Tensor weights: ``(B,)``, the collator's ``mpt_weights``.
     :returns: a differentiable ``(B,)`` tensor.
+
+    .. note:: Unbiased for the pseudo-joint only if every scored token was hidden from the
+        model (``MPTDataCollator(mask_replace_prob=1.0, rate="uniform")``); with BERT's
+        80/10/10 corruption some scored tokens are visible and it is not (see
+        :class:`~pyro_mpt.transformers.MPTDataCollator`).
     """
     _check_shapes(logits, labels, weights)
     log_probs, rows = masked_token_log_probs(logits, labels)

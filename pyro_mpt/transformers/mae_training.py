@@ -18,10 +18,15 @@ def mae_loss(model, pixel_values, rate="uniform"):
     drops the masked patches from its encoder), capped at ``L - 1`` so one patch stays
     visible, and each image gets its own uniformly random mask of that size. The loss is the
     model's: the mean squared error of the masked patches, ``-S(x; M)`` of
-    :func:`~pyro_mpt.transformers.mae_curve` up to the Gaussian's affine map. Under the
-    uniform schedule its expectation over ``M`` is ``-log p(x) / L`` up to that map, the
-    unbiased MPT objective; a fixed rate gives the biased MAE objective, a range ``(lo,
-    hi)`` the random ratio of R2MAE.
+    :func:`~pyro_mpt.transformers.mae_curve` up to the Gaussian's affine map. A fixed rate
+    gives the MAE objective, a range ``(lo, hi)`` the random ratio of R2MAE.
+
+    .. note:: The uniform schedule is not the unbiased MPT objective here. ``M`` is drawn
+        from ``{1, ..., L}`` and then capped at ``L - 1`` (ViT-MAE keeps a patch), so
+        ``M = L - 1`` comes up twice as often and ``M = L`` never: up to the affine map the
+        expectation over ``M`` is
+        :math:`-\\frac{1}{L}\\big(\\log p(x) - \\mathcal{S}(x; L) + \\mathcal{S}(x; L-1)\\big)`,
+        not :math:`-\\log p(x) / L`. The difference is one term in ``L``.
 
     :param model: a :class:`transformers.ViTMAEForPreTraining` in training mode.
     :param torch.Tensor pixel_values: ``(B, C, H, W)``.

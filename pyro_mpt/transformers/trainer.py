@@ -19,7 +19,9 @@ def _missing_weights():
 
 
 class MPTTrainer(Trainer):
-    """A ``transformers.Trainer`` that minimises minus the MPT estimate of ``log p(x)``.
+    """A ``transformers.Trainer`` that minimises minus the MPT estimate of ``log p(x)``
+    (unbiased for the pseudo-joint only with the collator's ``mask_replace_prob=1.0`` and
+    ``rate="uniform"``; see :class:`~pyro_mpt.transformers.MPTDataCollator`).
 
     Switch an MLM pre-training script to MPT by replacing its collator and its trainer::
 
