@@ -11,6 +11,10 @@
 prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder. An
 experiment whose optional packages are missing stops at once with status 2 and one line that
 says what to install.
+
+``render-results [--check] [--rerun [SOURCE ...]] [--size smoke|default|full]`` renders the
+README's and the docs' result tables from ``docs/results/`` (see
+:mod:`pyro_mpt.reproduce.render`).
 """
 
 import argparse
@@ -150,6 +154,18 @@ def build_parser():
             "the cores)"
         ),
     )
+    render = commands.add_parser(
+        "render-results",
+        help="render the README's and the docs' result tables from docs/results/",
+        description=(
+            "Rewrite the result tables of README.md and docs/*.rst (the text between "
+            "'results:NAME' markers) from the JSON files in docs/results/; with --rerun, first "
+            "rerun the reproductions and benchmarks that write those files."
+        ),
+    )
+    from pyro_mpt.reproduce.render import add_arguments
+
+    add_arguments(render)
     return parser
 
 
@@ -238,8 +254,11 @@ def main(argv=None):
     optional package returns 2 after one line on standard error that says what to install."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "render-results":
+        from pyro_mpt.reproduce.render import run_from_args
+
+        return run_from_args(args)
     try:
-        # "reproduce" is the only command; argparse rejects any other.
         return _reproduce(args.subparser, args)
     except _MissingPackage as error:
         print("error: " + " ".join(str(error).split()), file=sys.stderr)

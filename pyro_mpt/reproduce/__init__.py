@@ -21,7 +21,7 @@ EXPERIMENTS = {
     ),
     "ppca-training": (
         "pyro_mpt.reproduce.ppca_training",
-        "Fig. 2: training PPCA with MPTLoss (uniform and fixed 20% rate) vs exact LML",
+        "Fig. 2: training PPCA with MPTLoss (uniform and fixed 20% rate; no ELBO) vs exact LML",
     ),
     "ppca-curve": (
         "pyro_mpt.reproduce.ppca_curve",
@@ -29,7 +29,7 @@ EXPERIMENTS = {
     ),
     "vae-linear": (
         "pyro_mpt.reproduce.vae_linear",
-        "Fig. 3 top: linear Bernoulli VAE on MNIST, ELBO vs MPT (quadrature), with LML",
+        "Fig. 3 top: linear Bernoulli VAE on MNIST, ELBO vs MPT (quadrature), LML per epoch",
     ),
     "vae-deep": (
         "pyro_mpt.reproduce.vae_deep",

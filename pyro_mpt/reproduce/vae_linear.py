@@ -182,8 +182,9 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param str out_dir: output folder (created if needed).
     :param str device: ``"cpu"`` or ``"cuda"``.
     :param bool smoke: ``N = 40``, 2 epochs; runs in seconds.
-    :param bool full: the paper's ``N = 2000``, 20 epochs (about 20 minutes on one core);
-        the default is ``N = 1000``, 6 epochs (a few minutes).
+    :param bool full: ``N = 2000``, 20 epochs (about 20 minutes on one core); the default
+        is ``N = 1000``, 6 epochs (a few minutes). Neither is the paper's size: its script
+        trains full batch for 800 epochs.
     :param int seed: base seed (data subset, initialisation, minibatch order, masks).
     :param bool progress: show a progress bar.
     :returns: the results dict (also written as JSON).
