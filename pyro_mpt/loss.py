@@ -1,13 +1,16 @@
 """``MPTLoss``: masked pre-training as a Pyro objective, beside ``Trace_ELBO``."""
 
+import contextlib
 import math
 import warnings
 
 import pyro.poutine as poutine
 import torch
-from pyro.infer import ELBO
+from pyro.infer import ELBO, Trace_ELBO
+from pyro.util import warn_if_nan
 
 from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
@@ -48,7 +51,15 @@ class MPTLoss(ELBO):
     :param bool share_masks: draw one mask per step for the whole batch instead of one per
         observation (the convention of the paper's scripts; higher variance).
     :param int max_plate_nesting: bound on the number of nested plates in the model;
-        guessed from a trace when left at infinity.
+        guessed from a trace of the model and guide on the first call when left at infinity,
+        and stored, as ``Trace_ELBO`` does.
+    :param str guide_loss: ``None`` (default): the guide gets whatever gradient the
+        strategy gives it (importance sampling reaches it; exact and quadrature
+        conditionals do not, and a one-time warning says so when the guide has
+        parameters); ``"elbo"``: the guide's parameters are trained by ``Trace_ELBO`` while
+        the model's parameters follow the MPT gradient (the guide then serves as an
+        importance proposal or for ``Predictive``).
+    :param bool retain_graph: as for ``Trace_ELBO``.
 
     Example::
 
@@ -63,6 +74,7 @@ class MPTLoss(ELBO):
 
     .. note:: The guide is run only by strategies that need one; with ``"exact"``
         conditionals the latents are integrated out and any guide (a no-op included) works.
+        See "Your own model" in the docs for what a model may contain.
 
     **References**
 
@@ -77,32 +89,40 @@ class MPTLoss(ELBO):
         conditionals="auto",
         share_masks=False,
         max_plate_nesting=math.inf,
+        guide_loss=None,
+        retain_graph=None,
     ):
-        super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
+        super().__init__(
+            num_particles=1, max_plate_nesting=max_plate_nesting, retain_graph=retain_graph
+        )
         self.schedule = as_rate_schedule(rate)
         self.num_masks = check_num_masks(num_masks)
         self.conditionals = as_conditionals(conditionals)
         self.share_masks = bool(share_masks)
+        if guide_loss not in (None, "elbo"):
+            raise ValueError(
+                f"guide_loss must be None or 'elbo', got {guide_loss!r}. 'elbo' trains the "
+                f"guide's parameters by Trace_ELBO while the model's follow the MPT gradient."
+            )
+        self.guide_loss = guide_loss
+        self._elbo = Trace_ELBO(max_plate_nesting=max_plate_nesting) if guide_loss else None
+        self._warned_untrained_guide = False
 
     def __repr__(self):
         return (
             f"MPTLoss(rate={self.schedule!r}, num_masks={self.num_masks}, "
-            f"conditionals={self.conditionals!r})"
+            f"conditionals={self.conditionals!r}, guide_loss={self.guide_loss!r})"
         )
 
     def _get_trace(self, model, guide, args, kwargs):
-        """A guide trace and the model trace replayed against it, as ``Trace_ELBO`` makes.
-
-        The MPT objective does not score these traces; they are offered for inspection.
-        """
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
-            *args, **kwargs
-        )
-        return model_trace, guide_trace
+        # ELBO's particle machinery is not used: MPT scores no (model, guide) trace pair.
+        raise NotImplementedError("MPTLoss does not score (model, guide) trace pairs.")
 
     def estimate(self, model, guide, *args, **kwargs):
         """The per-observation MPT estimates of ``log p(x)``, before scaling and summing.
+
+        For an observation with missing entries (a mask on the observed site, or
+        ``obs_mask``) it estimates ``log p(x_observed)``; for one masked out entirely it is 0.
 
         :returns: a tensor of the data plate's batch shape (differentiable).
         """
@@ -111,35 +131,71 @@ class MPTLoss(ELBO):
     def _prepare_and_estimate(self, model, guide, args, kwargs):
         # A failing call leaves no half-initialised parameters behind.
         with param_store_rollback():
+            if self.max_plate_nesting == math.inf:
+                # Once, as Trace_ELBO does, leaving the random state as it was: a seeded
+                # first call draws the same masks as any later one. The model is read first
+                # so that its errors come in MPTLoss's words.
+                with _same_random_state():
+                    read_structure(model, args, kwargs)
+                    self._guess_max_plate_nesting(model, guide or _no_guide, args, kwargs)
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
             return prepared, self._estimate(prepared)
 
     def _estimate(self, prepared):
+        observed = prepared.observed
         batch_shape = prepared.batch_shape
+        if self.share_masks and observed.entries is not None:
+            raise ValueError(
+                f"share_masks=True draws one mask for the whole batch, but observed site "
+                f"{observed.name!r} has missing entries, so each observation needs masks of "
+                f"its own. Use share_masks=False."
+            )
         mask_batch = torch.Size() if self.share_masks else batch_shape
         masks, _ = sample_masks(
             self.schedule,
             self.num_masks,
             mask_batch,
             prepared.num_features,
-            device=prepared.observed.value.device,
+            device=observed.value.device,
+            entries=observed.entries,
         )
         if self.share_masks:
             masks = masks.reshape((self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:])
-        return mpt_estimate(prepared.log_prob(masks), masks)
+        counts = None if observed.entries is None else observed.feature_counts()
+        return mpt_estimate(prepared.log_prob(masks), masks, counts)
+
+    def _mpt_loss(self, model, guide, args, kwargs):
+        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
+        loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
+        warn_if_nan(loss, "loss")
+        return loss
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
-        """Minus the summed MPT estimate, as a differentiable scalar tensor."""
-        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
-        return -(prepared.scale * estimates).sum()
+        """Minus the summed MPT estimate, as a differentiable scalar tensor.
+
+        With ``guide_loss="elbo"`` the result's value is the MPT loss and its gradient is
+        the MPT gradient for the model's parameters and the ELBO's for the guide's.
+        """
+        loss = self._mpt_loss(model, guide, args, kwargs)
+        if self.guide_loss is None:
+            self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
+            return loss
+        model_params, guide_params = self._split_params(model, guide, args, kwargs)
+        elbo = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
+        grads = _gradients(loss, model_params) + _gradients(elbo, guide_params)
+        params = model_params + guide_params
+        # A surrogate whose value is the loss and whose gradient is the one computed above.
+        surrogate = sum(((p * g).sum() for p, g in zip(params, grads) if g is not None), 0.0)
+        return loss.detach() + surrogate - torch.as_tensor(surrogate).detach()
 
     def loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a float (no gradients are computed)."""
         with torch.no_grad():
-            return self.differentiable_loss(model, guide, *args, **kwargs).item()
+            return self._mpt_loss(model, guide, args, kwargs).item()
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
-        """Computes the loss and back-propagates it into every parameter it depends on.
+        """Computes the loss and back-propagates it into every parameter it depends on
+        (with ``guide_loss="elbo"``, the guide's parameters get the ELBO's gradient).
 
         :returns: the loss as a float.
         """
@@ -152,3 +208,84 @@ class MPTLoss(ELBO):
                 stacklevel=2,
             )
         return loss.item()
+
+    def _split_params(self, model, guide, args, kwargs):
+        """The unconstrained parameters of the model, and those of the guide only."""
+        with poutine.block(), torch.no_grad():
+            guide_trace = poutine.trace(guide, param_only=True).get_trace(*args, **kwargs)
+            model_trace = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
+        model_params = _unconstrained(model_trace)
+        seen = {id(p) for p in model_params}
+        guide_params = [p for p in _unconstrained(guide_trace) if id(p) not in seen]
+        return model_params, guide_params
+
+    def _warn_if_guide_untrained(self, model, guide, args, kwargs, loss):
+        """Warns once when the guide has parameters that the loss does not reach."""
+        if self._warned_untrained_guide or guide is None or not loss.requires_grad:
+            return
+        self._warned_untrained_guide = True
+        model_params, guide_params = self._split_params(model, guide, args, kwargs)
+        guide_params = [p for p in guide_params if p.requires_grad]
+        if not guide_params:
+            return
+        if not _reaches(loss, guide_params):
+            strategy = _chosen(self.conditionals)
+            warnings.warn(
+                f"MPTLoss with {strategy!r} integrates the latents out without the "
+                f"guide, so the guide's {len(guide_params)} parameter tensors get no gradient "
+                f"and stay untrained (Predictive would return the untrained posterior). Pass "
+                f"guide_loss='elbo' to train the guide by the ELBO while the model follows "
+                f"the MPT gradient.",
+                stacklevel=3,
+            )
+
+
+@contextlib.contextmanager
+def _same_random_state():
+    """Restores torch's random state (CPU, and CUDA once initialised) on exit."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _no_guide(*args, **kwargs):
+    """Stands for a missing guide when the plate nesting is guessed."""
+
+
+def _chosen(conditionals):
+    return getattr(conditionals, "chosen", None) or conditionals
+
+
+def _unconstrained(trace):
+    params = []
+    for site in trace.nodes.values():
+        if site["type"] == "param":
+            value = site["value"]
+            value = value.unconstrained() if hasattr(value, "unconstrained") else value
+            if value.requires_grad and all(value is not p for p in params):
+                params.append(value)
+    return params
+
+
+def _gradients(loss, params):
+    if not params:
+        return []
+    if not loss.requires_grad:
+        return [None] * len(params)
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+def _reaches(loss, params):
+    """Whether the autograd graph of ``loss`` leads to any of ``params`` (a walk of the
+    graph: nothing is computed)."""
+    wanted = {id(p) for p in params}
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(getattr(node, "variable", None)) in wanted:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False

@@ -1,6 +1,11 @@
-"""``conditionals="auto"``: the first strategy that applies to the model."""
+"""``conditionals="auto"``: the first strategy that applies to the model and is accurate
+for it."""
 
+import logging
 import math
+import warnings
+
+import torch
 
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
@@ -8,9 +13,10 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.probe_cache import call_key, random_state, restore_random_state
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
+
+logger = logging.getLogger("pyro_mpt")
 
 #: Strategies by name, in the order ``"auto"`` tries them. ``"auto"`` skips those whose
 #: class sets ``auto = False`` (approximations such as ``"encode-decode"``), which are
@@ -22,20 +28,48 @@ STRATEGIES = {
     "encode-decode": EncodeDecode,
 }
 
+#: Prior-centred quadrature is taken as accurate when the posterior of nine observations in
+#: ten, given all their features, spreads over at least this many nodes per latent dimension.
+MIN_EFFECTIVE_NODES_PER_DIM = 4.0
+
 
 def _tried_by_auto(strategy_cls):
     return getattr(strategy_cls, "auto", True)
 
 
-class Auto(Conditionals):
-    """Tries each strategy in :data:`STRATEGIES` order and uses the first that applies:
-    ``"exact"`` (linear-Gaussian models), ``"quadrature"`` (latents of dimension up to 3),
-    then ``"importance"`` (any model, when a guide is given). ``"encode-decode"`` is never
-    tried: it is an approximation, selectable by name.
+def _signature(model, args, kwargs, max_plate_nesting):
+    """What must not change for a choice to stand: the model and the shapes and dtypes of
+    its tensor arguments (only ``id`` s of other objects are kept)."""
 
-    The choice is remembered: later calls with the same model and arguments of the same
-    shapes go straight to the chosen strategy (the same object, with whatever it keeps
-    between calls), and search again only if it no longer applies.
+    def describe(value):
+        if torch.is_tensor(value):
+            return ("tensor", tuple(value.shape), value.dtype, value.device)
+        return ("object", id(value))
+
+    return (
+        id(getattr(model, "__func__", model)),
+        id(getattr(model, "__self__", None)),
+        tuple(describe(a) for a in args),
+        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+        max_plate_nesting,
+    )
+
+
+def _describe_model(model):
+    name = getattr(model, "__qualname__", None)
+    return name if isinstance(name, str) else type(model).__name__
+
+
+class Auto(Conditionals):
+    """Picks the strategy for a model: ``"exact"`` for linear-Gaussian models;
+    ``"quadrature"`` (nodes under the prior) for latents of dimension up to 3 when its nodes
+    resolve the posterior; ``"importance"`` otherwise, when a guide is given; and
+    quadrature, with a warning that it is coarse, when there is no guide.
+    ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
+
+    The choice and its reason are logged once per model and argument shapes (logger
+    ``"pyro_mpt"``, level INFO) and remembered: later calls go straight to the chosen
+    strategy, and search again only if it no longer applies.
 
     :ivar chosen: the strategy used by the last call, or None before the first.
     """
@@ -44,40 +78,84 @@ class Auto(Conditionals):
 
     def __init__(self):
         self.chosen = None
+        self.reason = None
         self._chosen_for = None
         self._strategies = {}
 
+    def _strategy(self, name):
+        if name not in self._strategies:
+            self._strategies[name] = STRATEGIES[name]()
+        return self._strategies[name]
+
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        key = call_key(model, args, kwargs, max_plate_nesting)
+        key = _signature(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
-            state = random_state()
+            state = torch.get_rng_state()
             try:
                 return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError:
-                restore_random_state(state)  # the model changed: search again
+                torch.set_rng_state(state)  # the model changed: search again
         reasons = []
         names = [name for name, cls in STRATEGIES.items() if _tried_by_auto(cls)]
+        coarse = None
         for name in names:
-            if name not in self._strategies:
-                self._strategies[name] = STRATEGIES[name]()
-            strategy = self._strategies[name]
+            strategy = self._strategy(name)
             # A strategy that does not apply leaves the random state as it found it: a
             # seeded call draws the same numbers whether or not it searched.
-            state = random_state()
+            state = torch.get_rng_state()
             try:
                 prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError as error:
-                restore_random_state(state)
+                torch.set_rng_state(state)
                 reasons.append(f"  {name}: {error}")
                 continue
-            self.chosen, self._chosen_for = strategy, key
-            return prepared
+            if name == "quadrature":
+                spread = _effective_nodes_per_dim(prepared)
+                if spread < MIN_EFFECTIVE_NODES_PER_DIM:
+                    reason = (
+                        f"the posterior of one observation in ten spreads over only "
+                        f"{spread:.1f} of its nodes per latent dimension"
+                    )
+                    coarse = (strategy, prepared, state, reason)
+                    torch.set_rng_state(state)
+                    reasons.append(f"  {name}: coarse: {reason}")
+                    continue
+            return self._choose(strategy, key, model, f"{name} applies", prepared)
+        if coarse is not None:
+            strategy, _, state, reason = coarse
+            torch.set_rng_state(state)
+            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+            warnings.warn(
+                f"conditionals='auto' uses {strategy!r} for {_describe_model(model)}, but "
+                f"{reason}, so its conditionals are coarse. Give MPTLoss a guide (importance "
+                f"sampling then applies), or pass Quadrature(num_points=...) with more nodes "
+                f"or Quadrature(center='guide').",
+                stacklevel=4,
+            )
+            return self._choose(strategy, key, model, "coarse, and nothing else applies", prepared)
         raise NotApplicableError(
             "conditionals='auto' found no strategy for this model. Available strategies: "
             + ", ".join(repr(name) for name in names)
             + ". Why each does not apply:\n"
             + "\n".join(reasons)
         )
+
+    def _choose(self, strategy, key, model, reason, prepared):
+        if self.chosen is not strategy or self._chosen_for != key:
+            logger.info(
+                "conditionals='auto' chose %r for %s: %s.", strategy, _describe_model(model), reason
+            )
+        self.chosen, self._chosen_for, self.reason = strategy, key, reason
+        return prepared
+
+
+def _effective_nodes_per_dim(prepared):
+    """The tenth percentile over observations of the effective number of nodes, to the
+    power ``1 / K``."""
+    with torch.no_grad():
+        nodes = prepared.effective_nodes().reshape(-1)
+    dim = prepared.latent_dim
+    return float(nodes.quantile(0.1)) ** (1.0 / dim)
 
 
 def as_conditionals(conditionals):

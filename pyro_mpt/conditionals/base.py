@@ -14,11 +14,19 @@ class SelfPredictive(ABC):
 
     :ivar observed: the :class:`~pyro_mpt.infer.trace_utils.ObservedSite` being scored.
     :ivar scale: the log-probability scale per observation (plate subsampling).
+    :ivar extra_log_prob: the model's ``pyro.factor`` terms that do not depend on the local
+        latents, summed and scaled (added to the loss as ``Trace_ELBO`` adds them).
     """
 
-    def __init__(self, observed, scale):
+    def __init__(self, observed, scale, extra_log_prob=0.0):
         self.observed = observed
         self.scale = scale
+        self.extra_log_prob = extra_log_prob
+
+    def context(self, masks):
+        """The entries each mask leaves visible: not masked, and not missing."""
+        entries = self.observed.entries
+        return ~masks if entries is None else ~masks & entries
 
     @property
     def num_features(self):
@@ -38,15 +46,27 @@ class SelfPredictive(ABC):
             ``(P,) + batch_shape + (D,)``, or ``(P,) + (1,) * len(batch_shape) + (D,)`` to
             share masks across the batch.
         :returns: a tensor of shape ``(P,) + batch_shape + (D,)``; entries at unmasked
-            features are finite and meaningless.
+            features are finite and meaningless. Missing entries (a mask on the observed
+            site) are never part of the context.
         """
         raise NotImplementedError
+
+    def log_marginal(self):
+        """``log p(x)`` of each observation (of its observed entries), ``batch_shape``.
+
+        :raises NotImplementedError: for strategies that give no log-marginal likelihood.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} gives no log-marginal likelihood; use exact conditionals, "
+            f"a Quadrature rule, or Importance."
+        )
 
 
 class Conditionals(ABC):
     """A strategy that computes self-predictive conditionals for a Pyro model.
 
-    Strategies are configured in their constructor and are stateless between calls.
+    Strategies are configured in their constructor; :class:`~pyro_mpt.conditionals.Auto`
+    also remembers which strategy it chose for a model.
     """
 
     #: The name accepted by ``MPTLoss(conditionals=...)``.

@@ -14,6 +14,7 @@ from pyro_mpt.infer.guided_model import (
     run_guided,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.infer.whitened_latents import factor_log_prob
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.ops.masks import select_masked
@@ -25,7 +26,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
     """Conditionals of one batch by recursive encoding and decoding."""
 
     def __init__(self, guided, num_iterations, num_samples, fill):
-        super().__init__(guided.local.observed, guided.local.scale)
+        super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_iterations = num_iterations
         self.num_samples = num_samples
@@ -40,10 +41,11 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
     def log_prob(self, masks):
         x = self.observed.value
         lead = (self.num_samples, masks.shape[0])
-        filled = fill_masked(x, masks, self.fill)  # (P,) + batch + (D,)
+        hidden = ~self.context(masks)  # masked or missing
+        filled = fill_masked(x, hidden, self.fill)  # (P,) + batch + (D,)
         for _ in range(self.num_iterations):
             mean = observed_tensor(self._decode(filled)[0].mean, self.guided, lead)
-            filled = select_masked(masks, mean, x)  # (S, P) + batch + (D,): one chain per sample
+            filled = select_masked(hidden, mean, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled)
         return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
 

@@ -6,7 +6,8 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.infer.gaussian_form import extract_gaussian_form
-from pyro_mpt.infer.probe_cache import ProbeCache
+from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.whitened_latents import factor_log_prob
 from pyro_mpt.ops.gaussian import (
     dense_gaussian_conditionals,
     latent_gaussian_conditionals,
@@ -20,14 +21,14 @@ __all__ = ["Exact", "GaussianSelfPredictive"]
 class GaussianSelfPredictive(SelfPredictive):
     """Closed-form conditionals of a :class:`~pyro_mpt.infer.gaussian_form.GaussianForm`."""
 
-    def __init__(self, form):
-        super().__init__(form.observed, form.scale)
+    def __init__(self, form, extra_log_prob=0.0):
+        super().__init__(form.observed, form.scale, extra_log_prob)
         self.form = form
 
     def log_prob(self, masks):
         form = self.form
         x = self.observed.value
-        context = ~masks
+        context = self.context(masks)
         if form.covariance is None:
             mean, var = latent_gaussian_conditionals(
                 x, form.weight, form.loc, form.noise_var, context
@@ -40,8 +41,13 @@ class GaussianSelfPredictive(SelfPredictive):
         """The exact ``log p(x)`` of each observation, shape ``batch_shape``."""
         form = self.form
         x = self.observed.value
+        entries = self.observed.entries
         if form.covariance is None:
-            return latent_gaussian_log_marginal(x, form.weight, form.loc, form.noise_var)
+            return latent_gaussian_log_marginal(x, form.weight, form.loc, form.noise_var, entries)
+        if entries is not None:
+            raise NotImplementedError(
+                "log_marginal of a dense multivariate normal observation with missing entries"
+            )
         return torch.distributions.MultivariateNormal(
             form.loc, covariance_matrix=form.covariance
         ).log_prob(x)
@@ -60,9 +66,9 @@ class Exact(Conditionals):
     ``|R| x |R|`` Cholesky of the context block and the predictive variances of the masked
     features only.
 
-    The guide is not used: the latents are integrated out exactly. The first call runs the
-    model twice, to read its structure and at ``K + 2`` probe points; later calls with
-    arguments of the same shapes run it once (:mod:`pyro_mpt.infer.probe_cache`).
+    The guide is not used: the latents are integrated out exactly. Each call runs the model
+    twice: to read its structure, and at ``K + 6`` points of the latents' whitened space
+    that give the affine map and verify it far from the origin.
 
     Example::
 
@@ -73,9 +79,7 @@ class Exact(Conditionals):
 
     name = "exact"
 
-    def __init__(self):
-        self._probes = ProbeCache()
-
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        form = extract_gaussian_form(model, args, kwargs, max_plate_nesting, self._probes)
-        return GaussianSelfPredictive(form)
+        structure = read_structure(model, args, kwargs, max_plate_nesting)
+        form = extract_gaussian_form(model, args, kwargs, structure)
+        return GaussianSelfPredictive(form, factor_log_prob(structure))

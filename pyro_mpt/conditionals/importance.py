@@ -11,6 +11,7 @@ from pyro_mpt.infer.guided_model import (
     sites_log_density,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.infer.whitened_latents import check_factors, factor_log_prob
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import (
     check_fill,
@@ -26,7 +27,7 @@ class ImportanceSelfPredictive(SelfPredictive):
     """Conditionals of one batch by self-normalised importance sampling."""
 
     def __init__(self, guided, num_samples, fill):
-        super().__init__(guided.local.observed, guided.local.scale)
+        super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_samples = num_samples
         self.fill = fill
@@ -36,6 +37,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         shapes ``(S, P) + batch`` and ``(S, P) + batch + (D,)``."""
         guided, num_samples = self.guided, self.num_samples
         guide_trace, model_trace = run_guided(guided, filled, num_samples)
+        check_factors(guided.local, model_trace, "importance sampling")
         lead = (num_samples, filled.shape[0])
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
@@ -44,14 +46,20 @@ class ImportanceSelfPredictive(SelfPredictive):
         return log_p - log_q, observed_tensor(ll, guided, lead)
 
     def log_prob(self, masks):
-        log_w, ll = self._sample(fill_masked(self.observed.value, masks, self.fill))
-        return importance_log_conditionals(log_w, ll, ~masks)
+        context = self.context(masks)
+        log_w, ll = self._sample(fill_masked(self.observed.value, ~context, self.fill))
+        return importance_log_conditionals(log_w, ll, context)
 
     def log_marginal(self):
         """The importance estimate of ``log p(x)`` of each observation, with the guide on
         the full data: ``LSE_s(log p(x, z_s) - log q(z_s | x)) - log S`` (a stochastic
         lower bound in expectation, the IWAE bound), shape ``batch_shape``."""
-        log_w, ll = self._sample(self.observed.value.unsqueeze(0))
+        entries = self.observed.entries
+        value = self.observed.value
+        filled = value if entries is None else fill_masked(value, ~entries, self.fill)
+        log_w, ll = self._sample(filled.unsqueeze(0))
+        if entries is not None:
+            ll = ll * entries.to(ll.dtype)
         return importance_log_marginal((log_w + ll.sum(-1))[:, 0])
 
 

@@ -2,29 +2,27 @@
 
 import math
 
-import pyro.poutine as poutine
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
-from pyro_mpt.infer.latent_probe import (
-    compact_parameter,
-    run_at_latent_points,
-    trace_local_model,
-    whitened_priors,
-)
-from pyro_mpt.infer.probe_cache import ProbeCache, ProbedModel
+from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.infer.whitened_latents import (
+    check_factors,
+    factor_log_prob,
+    point_parameter,
+    run_at_points,
+    whitened_guide,
+)
 from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature import (
     adapted_nodes,
     gauss_hermite_grid,
     quadrature_log_conditionals,
-    quadrature_log_marginal,
 )
 from pyro_mpt.ops.tabulated_quadrature import (
     tabulated_log_conditionals,
-    tabulated_log_marginal,
     value_indicators,
 )
 
@@ -47,61 +45,99 @@ _TABULATED_PARAMETERS = {
 _MAX_TABULATED_VALUES = 16
 
 
-class QuadratureSelfPredictive(SelfPredictive):
+class _QuadratureSelfPredictive(SelfPredictive):
+    """What every quadrature rule offers besides the conditionals: the log-marginal
+    likelihood and the effective number of nodes of each observation's posterior."""
+
+    def node_log_joint(self):
+        """``log w_g + log p(x | z_g)`` over the observed entries, ``(G,) + batch``."""
+        raise NotImplementedError
+
+    def log_marginal(self):
+        """``log p(x)`` of each observation (of its observed entries) by the same rule."""
+        return torch.logsumexp(self.node_log_joint(), dim=0)
+
+    def effective_nodes(self):
+        """``1 / sum_g pi_g^2`` for the node posterior ``pi`` given each whole observation,
+        ``batch``: how many nodes carry its posterior (few: the rule is coarse for it)."""
+        log_joint = self.node_log_joint()
+        return torch.exp(2 * torch.logsumexp(log_joint, 0) - torch.logsumexp(2 * log_joint, 0))
+
+    def _entry_weights(self, dtype):
+        entries = self.observed.entries
+        return None if entries is None else entries.to(dtype)
+
+
+class QuadratureSelfPredictive(_QuadratureSelfPredictive):
     """Conditionals from the per-feature log-likelihoods at every quadrature node."""
 
-    def __init__(self, observed, scale, log_weights, log_likelihoods):
-        super().__init__(observed, scale)
+    def __init__(self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0):
+        super().__init__(observed, scale, extra_log_prob)
         self.log_weights = log_weights
         self.log_likelihoods = log_likelihoods
 
     def log_prob(self, masks):
-        return quadrature_log_conditionals(self.log_weights, self.log_likelihoods, ~masks)
+        return quadrature_log_conditionals(
+            self.log_weights, self.log_likelihoods, self.context(masks)
+        )
 
-    def log_marginal(self):
-        """``log p(x)`` of each observation by the same quadrature rule."""
-        return quadrature_log_marginal(self.log_weights, self.log_likelihoods)
+    def node_log_joint(self):
+        ll = self.log_likelihoods
+        weights = self._entry_weights(ll.dtype)
+        total = ll.sum(-1) if weights is None else (ll * weights).sum(-1)
+        log_weights = self.log_weights
+        return (
+            log_weights.reshape(log_weights.shape + (1,) * (total.dim() - log_weights.dim()))
+            + total
+        )
 
 
-class TabulatedQuadratureSelfPredictive(SelfPredictive):
+class TabulatedQuadratureSelfPredictive(_QuadratureSelfPredictive):
     """Quadrature conditionals from a table ``log p(x_j = v | z_g)``, ``(V, D, G)``, over the
     distinct observed values ``v``, for nodes and likelihood parameters shared by every
     observation."""
 
-    def __init__(self, observed, scale, log_weights, log_table, indicators):
-        super().__init__(observed, scale)
+    def __init__(self, observed, scale, log_weights, log_table, indicators, extra_log_prob=0.0):
+        super().__init__(observed, scale, extra_log_prob)
         self.log_weights = log_weights
         self.log_table = log_table
         self.indicators = indicators
 
     def log_prob(self, masks):
-        return tabulated_log_conditionals(self.log_weights, self.log_table, self.indicators, ~masks)
+        return tabulated_log_conditionals(
+            self.log_weights, self.log_table, self.indicators, self.context(masks)
+        )
 
-    def log_marginal(self):
-        """``log p(x)`` of each observation by the same quadrature rule."""
-        return tabulated_log_marginal(self.log_weights, self.log_table, self.indicators)
+    def node_log_joint(self):
+        indicators = self.indicators.to(self.log_table.dtype)
+        weights = self._entry_weights(indicators.dtype)
+        if weights is not None:
+            indicators = indicators * weights
+        onehot = indicators.movedim(0, -2).flatten(-2)  # batch + (V * D,)
+        total = onehot @ self.log_table.flatten(1).T  # batch + (G,)
+        return (self.log_weights + total).movedim(-1, 0)
 
 
-class BernoulliQuadratureSelfPredictive(SelfPredictive):
+class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
     """Quadrature conditionals of binary data under ``Bernoulli(logits)`` with logits
     ``(G, D)`` shared by every observation, by
     :func:`~pyro_mpt.ops.bernoulli_quadrature.bernoulli_log_conditionals`."""
 
-    def __init__(self, observed, scale, log_weights, logits):
-        super().__init__(observed, scale)
-        self.log_weights = log_weights
+    def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0):
+        ones = observed.value.to(logits.dtype)
+        super().__init__(
+            observed, scale, log_weights, None, _binary_indicators(ones), extra_log_prob
+        )
         self.logits = logits
 
     def log_prob(self, masks):
         return bernoulli_log_conditionals(
-            self.log_weights, self.logits, self.observed.value, ~masks
+            self.log_weights, self.logits, self.observed.value, self.context(masks)
         )
 
-    def log_marginal(self):
-        """``log p(x)`` of each observation by the same quadrature rule."""
-        log_table = bernoulli_log_table(self.logits)
-        indicators = _binary_indicators(self.observed.value.to(log_table.dtype))
-        return tabulated_log_marginal(self.log_weights, log_table, indicators)
+    def node_log_joint(self):
+        self.log_table = bernoulli_log_table(self.logits)
+        return super().node_log_joint()
 
 
 class Quadrature(Conditionals):
@@ -127,9 +163,9 @@ class Quadrature(Conditionals):
     ``(G, N, D)`` tensor, in time or memory. Other cases evaluate the likelihood of every
     observation at every node.
 
-    The first call runs the model twice, once to read its structure and once at the nodes;
-    with nodes under the prior, later calls with data of the same shape run it once, at the
-    nodes (:mod:`pyro_mpt.infer.probe_cache`).
+    Each call runs the model twice, once to read its structure and once at the nodes, with
+    every latent drawn through its own prior at the nodes of the whitened space
+    (:mod:`pyro_mpt.infer.whitened_latents`), so hierarchical latents are integrated right.
 
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
@@ -141,7 +177,8 @@ class Quadrature(Conditionals):
         for images with hundreds of pixels. Needs ``Normal`` priors and a guide with
         ``Normal`` latents; no gradient flows into the guide.
 
-    .. note:: Latents must have ``Normal`` or ``MultivariateNormal`` priors and sit inside
+    .. note:: Latents must have ``Normal``, ``MultivariateNormal`` or transformed-normal
+        (e.g. ``LogNormal``) priors, possibly depending on other latents, and sit inside
         the data plate. For larger latents use ``conditionals="importance"``.
 
     Example::
@@ -156,101 +193,69 @@ class Quadrature(Conditionals):
     def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
         num_points = check_positive_int("num_points", num_points, "e.g. num_points=20.")
         if center not in ("prior", "guide"):
-            raise ValueError(f"center must be 'prior' or 'guide', got {center!r}.")
+            raise ValueError(
+                f"center must be 'prior' or 'guide', got {center!r}: 'prior' places the nodes "
+                f"under the latents' prior, 'guide' at the guide's q(z | x)."
+            )
         self.num_points = int(num_points)
         self.max_latent_dim = int(max_latent_dim)
         self.center = center
-        self._probes = ProbeCache()
 
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        if self.center == "prior":
-            remembered = self._probes.latents_for(model, args, kwargs, max_plate_nesting)
-            if remembered is not None:
-                nodes, log_weights = gauss_hermite_grid(self.num_points, *remembered)
-                probed = self._probes.run(model, args, kwargs, nodes)
-                if probed is not None:
-                    return _self_predictive(probed, log_weights)
-        local = trace_local_model(model, args, kwargs, max_plate_nesting)
-        if not local.latent_names:
+        structure = read_structure(model, args, kwargs, max_plate_nesting)
+        observed = structure.observed
+        if not structure.latents:
             raise NotApplicableError(
                 "quadrature integrates over local latents and the model has none."
             )
-        obs_site = local.trace.nodes[local.observed.name]
-        base = unwrap_independent(obs_site["fn"])
+        base = unwrap_independent(structure.trace.nodes[observed.name]["fn"])
         if base.event_shape:
             raise NotApplicableError(
-                f"Observed site {local.observed.name!r} has a {type(base).__name__} likelihood "
+                f"Observed site {observed.name!r} has a {type(base).__name__} likelihood "
                 f"that does not factorise over features; quadrature needs one distribution per "
                 f"feature (e.g. Bernoulli(...).to_event(1))."
             )
-        priors = whitened_priors(local)
-        latent_dim = sum(p.mean.shape[-1] for p in priors)
+        latent_dim = structure.latent_dim
         if latent_dim > self.max_latent_dim:
             raise NotApplicableError(
                 f"quadrature integrates over at most {self.max_latent_dim} latent dimensions "
-                f"({self.num_points}**K nodes) and the latent sites {local.latent_names} have "
-                f"K={latent_dim}. Use conditionals='importance' for larger latents."
+                f"({self.num_points}**K nodes) and the latent sites "
+                f"{list(structure.latent_names)} have K={latent_dim}. Use "
+                f"conditionals='importance' for larger latents."
             )
         # Nodes follow the latents' dtype: observations may be integers (counts, classes).
-        mean = priors[0].mean
+        first = structure.trace.nodes[structure.latents[0].name]["value"]
         nodes, log_weights = gauss_hermite_grid(
-            self.num_points, latent_dim, mean.dtype, mean.device
+            self.num_points, latent_dim, first.dtype, first.device
         )
         if self.center == "guide":
-            center, scale = _guide_in_whitened_coordinates(guide, args, kwargs, local, priors)
+            if guide is None:
+                raise NotApplicableError("quadrature with center='guide' needs a guide.")
+            center, scale = whitened_guide(model, guide, args, kwargs, structure)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
-        fn = run_at_latent_points(model, args, kwargs, local, priors, nodes)
-        if self.center == "prior":
-            self._probes.remember(model, args, kwargs, max_plate_nesting, local, priors)
-        latents = tuple(local.latent_names)
-        probed = ProbedModel(local.observed, local.scale, fn, obs_site["value"], latents)
-        return _self_predictive(probed, log_weights)
+        run = run_at_points(model, args, kwargs, structure, nodes)
+        check_factors(structure, run.trace, "quadrature")
+        prepared = _self_predictive(structure, run.fn, log_weights)
+        prepared.latent_dim = latent_dim
+        return prepared
 
 
-def _self_predictive(probed, log_weights):
-    """The :class:`SelfPredictive` of a model probed at the nodes."""
-    observed, fn = probed.observed, probed.fn
+def _self_predictive(structure, fn, log_weights):
+    """The :class:`SelfPredictive` of a model run at the nodes."""
+    observed, scale = structure.observed, structure.scale
+    extra = factor_log_prob(structure)
     if log_weights.dim() == 1:
-        tabulated = _tabulated_self_predictive(fn, observed, probed.scale, log_weights)
+        tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra)
         if tabulated is not None:
             return tabulated
-    ll = unwrap_independent(fn).log_prob(probed.value)
+    ll = unwrap_independent(fn).log_prob(observed.value.reshape(observed.full_shape))
     ll = flatten_tail(ll, observed.num_feature_dims)
     ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
     ll = ll.reshape((log_weights.shape[0],) + observed.batch_shape + (-1,))
-    return QuadratureSelfPredictive(observed, probed.scale, log_weights, ll)
-
-
-def _guide_in_whitened_coordinates(guide, args, kwargs, local, priors):
-    """The guide's mean and scale of every latent in the prior's whitened coordinates
-    ``u = (z - prior_mean) / prior_scale``, concatenated: ``batch + (K,)`` each, detached."""
-    if guide is None:
-        raise NotApplicableError("quadrature with center='guide' needs a guide.")
-    with torch.no_grad():
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        centers, scales = [], []
-        for prior in priors:
-            prior_fn = unwrap_independent(prior.site["fn"])
-            site = guide_trace.nodes.get(prior.name)
-            q = unwrap_independent(site["fn"]) if site is not None else None
-            if not isinstance(prior_fn, torch.distributions.Normal) or not isinstance(
-                q, torch.distributions.Normal
-            ):
-                raise NotApplicableError(
-                    f"quadrature with center='guide' needs a Normal prior and a Normal guide "
-                    f"distribution for latent site {prior.name!r}; use center='prior'."
-                )
-            shape = prior.mean.shape[:-1] + (-1,)
-            full = site["fn"].batch_shape + site["fn"].event_shape
-            q_loc = q.loc.expand(full).reshape(local.observed.batch_shape + (-1,))
-            q_scale = q.scale.expand(full).reshape(local.observed.batch_shape + (-1,))
-            prior_scale = prior.scale_fn(torch.ones_like(prior.mean)).reshape(shape)
-            centers.append((q_loc - prior.mean) / prior_scale)
-            scales.append(q_scale / prior_scale)
-    return torch.cat(centers, -1), torch.cat(scales, -1)
+    return QuadratureSelfPredictive(observed, scale, log_weights, ll, extra)
 
 
 def _binary_indicators(ones):
@@ -259,7 +264,7 @@ def _binary_indicators(ones):
     return torch.stack([1 - ones, ones], -2).movedim(-2, 0)
 
 
-def _tabulated_self_predictive(fn, observed, scale, log_weights):
+def _tabulated_self_predictive(fn, observed, scale, log_weights, extra):
     """A :class:`BernoulliQuadratureSelfPredictive` for ``Bernoulli(logits)`` over binary
     data, or a :class:`TabulatedQuadratureSelfPredictive` with tables ``(G, V, D)`` and
     ``(V,) + batch + (D,)``, when the probed likelihood is one of ``_TABULATED_PARAMETERS``
@@ -278,7 +283,7 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights):
     if name is None:
         return None
     try:
-        param = compact_parameter(params[name], fn, observed)
+        param = point_parameter(params[name], fn, observed)
     except RuntimeError:
         return None
     if any(size != 1 for size in param.shape[1:-1]):
@@ -288,7 +293,7 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights):
     ones = value.to(param.dtype)
     if not bool((ones * (1 - ones)).any()):  # binary data (NaN was ruled out by the trace)
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
-            return BernoulliQuadratureSelfPredictive(observed, scale, log_weights, param)
+            return BernoulliQuadratureSelfPredictive(observed, scale, log_weights, param, extra)
         values = value.new_tensor([0, 1])
         indicators = _binary_indicators(ones)
     else:
@@ -300,4 +305,6 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights):
     log_table = table_fn.log_prob(values.to(param.dtype).reshape(-1, 1))  # (G, V, D)
     if not bool(torch.isfinite(log_table).all()):
         return None  # a value impossible at some node (e.g. probs of exactly 0 or 1)
-    return TabulatedQuadratureSelfPredictive(observed, scale, log_weights, log_table, indicators)
+    return TabulatedQuadratureSelfPredictive(
+        observed, scale, log_weights, log_table, indicators, extra
+    )

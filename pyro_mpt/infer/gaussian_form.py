@@ -10,12 +10,12 @@ Exact self-predictive conditionals need the model in one of two closed forms:
   a plate broadcasts one covariance, the form keeps it as a single matrix with size-one
   batch dims.
 
-The affine map is found by *probing* (:mod:`pyro_mpt.infer.latent_probe`): the model runs
-once more inside an extra plate of ``K + 2`` probe points, with the latents set to the prior
-mean, the prior mean plus each column of the prior's Cholesky factor, and one check point.
-The differences of the likelihood's ``loc`` give the loading matrix in whitened coordinates
-(so the latent is standard normal), and the check point verifies that the map is affine.
-Gradients flow from the result to every parameter the model uses.
+The affine map is found by *probing*: the model runs once more with its local latents at
+``K + 1`` whitened points (:mod:`pyro_mpt.infer.whitened_latents`), the origin and each unit
+vector, whose likelihood ``loc`` s give the loading matrix in whitened coordinates. The map
+is then verified at further points, random and far (30 standard deviations out), where the
+``loc`` must be affine and the ``scale`` constant: a mean that is affine only near the
+origin, or a noise scale that depends on the latents, is refused.
 """
 
 import math
@@ -24,14 +24,9 @@ from typing import NamedTuple
 import torch
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.latent_probe import (
-    compact_parameter,
-    run_at_latent_points,
-    trace_local_model,
-    whitened_priors,
-)
-from pyro_mpt.infer.probe_cache import ProbedModel, random_state, restore_random_state
-from pyro_mpt.infer.trace_utils import ObservedSite, flatten_tail, unwrap_independent
+from pyro_mpt.infer.model_structure import ObservedSite
+from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.infer.whitened_latents import check_factors, point_parameter, run_at_points
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form"]
 
@@ -64,13 +59,21 @@ class GaussianForm(NamedTuple):
     latent_names: tuple = ()
 
 
+#: Check points beyond the fitting points: three draws of the prior and two far points.
+_NUM_RANDOM_CHECKS, _FAR_RADIUS = 3, 30.0
+
+
 def _probe_points(num_latent, dtype, device):
-    """``K + 2`` whitened points: the origin, each unit vector, and an affinity check point."""
-    eye = torch.eye(num_latent, dtype=dtype, device=device)
-    check = torch.linspace(-1.1, 0.9, num_latent, dtype=dtype, device=device)
-    if num_latent == 1:
-        check = check.new_tensor([-1.1])
-    return torch.cat([eye.new_zeros(1, num_latent), eye, check.unsqueeze(0)])
+    """The origin, each unit vector, then the check points: ``(K + 6, K)``. The check points
+    come from a generator of their own, so the caller's random stream is untouched."""
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randn(_NUM_RANDOM_CHECKS + 1, num_latent, generator=generator)
+    far = _FAR_RADIUS * random[-1] / random[-1].norm()
+    eye = torch.eye(num_latent)
+    points = torch.cat(
+        [eye.new_zeros(1, num_latent), eye, random[:-1], far[None], -far.flip(0)[None]]
+    )
+    return points.to(dtype=dtype, device=device)
 
 
 def _drop_broadcast_dims(matrix):
@@ -129,43 +132,22 @@ def _no_latent_form(site, observed, scale):
     )
 
 
-def extract_gaussian_form(model, args, kwargs, max_plate_nesting=math.inf, probes=None):
-    """Traces ``model`` and returns its :class:`GaussianForm`.
+def extract_gaussian_form(model, args, kwargs, structure):
+    """The :class:`GaussianForm` of ``model``, whose first trace read ``structure``
+    (:func:`~pyro_mpt.infer.model_structure.read_structure`).
 
-    :param ProbeCache probes: remembers the model's structure between calls, so that calls
-        after the first run it once (:mod:`pyro_mpt.infer.probe_cache`).
     :raises NotGaussianError: if the model is not linear-Gaussian.
-    :raises ValueError: for invalid models (no observed site, NaN observations, a latent
-        site outside the data plate).
     """
-    if probes is not None:
-        remembered = probes.latents_for(model, args, kwargs, max_plate_nesting)
-        if remembered is not None:
-            points = _probe_points(*remembered)
-            state = random_state()
-            probed = probes.run(model, args, kwargs, points)
-            if probed is not None:
-                try:
-                    return _form_at_points(probed, points)
-                except Exception:
-                    # The two-run path below meets it again and says why.
-                    restore_random_state(state)
-                    probes.forget()
-    local = trace_local_model(model, args, kwargs, max_plate_nesting)
-    observed, obs_name, latents = local.observed, local.observed.name, local.latent_names
-    obs_site = local.trace.nodes[obs_name]
-    if not latents:
-        return _no_latent_form(obs_site, observed, local.scale)
-    _check_normal(obs_site["fn"], obs_name)  # before the probe run, which would be wasted
-    priors = whitened_priors(local)
-    x = observed.value
-    points = _probe_points(sum(p.mean.shape[-1] for p in priors), x.dtype, x.device)
-    fn = run_at_latent_points(model, args, kwargs, local, priors, points)
-    probed = ProbedModel(observed, local.scale, fn, obs_site["value"], tuple(latents))
-    form = _form_at_points(probed, points)
-    if probes is not None and priors[0].mean.dtype == x.dtype:
-        probes.remember(model, args, kwargs, max_plate_nesting, local, priors)
-    return form
+    observed = structure.observed
+    obs_site = structure.trace.nodes[observed.name]
+    if not structure.latents:
+        return _no_latent_form(obs_site, observed, structure.scale)
+    _check_normal(obs_site["fn"], observed.name)  # before the run at the points
+    first = structure.trace.nodes[structure.latents[0].name]["value"]
+    points = _probe_points(structure.latent_dim, first.dtype, first.device)
+    run = run_at_points(model, args, kwargs, structure, points)
+    check_factors(structure, run.trace, "exact conditionals")
+    return _form_at_points(structure, run.fn, points)
 
 
 def _check_normal(fn, name):
@@ -179,32 +161,41 @@ def _check_normal(fn, name):
     return base
 
 
-def _form_at_points(probed, points):
-    """The latent linear-Gaussian form from the likelihood at the probe points."""
-    observed, fn, latents = probed.observed, probed.fn, probed.latent_names
-    x, obs_name = observed.value, observed.name
-    base = _check_normal(fn, obs_name)
-    locs = compact_parameter(base.loc, fn, observed)
-    scales = compact_parameter(base.scale, fn, observed)
+def _form_at_points(structure, fn, points):
+    """The latent linear-Gaussian form from the likelihood at the points of
+    :func:`_probe_points`, verified at its check points."""
+    observed, latents = structure.observed, list(structure.latent_names)
+    base = _check_normal(fn, observed.name)
+    num_latent = points.shape[-1]
+    locs = point_parameter(base.loc, fn, observed).expand(
+        points.shape[:1] + (-1,) * observed.value.dim()
+    )
+    scales = point_parameter(base.scale, fn, observed)
     # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
     bias = locs[0]
-    num_latent = points.shape[-1]
-    differences = torch.cat([-torch.ones(1, num_latent), torch.eye(num_latent)]).to(x)
-    weight = torch.einsum("q...d,qk->...dk", locs[:-1], differences)
-    tol = 10 * math.sqrt(torch.finfo(x.dtype).eps)
+    weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
+    checks = points[num_latent + 1 :]
+    tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
     with torch.no_grad():
-        predicted = bias + weight @ points[-1]
-        magnitude = locs.abs().amax() + 1
-        affine = torch.allclose(predicted, locs[-1], rtol=tol, atol=tol * magnitude)
-        constant_scale = torch.allclose(scales, scales[:1].expand_as(scales), rtol=tol)
+        predicted = bias + torch.einsum("...dk,ck->c...d", weight, checks.to(weight.dtype))
+        actual = locs[num_latent + 1 :]
+        size = bias.abs() + torch.einsum(
+            "...dk,ck->c...d", weight.abs(), checks.abs().to(weight.dtype)
+        )
+        affine = bool(((predicted - actual).abs() <= tol * (size + 1)).all())
+        constant_scale = torch.allclose(scales, scales[:1].expand_as(scales), rtol=tol, atol=0)
     if not affine:
         raise NotGaussianError(
-            f"The loc of observed site {obs_name!r} is not affine in the latent sites "
-            f"{list(latents)}; exact conditionals need a linear-Gaussian model."
+            f"The loc of observed site {observed.name!r} is not affine in the latent sites "
+            f"{latents} (checked at random points and at {_FAR_RADIUS:g} prior standard "
+            f"deviations); exact conditionals need a linear-Gaussian model. Use "
+            f"conditionals='quadrature' or 'importance'."
         )
     if not constant_scale:
         raise NotGaussianError(
-            f"The scale of observed site {obs_name!r} depends on the latent sites "
-            f"{list(latents)}; exact conditionals need a noise scale that does not."
+            f"The scale of observed site {observed.name!r} depends on the latent sites "
+            f"{latents}; exact conditionals need a noise scale that does not. Use "
+            f"conditionals='quadrature' or 'importance'."
         )
-    return GaussianForm(observed, probed.scale, bias, weight, scales[0] ** 2, None, tuple(latents))
+    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
+    return GaussianForm(observed, structure.scale, bias, weight, noise_var, None, tuple(latents))

@@ -9,12 +9,14 @@ model against the guide's latents.
 from typing import NamedTuple
 
 import pyro
+import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from pyro.infer.autoguide import AutoGuide
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.latent_probe import LocalModel, trace_local_model
-from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, unwrap_independent
+from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, plate_frames, unwrap_independent
 
 __all__ = [
     "GuidedModel",
@@ -38,7 +40,7 @@ _CONVENTION = (
 class GuidedModel(NamedTuple):
     """A model, its guide and their arguments, checked for running the guide on filled data.
 
-    :ivar LocalModel local: what one model trace says about the model.
+    :ivar ModelStructure local: what one model trace says about the model.
     :ivar torch.Size data_shape: the shape of the data argument ``args[0]``.
     :ivar int num_pad: size-1 dims between the extra plates and the data's batch dims.
     """
@@ -47,7 +49,7 @@ class GuidedModel(NamedTuple):
     guide: object
     args: tuple
     kwargs: dict
-    local: LocalModel
+    local: object
     data_shape: torch.Size
     num_pad: int
 
@@ -72,7 +74,7 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
             f"amortized guide that encodes its data argument (e.g. LinearVAE.guide), or use "
             f"conditionals='exact' or 'quadrature'."
         )
-    local = trace_local_model(model, args, kwargs, max_plate_nesting)
+    local = read_structure(model, args, kwargs, max_plate_nesting)
     if not local.latent_names:
         raise NotApplicableError(f"{what} integrates over local latents and the model has none.")
     obs_site = local.trace.nodes[local.observed.name]
@@ -95,9 +97,15 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
         )
     num_pad = max(0, local.max_plate_nesting - len(obs_fn.batch_shape))
     guided = GuidedModel(model, guide, tuple(args), dict(kwargs), local, data.shape, num_pad)
+    if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+        # An autoguide reads the model on its first call: let it do so outside the plates
+        # over samples and masks.
+        with torch.no_grad(), poutine.block():
+            guide(*args, **kwargs)
     with torch.no_grad():
         value = local.observed.value
         guide_trace, _ = run_guided(guided, value.expand((2,) + value.shape), 1, False)
+    _check_proposal(guide_trace, local, guide, what)
     sampled = set(latent_sites(guide_trace))
     missing = [name for name in local.latent_names if name not in sampled]
     if missing:
@@ -107,6 +115,36 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
             f"(an amortized q(z | x)), or use conditionals='exact' or 'quadrature'."
         )
     return guided
+
+
+def _check_proposal(guide_trace, local, guide, what):
+    """The guide must propose each observation's latents from a density of its own: no point
+    masses, and no site that draws the latents of all observations jointly."""
+    data_frames = {
+        frame
+        for frame in plate_frames(local.trace.nodes[local.observed.name])
+        if frame[1] in local.data_dims
+    }
+    names = latent_sites(guide_trace)
+    if names and all(
+        isinstance(unwrap_independent(guide_trace.nodes[n]["fn"]), dist.Delta) for n in names
+    ):
+        raise NotApplicableError(
+            f"{what} needs a guide with spread, but guide {describe_guide(guide)} samples "
+            f"site {names[0]!r} from a point mass (Delta, e.g. AutoDelta): it is not a "
+            f"proposal density. Use AutoNormal or an amortized encoder, or "
+            f"conditionals='exact' or 'quadrature'."
+        )
+    for name in names:
+        site = guide_trace.nodes[name]
+        if not data_frames <= plate_frames(site):
+            raise NotApplicableError(
+                f"{what} weighs each observation's latents by their proposal density, but "
+                f"guide {describe_guide(guide)} samples site {name!r} outside the data plate, "
+                f"jointly for all observations (as AutoDiagonalNormal and "
+                f"AutoLowRankMultivariateNormal do). Use a guide with one distribution per "
+                f"observation: AutoNormal, or an amortized encoder."
+            )
 
 
 def run_guided(guided, filled, num_samples, replay_model=True):

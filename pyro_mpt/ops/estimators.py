@@ -19,7 +19,7 @@ __all__ = ["mask_scores", "mpt_estimate"]
 
 
 def mask_scores(log_conditionals, masks):
-    """The per-mask score ``(1/M) sum_{j in mask} log p(x_j | x_R)``.
+    """The per-mask score ``(1/M) sum_{j in mask} log p(x_j | x_R)`` (0 for an empty mask).
 
     :param torch.Tensor log_conditionals: ``log p(x_j | x_R)`` for every feature, shape
         ``S + (D,)``; entries outside the mask are ignored.
@@ -27,16 +27,20 @@ def mask_scores(log_conditionals, masks):
     :returns: a tensor of shape ``S``.
     """
     masks = masks.expand(log_conditionals.shape)
-    return masked_sum(log_conditionals, masks) / masks.sum(-1).to(log_conditionals.dtype)
+    sizes = masks.sum(-1).to(log_conditionals.dtype)
+    return masked_sum(log_conditionals, masks) / sizes.clamp(min=1)
 
 
-def mpt_estimate(log_conditionals, masks):
+def mpt_estimate(log_conditionals, masks, num_features=None):
     """The MPT estimate ``D / M sum_{j in mask} log p(x_j | x_R)`` averaged over masks.
 
     :param torch.Tensor log_conditionals: shape ``(P,) + batch + (D,)``, one row per mask.
     :param torch.Tensor masks: boolean, shape ``(P,) + batch + (D,)`` (broadcastable).
+    :param num_features: ``D``, or a ``batch`` tensor of per-observation counts of observed
+        entries (missing data); by default the size of the last dim.
     :returns: a tensor of shape ``batch``: for each observation, the mean over its ``P``
         masks of ``D`` times the mask score.
     """
-    num_features = log_conditionals.shape[-1]
+    if num_features is None:
+        num_features = log_conditionals.shape[-1]
     return num_features * mask_scores(log_conditionals, masks).mean(0)

@@ -97,7 +97,7 @@ def latent_gaussian_conditionals(x, weight, bias, noise_var, context):
     return mean, var
 
 
-def latent_gaussian_log_marginal(x, weight, bias, noise_var):
+def latent_gaussian_log_marginal(x, weight, bias, noise_var, entries=None):
     """Exact ``log p(x) = log N(x | b, W W^T + diag(psi))`` by the Woodbury identity and the
     matrix determinant lemma: ``O(D K^2 + K^3)`` per observation.
 
@@ -105,18 +105,28 @@ def latent_gaussian_log_marginal(x, weight, bias, noise_var):
     :param torch.Tensor weight: ``W``, shape ``batch + (D, K)`` (broadcastable).
     :param torch.Tensor bias: ``b``, shape ``batch + (D,)`` (broadcastable).
     :param torch.Tensor noise_var: ``psi``, shape ``batch + (D,)`` (broadcastable).
+    :param torch.Tensor entries: optional booleans ``batch + (D,)``, ``True`` at observed
+        entries: the result is then the marginal ``log p(x_observed)``.
     :returns: a tensor of the broadcast batch shape.
     """
+    precision = 1 / noise_var
+    if entries is not None:
+        precision = precision * entries.to(x.dtype)
     weight_t = weight.transpose(-1, -2)
-    scaled_t = weight_t / noise_var.unsqueeze(-2)
+    scaled_t = weight_t * precision.unsqueeze(-2)
     latent_dim = weight.shape[-1]
     eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
     chol = torch.linalg.cholesky(eye + scaled_t @ weight)
     residual = x - bias
     projected = torch.linalg.solve_triangular(chol, scaled_t @ residual.unsqueeze(-1), upper=False)
-    mahalanobis = (residual.pow(2) / noise_var).sum(-1) - projected.pow(2).sum((-1, -2))
-    log_det = noise_var.log().sum(-1) + 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-    num_features = x.shape[-1]
+    mahalanobis = (residual.pow(2) * precision).sum(-1) - projected.pow(2).sum((-1, -2))
+    log_noise = noise_var.log().expand(residual.shape)
+    if entries is None:
+        num_features = x.shape[-1]
+    else:
+        log_noise = log_noise * entries.to(x.dtype)
+        num_features = entries.sum(-1).to(x.dtype)
+    log_det = log_noise.sum(-1) + 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
     return -0.5 * (mahalanobis + log_det + num_features * math.log(2 * math.pi))
 
 

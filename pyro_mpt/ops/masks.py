@@ -60,8 +60,10 @@ class RateSchedule:
         """Mask sizes for the given quantiles.
 
         :param torch.Tensor quantiles: values in ``[0, 1)``, any shape.
-        :param int num_features: the number of features ``D`` of one observation.
-        :returns: a ``torch.long`` tensor of the same shape, with values in ``1 ... D``.
+        :param num_features: the number of features ``D`` of one observation, or a tensor of
+            per-observation counts broadcastable to ``quantiles`` (missing entries).
+        :returns: a ``torch.long`` tensor of the same shape, with values in ``1 ... D``
+            (0 for an observation with no feature).
         """
         raise NotImplementedError
 
@@ -104,7 +106,7 @@ class RandomRate(RateSchedule):
         rates = self.low + (self.high - self.low) * quantiles
         # (p + u) * D / P in float64 is exact enough for floor to land on p + 1 when P == D.
         sizes = torch.floor(rates * num_features).long() + 1
-        return sizes.clamp(1, num_features)
+        return _clamp_sizes(sizes, num_features)
 
     def __repr__(self):
         return f"RandomRate(low={self.low}, high={self.high})"
@@ -133,11 +135,23 @@ class FixedRate(RateSchedule):
         self.rate = float(rate)
 
     def sizes_from_quantiles(self, quantiles, num_features):
+        if torch.is_tensor(num_features):
+            sizes = torch.floor(self.rate * num_features.double() + 0.5).long()
+            return _clamp_sizes(sizes.expand(quantiles.shape), num_features)
         size = max(1, min(num_features, math.floor(self.rate * num_features + 0.5)))
         return torch.full_like(quantiles, size, dtype=torch.long)
 
     def __repr__(self):
         return f"FixedRate({self.rate})"
+
+
+def _clamp_sizes(sizes, num_features):
+    """Sizes clamped to ``1 ... D``; ``num_features`` may be a tensor of per-observation
+    counts, and observations with no feature get size 0."""
+    if not torch.is_tensor(num_features):
+        return sizes.clamp(1, num_features)
+    counts = num_features.to(sizes.device).long()
+    return torch.minimum(sizes.clamp(min=1), counts)
 
 
 def _check_unit_interval(value, name, allow_zero):
@@ -228,14 +242,23 @@ def _sort_rows(keys, use_numpy=None):
     return keys.sort(dim=-1).values
 
 
-def masks_of_sizes(sizes, num_features):
+def masks_of_sizes(sizes, num_features, entries=None):
     """Uniformly random masks with the given sizes.
 
     :param torch.Tensor sizes: integer mask sizes, any shape ``S``.
     :param int num_features: features ``D``.
+    :param torch.Tensor entries: optional booleans broadcastable to ``S + (D,)``: masks are
+        drawn among the ``True`` entries only (the observed entries of an observation with
+        missing ones).
     :returns: a boolean tensor of shape ``S + (D,)``, ``True`` at masked features; each row
         is uniform among the masks of its size.
     """
+    if entries is not None:
+        # float64 keys, and +inf at entries that cannot be masked.
+        keys = torch.rand(sizes.shape + (num_features,), dtype=torch.float64, device=sizes.device)
+        keys = keys.masked_fill(~entries.expand(keys.shape), math.inf)
+        threshold = keys.sort(-1).values.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+        return (keys <= threshold) & (sizes > 0).unsqueeze(-1) & entries
     # A feature is masked when its random key is among the M smallest of its row: one sort
     # finds each row's M-th smallest key. 16-bit keys are the cheapest to draw, sort and
     # compare; they tie often in long rows, which take float32 keys instead.
@@ -280,7 +303,7 @@ def _masks_below_threshold(sizes, num_features, dtype):
     return masks, tied & ~empty
 
 
-def sample_masks(schedule, num_masks, batch_shape, num_features, device=None):
+def sample_masks(schedule, num_masks, batch_shape, num_features, device=None, entries=None):
     """Draws ``num_masks`` stratified masks per observation.
 
     :param RateSchedule schedule: the mask-size schedule.
@@ -288,11 +311,22 @@ def sample_masks(schedule, num_masks, batch_shape, num_features, device=None):
     :param torch.Size batch_shape: observation batch shape (``()`` to share masks across
         the batch, as in the paper's own experiments).
     :param int num_features: features per observation.
+    :param torch.Tensor entries: optional booleans ``batch_shape + (D,)``, ``True`` at the
+        observed entries of observations with missing ones: each observation's mask size is
+        drawn for its own count of observed entries, and its mask among them.
     :returns: ``(masks, sizes)``: a boolean tensor of shape
         ``(num_masks,) + batch_shape + (D,)`` and the long tensor of mask sizes.
     """
-    sizes = schedule.sample_sizes(num_masks, torch.Size(batch_shape), num_features, device)
-    return masks_of_sizes(sizes, num_features), sizes
+    batch_shape = torch.Size(batch_shape)
+    if entries is None:
+        sizes = schedule.sample_sizes(num_masks, batch_shape, num_features, device)
+        return masks_of_sizes(sizes, num_features), sizes
+    counts = entries.sum(-1)
+    shift = torch.rand(batch_shape, dtype=torch.float64, device=device)
+    strata = torch.arange(num_masks, dtype=torch.float64, device=device)
+    quantiles = (strata.reshape((num_masks,) + (1,) * len(batch_shape)) + shift) / num_masks
+    sizes = schedule.sizes_from_quantiles(quantiles, counts)
+    return masks_of_sizes(sizes, num_features, entries), sizes
 
 
 def select_masked(masks, masked, unmasked):

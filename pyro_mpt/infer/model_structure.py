@@ -1,0 +1,432 @@
+"""What one trace of a Pyro model says about it: the observed site, its missing entries and
+scale, the local latents and the plates that index observations.
+
+Every strategy starts here. The rules follow Pyro's semantics: ``pyro.deterministic`` sites
+are ignored; ``pyro.factor`` sites are kept aside (a factor that does not depend on the
+local latents is added to the loss, as ``Trace_ELBO`` adds it); a site's mask
+(``poutine.mask``, ``obs_mask``) marks entries that do not count, i.e. missing entries; the
+observed site's scale (subsampling, ``poutine.scale``) scales each observation's estimate.
+"""
+
+import math
+from typing import NamedTuple
+
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import torch
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import constraints
+
+from pyro_mpt.infer.trace_utils import flatten_tail, plate_frames, unwrap_independent
+
+__all__ = ["LatentSite", "ModelStructure", "ObservedSite", "read_structure"]
+
+
+class ObservedSite(NamedTuple):
+    """The observed site of a model, its features flattened.
+
+    :ivar str name: the site's name.
+    :ivar torch.Tensor value: observations ``batch_shape + (D,)``; missing entries are 0.
+    :ivar torch.Size batch_shape: the shape of the batch of observations.
+    :ivar int num_feature_dims: how many rightmost dims of the site value are features.
+    :ivar entries: boolean ``batch_shape + (D,)``, ``True`` at entries that count, or
+        ``None`` when every entry does.
+    :ivar torch.Size full_shape: the site distribution's batch and event shape.
+    """
+
+    name: str
+    value: torch.Tensor
+    batch_shape: torch.Size
+    num_feature_dims: int
+    entries: torch.Tensor | None = None
+    full_shape: torch.Size = torch.Size()
+
+    @property
+    def num_features(self):
+        """``D``, the number of features of one observation."""
+        return self.value.shape[-1]
+
+    def feature_counts(self):
+        """How many entries of each observation count, ``batch_shape`` (a float tensor)."""
+        if self.entries is None:
+            return self.value.new_full(self.batch_shape, float(self.num_features))
+        return self.entries.sum(-1).to(self.value.dtype)
+
+
+class LatentSite(NamedTuple):
+    """A local latent site.
+
+    :ivar str name: the site's name.
+    :ivar int size: how many scalar coordinates it has per observation.
+    :ivar int num_batch_dims: how many leading dims of its value index observations.
+    """
+
+    name: str
+    size: int
+    num_batch_dims: int
+
+
+class ModelStructure(NamedTuple):
+    """What one trace says about a model with local latents.
+
+    :ivar trace: the model trace.
+    :ivar ObservedSite observed: the observed site.
+    :ivar scale: log-probability scale per observation (a float or a ``batch_shape`` tensor).
+    :ivar tuple latents: the :class:`LatentSite` s, in execution order.
+    :ivar list data_dims: the batch dims of the plates that index observations.
+    :ivar int max_plate_nesting: plate nesting of the model.
+    :ivar tuple factor_names: the ``pyro.factor`` sites.
+    :ivar tuple missing_names: sites that sample the missing part of the observation
+        (``obs_mask``); they are not latents.
+    """
+
+    trace: object
+    observed: ObservedSite
+    scale: object
+    latents: tuple
+    data_dims: list
+    max_plate_nesting: int
+    factor_names: tuple = ()
+    missing_names: tuple = ()
+
+    @property
+    def latent_names(self):
+        return tuple(latent.name for latent in self.latents)
+
+    @property
+    def latent_dim(self):
+        """``K``, the number of scalar latent coordinates per observation."""
+        return sum(latent.size for latent in self.latents)
+
+
+def _is_sample(site):
+    return site["type"] == "sample" and not site_is_subsample(site)
+
+
+def _is_deterministic(site):
+    return bool(site["infer"].get("_deterministic"))
+
+
+def _is_factor(site):
+    return site["is_observed"] and isinstance(site["fn"], dist.Unit)
+
+
+def _classify(trace):
+    """``(observed, latents, factors, missing)`` site names, in execution order."""
+    observed, latents, factors = [], [], []
+    for name, site in trace.nodes.items():
+        if not _is_sample(site) or _is_deterministic(site):
+            continue
+        if _is_factor(site):
+            factors.append(name)
+        elif site["is_observed"]:
+            observed.append(name)
+        else:
+            latents.append(name)
+    # obs_mask splits a site "x" into "x_observed" and "x_unobserved", the missing part.
+    missing = [
+        name
+        for name in latents
+        if name.endswith("_unobserved") and name[: -len("unobserved")] + "observed" in observed
+    ]
+    latents = [name for name in latents if name not in missing]
+    return observed, latents, factors, missing
+
+
+def _the_observed_site(names, what):
+    if not names:
+        raise ValueError(
+            f"{what} found no observed sample site in the model. Pass the data to the "
+            f"likelihood, e.g. pyro.sample('x', dist.Normal(loc, scale).to_event(1), obs=x)."
+        )
+    if len(names) > 1:
+        raise ValueError(
+            f"{what} found {len(names)} observed sites {names}; it scores the features of one "
+            f"observed site. Concatenate the observations into one site (pyro.deterministic "
+            f"and pyro.factor sites are fine: they are not observations)."
+        )
+    return names[0]
+
+
+def _data_dims(trace, obs_name, latent_names):
+    """The dims of the plates shared by the observed site and every local latent."""
+    obs_frames = plate_frames(trace.nodes[obs_name])
+    if not latent_names:
+        return sorted(dim for _, dim in obs_frames)
+    shared = {name: plate_frames(trace.nodes[name]) & obs_frames for name in latent_names}
+    outside = [name for name, frames in shared.items() if not frames]
+    plates = sorted(n for n, _ in obs_frames) or ["<none>"]
+    if outside:
+        raise ValueError(
+            f"Latent site {outside[0]!r} is outside the data plate {plates} of observed site "
+            f"{obs_name!r}: MPTLoss integrates out local latents, one per observation. Make "
+            f"{outside[0]!r} a parameter (pyro.param / PyroParam) or move it inside the data "
+            f"plate."
+        )
+    common = frozenset.intersection(*shared.values())
+    if not common:
+        described = ", ".join(
+            f"{name!r} in {sorted(n for n, _ in frames)}" for name, frames in shared.items()
+        )
+        raise ValueError(
+            f"The latent sites share no plate of observed site {obs_name!r} ({described}). "
+            f"MPTLoss integrates out local latents, one set per observation, so every latent "
+            f"must sit in the plate that indexes observations; a latent shared by all "
+            f"observations (e.g. one per feature) is global: make it a parameter "
+            f"(pyro.param / PyroParam)."
+        )
+    return sorted(dim for _, dim in common)
+
+
+def _observation_dims(site, data_dims):
+    """How many leading dims of the site's batch and event shape index observations."""
+    fn = site["fn"]
+    if not data_dims:
+        return 0
+    return len(fn.batch_shape) + max(data_dims) + 1
+
+
+def _check_plates_cover_batch(site):
+    """Raises, as ``Trace_ELBO``'s shape check does, when a batch dim of the site's
+    distribution is in no plate: its log-probability would be summed over it silently."""
+    plated = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
+    for i, size in enumerate(site["fn"].batch_shape):
+        dim = i - len(site["fn"].batch_shape)
+        if size > 1 and dim not in plated:
+            raise ValueError(
+                f"At site {site['name']!r}, invalid log_prob shape: the distribution has batch "
+                f"shape {tuple(site['fn'].batch_shape)} and dim {dim} (size {size}) is in no "
+                f"plate. Enclose the site in a pyro.plate over that dim, or declare the dims "
+                f"as one event with .to_event(...)."
+            )
+
+
+def _entry_mask(site, full_shape, num_feature_dims):
+    """The site's mask as booleans ``batch + (D,)``, or ``None`` when every entry counts."""
+    mask = site["mask"]
+    if mask is None or mask is True:
+        return None
+    fn = site["fn"]
+    if mask is False:
+        mask = torch.zeros((), dtype=torch.bool)
+    mask = torch.as_tensor(mask, dtype=torch.bool)
+    mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape)).expand(full_shape)
+    mask = flatten_tail(mask, num_feature_dims)
+    return None if bool(mask.all()) else mask
+
+
+def _check_dtype(name, value, fn):
+    if not torch.is_tensor(value):
+        kind = type(value).__module__ + "." + type(value).__name__
+        raise TypeError(
+            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
+            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
+        )
+    support = unwrap_independent(fn).support
+    discrete = getattr(support, "is_discrete", False)
+    if not value.is_floating_point() and not discrete:
+        raise TypeError(
+            f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
+            f"{type(unwrap_independent(fn)).__name__} likelihood. Convert it to floats, e.g. "
+            f"x = x.float()."
+        )
+
+
+def _observed_site(site, data_dims):
+    name, fn = site["name"], site["fn"]
+    _check_dtype(name, site["value"], fn)
+    full_shape = fn.batch_shape + fn.event_shape
+    num_batch = _observation_dims(site, data_dims) if data_dims else len(fn.batch_shape)
+    batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
+    value = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
+    dtype = _parameter_dtype(fn)
+    if value.is_floating_point() and dtype is not None and dtype != value.dtype:
+        # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
+        # are computed in the model's dtype.
+        value = value.to(dtype)
+    entries = _entry_mask(site, full_shape, num_feature_dims)
+    nan = torch.isnan(value) if value.is_floating_point() else None
+    if nan is not None:
+        stray = nan if entries is None else nan & entries
+        if bool(stray.any()):
+            raise ValueError(
+                f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
+                f"{value.numel()} among the entries that count. Mark missing entries with a "
+                f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
+                f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only."
+            )
+    if entries is not None:
+        value = _fill_missing(value, entries)
+    if is_validation_enabled():
+        _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
+    return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape)
+
+
+def _parameter_dtype(fn):
+    """The floating dtype of the distribution's parameters, or ``None``."""
+    base = unwrap_independent(fn)
+    for key in type(base).arg_constraints:
+        value = base.__dict__.get(key)
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.dtype
+    return None
+
+
+def _fill_missing(value, entries):
+    """Missing entries are never scored, but every likelihood is evaluated on them: each
+    gets an observed value of the same feature (any observed value if the feature has none),
+    which lies in the likelihood's support, so no log-probability or gradient is NaN."""
+    flat_value, flat_entries = (
+        value.reshape(-1, value.shape[-1]),
+        entries.reshape(-1, value.shape[-1]),
+    )
+    if not bool(flat_entries.any()):
+        return torch.zeros_like(value)
+    first = flat_entries.to(torch.uint8).argmax(0)  # first observed row of each feature
+    filler = flat_value.gather(0, first.unsqueeze(0)).squeeze(0)
+    anywhere = flat_value[flat_entries][0]
+    filler = torch.where(flat_entries.any(0), filler, anywhere)
+    return torch.where(entries, value, filler)
+
+
+def _check_support(name, fn, value, entries, num_feature_dims):
+    """Raises ``ValueError`` for observed entries outside the support of ``fn``, when the
+    support does not depend on the distribution's parameters."""
+    # Boolean tests are slow on CPUs: the two common supports are checked by arithmetic.
+    if fn.support is constraints.real and bool(torch.isfinite(value.sum())):
+        return
+    if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
+        return
+    if fn.event_shape:
+        return  # the support concerns whole events
+    try:
+        inside = fn.support.check(value)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return
+    if inside.shape != value.shape:
+        return
+    if entries is not None:
+        inside = inside | ~entries
+    if bool(inside.all()):
+        return
+    outside = value[~inside]
+    raise ValueError(
+        f"Observed site {name!r} has {outside.numel()} values outside the support "
+        f"{fn.support} of its {type(fn).__name__} likelihood, e.g. {outside[0].item()!r}. "
+        f"Bring the data into the support (binary images: binarise them, e.g. "
+        f"(x > 0.5).float()), or choose a likelihood that covers it; "
+        f"pyro.enable_validation(False) skips this check."
+    )
+
+
+def _scale(site, batch_shape):
+    """The site's scale per observation; it may not vary across features."""
+    scale = site["scale"]
+    if not torch.is_tensor(scale):
+        return float(scale)
+    try:
+        return torch.broadcast_to(scale, batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"Site {site['name']!r} has a scale of shape {tuple(scale.shape)} that varies "
+            f"across the features of an observation; MPTLoss supports one scale per "
+            f"observation (shape broadcastable to {tuple(batch_shape)})."
+        ) from None
+
+
+def _per_observation(tensor, site, num_batch, batch_shape, reduce):
+    """A tensor over a latent site's batch shape (its mask or scale) as one value per
+    observation, ``batch_shape``: ``reduce`` (``all`` or ``amax``) over its inner dims."""
+    batch = site["fn"].batch_shape
+    tensor = torch.as_tensor(tensor).expand(batch)
+    inner = tuple(range(num_batch, len(batch)))
+    if inner:
+        tensor = reduce(tensor.flatten(num_batch), -1)
+    return torch.broadcast_to(tensor, batch_shape)
+
+
+def _check_latent_effects(trace, latents, observed, scale):
+    """Latents must count wherever their observation does and be scaled like it."""
+    present = None if observed.entries is None else observed.entries.any(-1)
+    for latent in latents:
+        site = trace.nodes[latent.name]
+        args = (site, latent.num_batch_dims, observed.batch_shape)
+        if site["mask"] is not None and site["mask"] is not True:
+            mask = _per_observation(site["mask"], *args, lambda t, d: t.all(d))
+            needed = torch.ones_like(mask) if present is None else present
+            if bool((needed & ~mask).any()):
+                raise ValueError(
+                    f"Latent site {latent.name!r} is masked out for observations whose "
+                    f"observed site {observed.name!r} counts. MPTLoss integrates each "
+                    f"observation's latents out; mask the observation too (put the "
+                    f"poutine.mask around both), or mark its missing entries with obs_mask."
+                )
+        latent_scale = site["scale"]
+        if torch.is_tensor(latent_scale) or torch.is_tensor(scale):
+            latent_scale = _per_observation(latent_scale, *args, lambda t, d: t.amax(d))
+            same = bool((torch.as_tensor(scale) == latent_scale).all())
+        else:
+            same = float(latent_scale) == scale
+        if not same:
+            raise ValueError(
+                f"Latent site {latent.name!r} and observed site {observed.name!r} have "
+                f"different scales (poutine.scale on one of them only): MPTLoss estimates "
+                f"log p(x) with the latents integrated out, which a tempered likelihood does "
+                f"not have. Scale the whole model (both sites) or neither."
+            )
+
+
+def _max_plate_nesting(trace):
+    dims = [
+        -frame.dim
+        for site in trace.nodes.values()
+        for frame in site.get("cond_indep_stack", ())
+        if frame.vectorized and frame.dim is not None
+    ]
+    return max(dims, default=0)
+
+
+def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLoss"):
+    """Traces ``model`` once and reads off its :class:`ModelStructure`.
+
+    :raises ValueError: for a model with no (or several) observed sites, NaN observations
+        outside a mask, a latent site outside the data plate, a batch dim in no plate, or
+        inconsistent masks and scales.
+    :raises TypeError: for observations that are not a floating tensor where the
+        likelihood needs one.
+    """
+    trace = poutine.trace(model).get_trace(*args, **kwargs)
+    observed_names, latent_names, factors, missing = _classify(trace)
+    obs_name = _the_observed_site(observed_names, what)
+    obs_site = trace.nodes[obs_name]
+    for name in [obs_name, *latent_names]:
+        _check_plates_cover_batch(trace.nodes[name])
+    data_dims = _data_dims(trace, obs_name, latent_names)
+    observed = _observed_site(obs_site, data_dims)
+    scale = _scale(obs_site, observed.batch_shape)
+    latents = []
+    for name in latent_names:
+        site = trace.nodes[name]
+        full = site["fn"].batch_shape + site["fn"].event_shape
+        num_batch = _observation_dims(site, data_dims)
+        latents.append(LatentSite(name, math.prod(full[num_batch:]), num_batch))
+    _check_latent_effects(trace, latents, observed, scale)
+    nesting = _max_plate_nesting(trace)
+    if max_plate_nesting != math.inf:
+        if nesting > max_plate_nesting:
+            raise ValueError(
+                f"The model nests {nesting} plates but max_plate_nesting={max_plate_nesting}; "
+                f"raise max_plate_nesting to at least {nesting}, or leave it unset."
+            )
+        nesting = int(max_plate_nesting)
+    return ModelStructure(
+        trace,
+        observed,
+        scale,
+        tuple(latents),
+        data_dims,
+        nesting,
+        tuple(factors),
+        tuple(missing),
+    )

@@ -1,0 +1,304 @@
+"""Runs a model with its local latents at points of their whitened (standard-normal) space.
+
+Every local latent is drawn through its own prior *as the model samples it*: a point ``u``
+of standard normal noise is mapped through the site's distribution with the parameters it
+has at that call (``z = loc + scale * u`` for a ``Normal``, ``loc + L u`` for a multivariate
+normal with Cholesky factor ``L``, then any transforms of a transformed normal such as
+``LogNormal``). A latent whose prior depends on another latent, on a parameter or on
+covariates is then mapped at its parents' values at the same point, so the points are draws
+of the joint prior exactly when ``u ~ N(0, I)``: quadrature nodes and exact probes live in
+that space, and hierarchies are right by construction.
+
+The model runs once inside an extra plate over the ``Q`` points, left of all its plates.
+Points shared by every observation keep the batch dims of size one where the priors are the
+same for every observation, so a decoder runs ``Q`` times rather than ``Q N`` times.
+"""
+
+from typing import NamedTuple
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
+
+__all__ = [
+    "PointsRun",
+    "check_factors",
+    "factor_log_prob",
+    "point_parameter",
+    "points_plate",
+    "run_at_points",
+    "whiten",
+    "whitened_guide",
+]
+
+_POINTS_PLATE = "_mpt_points"
+
+
+class PointsRun(NamedTuple):
+    """The model run at ``Q`` whitened points.
+
+    :ivar fn: the observed site's distribution, with a leading dim of size ``Q`` (or 1
+        where it does not depend on the latents).
+    :ivar trace: the run's trace.
+    """
+
+    fn: object
+    trace: object
+
+
+def points_plate(num_points, max_plate_nesting):
+    """The plate over points, left of every plate of the model."""
+    return pyro.plate(_POINTS_PLATE, num_points, dim=-(max_plate_nesting + 1))
+
+
+def _narrow_broadcast_dims(tensor):
+    """The tensor with every broadcast (stride-0) dim narrowed to size one: a prior shared by
+    every observation stays one copy."""
+    return _narrow_broadcast_dims_upto(tensor, tensor.dim())
+
+
+def whiten(fn, u, name="latent"):
+    """The value of a latent with distribution ``fn`` at standard normal noise ``u``.
+
+    :param fn: the site's distribution (``Normal``, ``MultivariateNormal``,
+        ``LowRankMultivariateNormal``, a transformed one of these such as ``LogNormal``, any
+        of them made an event with ``.to_event``).
+    :param torch.Tensor u: noise broadcastable to the site's value shape.
+    :raises NotApplicableError: for another distribution.
+    """
+    base = unwrap_independent(fn)
+    if isinstance(base, torch.distributions.Normal):
+        return _narrow_broadcast_dims(base.loc) + _narrow_broadcast_dims(base.scale) * u
+    if isinstance(
+        base,
+        (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal),
+    ):
+        tril = _narrow_broadcast_dims(base.scale_tril)
+        return _narrow_broadcast_dims(base.loc) + (tril @ u.unsqueeze(-1)).squeeze(-1)
+    if isinstance(base, torch.distributions.TransformedDistribution):
+        z = whiten(base.base_dist, u, name)
+        for transform in base.transforms:
+            z = transform(z)
+        return z
+    raise NotApplicableError(
+        f"Latent site {name!r} has a {type(base).__name__} prior; integrating the latents "
+        f"numerically or exactly needs Normal, MultivariateNormal or LogNormal-type "
+        f"(transformed normal) priors. Use conditionals='importance' with a guide, or "
+        f"reparameterise the site as a transform of a Normal."
+    )
+
+
+class _LatentsAtPoints(Messenger):
+    """Sets each local latent, as it is sampled, to its prior's map of whitened points."""
+
+    def __init__(self, structure, points, compact):
+        super().__init__()
+        self.structure = structure
+        self.points = points
+        self.compact = compact
+        self.position = 0
+        self.offset = 0
+
+    def _pyro_sample(self, msg):
+        if msg["is_observed"] or site_is_subsample(msg):
+            return
+        structure = self.structure
+        if msg["name"] in structure.missing_names:
+            # The missing part of an observation (obs_mask) is not scored: any value does.
+            msg["value"] = torch.zeros((), dtype=self.points.dtype).expand(msg["fn"].shape())
+            msg["done"] = True
+            return
+        latents = structure.latents
+        if self.position >= len(latents) or msg["name"] != latents[self.position].name:
+            expected = [latent.name for latent in latents]
+            raise ValueError(
+                f"The model sampled latent site {msg['name']!r} where its first run sampled "
+                f"{expected[self.position : self.position + 1] or 'nothing more'} (latents "
+                f"{expected}). MPTLoss needs the same latent sites on every run of the model: "
+                f"stochastic control flow over latent sites is not supported."
+            )
+        latent = latents[self.position]
+        u = self.points[..., self.offset : self.offset + latent.size]
+        msg["value"] = whiten(msg["fn"], self._noise_shape(msg, latent, u), latent.name)
+        msg["done"] = True
+        self.position += 1
+        self.offset += latent.size
+
+    def _noise_shape(self, msg, latent, u):
+        """``u`` reshaped to the site's value shape inside the plate over points."""
+        fn, nesting = msg["fn"], self.structure.max_plate_nesting
+        batch = fn.batch_shape[max(0, len(fn.batch_shape) - nesting) :]
+        full = batch + fn.event_shape
+        data_dims = self.structure.data_dims
+        num_obs = len(batch) + max(data_dims) + 1 if data_dims else 0
+        lead = full[:num_obs]
+        if u.dim() == 2 and self.compact:
+            lead = (1,) * len(lead)
+        pad = (1,) * (nesting - len(batch))
+        return u.reshape(u.shape[:1] + pad + tuple(lead) + full[num_obs:])
+
+
+def run_at_points(model, args, kwargs, structure, points):
+    """Runs ``model`` with its local latents at whitened ``points``: ``(Q, K)`` shared by
+    every observation, or ``(Q,) + batch + (K,)``.
+
+    :returns: a :class:`PointsRun`.
+    """
+    if points.dim() == 2:
+        try:
+            return _run(model, args, kwargs, structure, points, compact=True)
+        except (RuntimeError, IndexError):
+            # The model indexes its latents per observation: run at full size.
+            pass
+    return _run(model, args, kwargs, structure, points, compact=False)
+
+
+def _run(model, args, kwargs, structure, points, compact):
+    latents = _LatentsAtPoints(structure, points, compact)
+    # The first trace validated the model on the data; validating every distribution again
+    # at every point would double the cost of this run.
+    with points_plate(points.shape[0], structure.max_plate_nesting), pyro.validation_enabled(False):
+        trace = poutine.trace(latents(model)).get_trace(*args, **kwargs)
+    if latents.position != len(structure.latents):
+        missing = [latent.name for latent in structure.latents[latents.position :]]
+        raise ValueError(
+            f"The model did not sample latent sites {missing} on its second run. MPTLoss "
+            f"needs the same latent sites on every run of the model."
+        )
+    name = structure.observed.name
+    if name not in trace.nodes:
+        raise ValueError(
+            f"The model did not sample observed site {name!r} on its second run. MPTLoss "
+            f"needs the same sites on every run of the model."
+        )
+    return PointsRun(trace.nodes[name]["fn"], trace)
+
+
+def _unexpanded(tensor, num_dims):
+    """The tensor that ``tensor`` was broadcast from, when it is a plain ``expand`` view (as
+    plates make), left-padded to ``num_dims`` dims; else ``tensor``, padded.
+
+    Narrowing a broadcast view would make autograd allocate the full broadcast shape in the
+    backward pass; taking the view's base keeps the graph small.
+    """
+    base = tensor._base
+    if base is not None and base.dim() <= tensor.dim():
+        padded = base.reshape((1,) * (tensor.dim() - base.dim()) + base.shape)
+        try:
+            same = padded.expand(tensor.shape)
+        except RuntimeError:
+            same = None
+        if (
+            same is not None
+            and same.stride() == tensor.stride()
+            and same.data_ptr() == tensor.data_ptr()
+        ):
+            tensor = padded
+    return tensor.reshape((1,) * (num_dims - tensor.dim()) + tensor.shape)
+
+
+def point_parameter(param, fn, observed):
+    """A parameter of the observed distribution of a :func:`run_at_points` run as
+    ``(Q,) + batch + (D,)``, with dims of size 1 where it is the same for every point or
+    every observation.
+
+    :raises RuntimeError: if its shape does not broadcast to the observations.
+    """
+    full = fn.batch_shape + fn.event_shape
+    num_lead = len(full) - observed.num_feature_dims
+    param = _unexpanded(param, len(full))
+    param = param.expand(param.shape[:num_lead] + full[num_lead:])
+    param = _narrow_broadcast_dims_upto(param, num_lead)
+    param = flatten_tail(param, observed.num_feature_dims)
+    param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
+    target = (param.shape[0],) + observed.batch_shape + observed.value.shape[-1:]
+    torch.broadcast_shapes(param.shape, target)
+    return param
+
+
+def _narrow_broadcast_dims_upto(tensor, num_dims):
+    for dim in range(num_dims):
+        if tensor.stride(dim) == 0 and tensor.shape[dim] > 1:
+            tensor = tensor.narrow(dim, 0, 1)
+    return tensor
+
+
+def check_factors(structure, trace, what):
+    """Raises ``ValueError`` if a ``pyro.factor`` of a run with extra leading dims (points
+    or samples) varies along them: it depends on the local latents, so it is part of their
+    prior, which ``what`` cannot integrate."""
+    nesting = structure.max_plate_nesting
+    for name in structure.factor_names:
+        log_factor = trace.nodes[name]["fn"].log_factor
+        lead = log_factor.shape[: max(0, log_factor.dim() - nesting)]
+        if any(size > 1 for size in lead):
+            raise ValueError(
+                f"pyro.factor site {name!r} depends on the local latents: it changes their "
+                f"prior, which {what} cannot integrate. Write the latent's prior as its "
+                f"distribution, or keep the factor to terms that involve parameters and data "
+                f"only (those are added to the loss as Trace_ELBO adds them)."
+            )
+
+
+def factor_log_prob(structure):
+    """The sum of the model's ``pyro.factor`` terms, scaled and masked as ``Trace_ELBO``
+    scores them (a scalar; 0 when there is none)."""
+    total = 0.0
+    for name in structure.factor_names:
+        site = structure.trace.nodes[name]
+        log_prob = site["fn"].log_prob(site["value"])
+        if site["mask"] is not None and site["mask"] is not True:
+            log_prob = log_prob * torch.as_tensor(site["mask"]).to(log_prob.dtype)
+        total = total + (site["scale"] * log_prob).sum()
+    return total
+
+
+class _LatentsAtGuideMeans(Messenger):
+    """Sets each local latent to the guide's mean and records the guide's mean and scale in
+    the whitened coordinates of the prior the site has at that point."""
+
+    def __init__(self, structure, guide_trace):
+        super().__init__()
+        self.structure = structure
+        self.guide_trace = guide_trace
+        self.centers, self.scales = [], []
+
+    def _pyro_sample(self, msg):
+        structure, name = self.structure, msg["name"]
+        if name not in structure.latent_names:
+            return
+        prior = unwrap_independent(msg["fn"])
+        site = self.guide_trace.nodes.get(name)
+        q = unwrap_independent(site["fn"]) if site is not None else None
+        if not isinstance(prior, torch.distributions.Normal) or not isinstance(
+            q, torch.distributions.Normal
+        ):
+            raise NotApplicableError(
+                f"quadrature with center='guide' needs a Normal prior and a Normal guide "
+                f"distribution for latent site {name!r}; use center='prior'."
+            )
+        full = msg["fn"].batch_shape + msg["fn"].event_shape
+        loc = q.loc.expand(full)
+        batch = structure.observed.batch_shape
+        self.centers.append(((loc - prior.loc) / prior.scale).reshape(batch + (-1,)))
+        self.scales.append((q.scale / prior.scale).expand(full).reshape(batch + (-1,)))
+        msg["value"] = loc
+        msg["done"] = True
+
+
+def whitened_guide(model, guide, args, kwargs, structure):
+    """The guide's mean and scale of every local latent in the whitened coordinates of its
+    prior, ``batch + (K,)`` each, detached: the prior of each latent is read at the guide's
+    means of its parents."""
+    with torch.no_grad(), pyro.validation_enabled(False), poutine.block():
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        at_means = _LatentsAtGuideMeans(structure, guide_trace)
+        at_means(model)(*args, **kwargs)
+    if len(at_means.centers) != len(structure.latents):
+        raise NotApplicableError("quadrature with center='guide' found no guide latents.")
+    return torch.cat(at_means.centers, -1), torch.cat(at_means.scales, -1)
