@@ -1,11 +1,15 @@
-"""Execute every tutorial notebook in memory and fail if any cell raises.
+"""Execute every tutorial notebook and fail if any cell raises.
 
 The notebooks read ``CI=true`` from the environment and switch to their small
-smoke-test sizes. Outputs are never written back to the committed files.
+smoke-test sizes. Outputs are never written back to the committed files: the
+executed copies go to ``docs/_build/executed/`` (``--executed-dir``), where the
+documentation build (``docs/conf.py``) picks them up instead of executing the
+notebooks a second time.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -17,9 +21,12 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900
+EXECUTED_DIR = ROOT / "docs" / "_build" / "executed"
 
 
-def run_notebook(path: Path) -> float:
+def run_notebook(path: Path, executed_dir: Path | None = None) -> float:
+    if executed_dir is not None:  # a failed run leaves no stale copy behind
+        (executed_dir / path.name).unlink(missing_ok=True)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -29,15 +36,30 @@ def run_notebook(path: Path) -> float:
     )
     start = time.perf_counter()
     client.execute()
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if executed_dir is not None:
+        executed_dir.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, executed_dir / path.name)
+    return elapsed
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", help="default: tutorials/*.ipynb")
+    parser.add_argument(
+        "--executed-dir",
+        type=Path,
+        default=EXECUTED_DIR,
+        help="where the executed copies go (default: docs/_build/executed)",
+    )
+    args = parser.parse_args(argv)
     os.environ["CI"] = "true"
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    # The kernel's own inline backend keeps the figures as outputs, for the docs; a
+    # non-interactive MPLBACKEND inherited from CI would drop them.
+    os.environ.pop("MPLBACKEND", None)
 
-    if argv:
-        notebooks = [Path(a).resolve() for a in argv]
+    if args.notebooks:
+        notebooks = [Path(a).resolve() for a in args.notebooks]
     else:
         notebooks = sorted((ROOT / "tutorials").glob("*.ipynb"))
     if not notebooks:
@@ -50,7 +72,7 @@ def main(argv: list[str]) -> int:
         print(f"--> executing {name}", flush=True)
         start = time.perf_counter()
         try:
-            elapsed = run_notebook(path)
+            elapsed = run_notebook(path, args.executed_dir)
         except (CellExecutionError, CellTimeoutError) as err:
             elapsed = time.perf_counter() - start
             print(f"FAILED {name} after {elapsed:.1f} s:\n{err}", flush=True)
