@@ -18,7 +18,12 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import constraints
 
-from pyro_mpt.infer.trace_utils import flatten_tail, plate_frames, unwrap_independent
+from pyro_mpt.infer.trace_utils import (
+    distribution_mask,
+    flatten_tail,
+    plate_frames,
+    unwrap_independent,
+)
 
 __all__ = ["LatentSite", "ModelStructure", "ObservedSite", "read_structure"]
 
@@ -112,11 +117,30 @@ def _is_factor(site):
     return site["is_observed"] and isinstance(site["fn"], dist.Unit)
 
 
+def _is_computed(site):
+    """An observed ``Delta`` that a reparameteriser (e.g. ``LocScaleReparam``) leaves in
+    place of a latent: its value is a function of other sites, and it scores nothing."""
+    fn = unwrap_independent(site["fn"])
+    if not (site["is_observed"] and isinstance(fn, dist.Delta)):
+        return False
+    log_density = fn.log_density
+    scored = site["mask"] is not False and not (
+        isinstance(site["fn"], dist.MaskedDistribution) and site["fn"]._mask is False
+    )
+    if scored and torch.is_tensor(log_density) and bool((log_density != 0).any()):
+        raise ValueError(
+            f"Site {site['name']!r} is a Delta with a log-density (a reparameterised latent "
+            f"with a Jacobian); MPTLoss cannot integrate such a latent. Sample the latent "
+            f"from its distribution instead."
+        )
+    return True
+
+
 def _classify(trace):
     """``(observed, latents, factors, missing)`` site names, in execution order."""
     observed, latents, factors = [], [], []
     for name, site in trace.nodes.items():
-        if not _is_sample(site) or _is_deterministic(site):
+        if not _is_sample(site) or _is_deterministic(site) or _is_computed(site):
             continue
         if _is_factor(site):
             factors.append(name)
@@ -204,14 +228,18 @@ def _check_plates_cover_batch(site):
 
 def _entry_mask(site, full_shape, num_feature_dims):
     """The site's mask as booleans ``batch + (D,)``, or ``None`` when every entry counts."""
-    mask = site["mask"]
-    if mask is None or mask is True:
+    mask, fn = site["mask"], site["fn"]
+    inner = distribution_mask(fn)  # from .mask(...) on the distribution
+    if (mask is None or mask is True) and inner is None:
         return None
-    fn = site["fn"]
-    if mask is False:
+    if mask is None or mask is True:
+        mask = torch.ones((), dtype=torch.bool)
+    elif mask is False:
         mask = torch.zeros((), dtype=torch.bool)
     mask = torch.as_tensor(mask, dtype=torch.bool)
     mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape)).expand(full_shape)
+    if inner is not None:
+        mask = mask & inner
     mask = flatten_tail(mask, num_feature_dims)
     return None if bool(mask.all()) else mask
 

@@ -3,10 +3,12 @@
 import contextlib
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.poutine.util import site_is_subsample
 
 __all__ = [
+    "distribution_mask",
     "flatten_tail",
     "latent_sites",
     "param_store_rollback",
@@ -32,10 +34,25 @@ def latent_sites(trace):
 
 
 def unwrap_independent(fn):
-    """Strips ``Independent`` wrappers (``.to_event``) from a distribution."""
-    while isinstance(fn, torch.distributions.Independent):
+    """Strips ``Independent`` (``.to_event``) and ``MaskedDistribution`` (``.mask``) wrappers
+    from a distribution."""
+    while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
         fn = fn.base_dist
     return fn
+
+
+def distribution_mask(fn):
+    """The mask of ``.mask(...)`` wrappers of ``fn`` as booleans of its batch and event
+    shape, or ``None`` when it has none."""
+    full_shape = fn.batch_shape + fn.event_shape
+    mask = None
+    while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
+        if isinstance(fn, dist.MaskedDistribution) and fn._mask is not None:
+            level = torch.as_tensor(fn._mask, dtype=torch.bool).expand(fn.batch_shape)
+            level = level.reshape(level.shape + (1,) * len(fn.event_shape)).expand(full_shape)
+            mask = level if mask is None else mask & level
+        fn = fn.base_dist
+    return mask
 
 
 @contextlib.contextmanager

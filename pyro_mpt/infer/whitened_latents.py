@@ -14,6 +14,7 @@ Points shared by every observation keep the batch dims of size one where the pri
 same for every observation, so a decoder runs ``Q`` times rather than ``Q N`` times.
 """
 
+import math
 from typing import NamedTuple
 
 import pyro
@@ -234,9 +235,11 @@ def check_factors(structure, trace, what):
     prior, which ``what`` cannot integrate."""
     nesting = structure.max_plate_nesting
     for name in structure.factor_names:
-        log_factor = trace.nodes[name]["fn"].log_factor
-        lead = log_factor.shape[: max(0, log_factor.dim() - nesting)]
-        if any(size > 1 for size in lead):
+        log_factor = trace.nodes[name]["fn"].log_factor.detach()
+        num_lead = max(0, log_factor.dim() - nesting)
+        flat = log_factor.reshape((-1,) + log_factor.shape[num_lead:])
+        tol = 10 * math.sqrt(torch.finfo(flat.dtype).eps) * (1 + flat.abs().amax())
+        if bool(((flat - flat[:1]).abs() > tol).any()):
             raise ValueError(
                 f"pyro.factor site {name!r} depends on the local latents: it changes their "
                 f"prior, which {what} cannot integrate. Write the latent's prior as its "
