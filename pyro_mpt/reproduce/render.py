@@ -16,7 +16,7 @@ and is rendered from ``docs/results/*.json`` by :func:`render_block`; text outsi
 is left as it is. Each JSON file is written by one *source*, a command of this repository
 (:data:`SOURCES`): ``pyro-mpt reproduce NAME`` or ``benchmarks/run_all.py``.
 ``docs/results/manifest.json`` records, per source, the command that produced its files, its
-size, its wall time and the machine, and the captions are rendered from it.
+size, its wall time, the machine and the commit, and the captions are rendered from it.
 
 Usage (from a checkout of the repository)::
 
@@ -115,6 +115,26 @@ def _machine():
     )
 
 
+def _commit(root):
+    """The checkout's commit (short hash), with ``-dirty`` when the package or the benchmarks
+    differ from it; ``None`` outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "pyro_mpt", "benchmarks"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
 def _torch_version():
     import torch
 
@@ -190,6 +210,7 @@ def rerun(names=None, root=None, size=None, log=print):
             files=source["files"],
             seconds=round(seconds, 1),
             date=datetime.date.today().isoformat(),
+            commit=_commit(root),
             **_machine(),
         )
         ordered = {key: manifest[key] for key in SOURCES if key in manifest}
@@ -275,7 +296,8 @@ class Context:
             machine += f", {entry['processor']}"
         return (
             f"{self.code(entry['command'])} ({size}; {entry['seconds']:.0f} s on {machine}; "
-            f"torch {entry['torch']}; {entry['date']})"
+            f"torch {entry['torch']}; {entry['date']}"
+            + (f", commit {entry['commit']})" if entry.get("commit") else ")")
         )
 
     def table(self, headers, rows):
@@ -541,9 +563,10 @@ def _bert_rates(ctx):
 
 
 def _spread(values, digits=3):
-    """``a–b`` (or ``a``) with ``digits`` significant digits, smallest first."""
+    """``a–b`` (or ``a``) with ``digits`` significant digits (whole numbers from 100 on),
+    smallest first."""
     low, high = min(values), max(values)
-    text = [f"{v:.{digits}g}" for v in (low, high)]
+    text = [f"{v:.0f}" if v >= 100 else f"{v:.{digits}g}" for v in (low, high)]
     return text[0] if text[0] == text[1] else f"{text[0]}–{text[1]}"
 
 
@@ -577,7 +600,8 @@ def _bench_vae_step(ctx):
         f"{ctx.run_text('benchmarks')}, {ctx.code('bench_vae_step.py')}: one SVI step of "
         f"{ctx.code(UNIFORM_LOSS)} with each conditional strategy as a ratio "
         f"to a one-particle {ctx.code('Trace_ELBO')} step on the same model, float32 / "
-        f"float64, {threads} thread(s), batches of {cfg['subsample_size']} of "
+        f"float64, {'one thread' if threads == 1 else f'{threads} threads'}, batches of "
+        f"{cfg['subsample_size']} of "
         f"N={cfg['num_data']} binarised MNIST images (D={cfg['num_features']}); median of "
         f"{cfg['repeats']} repeats of {cfg['steps']} steps:"
     )
@@ -677,8 +701,8 @@ def _bench_transformers(ctx):
         parts.append(
             f"{ctx.code('bench_mlm_curve.py')}, same run: "
             f"{ctx.code('pyro_mpt.transformers.mpt_curve')} takes {r['mpt_curve_ms']:.0f} ms for "
-            f"{r['masked_sequences']} masked sequences ({cfg['model']}), a plain loop of forward "
-            f"passes over the same batches {r['plain_loop_ms']:.0f} ms: loop/curve = "
+            f"{r['masked_sequences']} masked sequences of a {cfg['model']}, a plain loop of "
+            f"forward passes over the same batches {r['plain_loop_ms']:.0f} ms: loop/curve = "
             f"{r['ratio_loop_over_curve']:.2f} (target ≥ {cfg['target_ratio']:g})."
         )
     if not parts:
