@@ -77,6 +77,8 @@ def test_committed_figures_are_current(source, tmp_path):
         pytest.skip(f"{source} needs {', '.join(missing)}")
     entry = render.read_manifest(ROOT).get(source)
     assert entry is not None, f"docs/results/manifest.json has no entry for {source}"
+    if source != "ppca-table1" and entry["size"] != "smoke":
+        pytest.skip(f"{source} is committed at {entry['size']} size, too slow to rerun here")
     argv, shown = render._command(source, entry["size"], tmp_path)
     assert " ".join(shown) == entry["command"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)

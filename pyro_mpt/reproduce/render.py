@@ -61,7 +61,7 @@ DOCUMENTS = ("README.md", "docs/*.rst")
 #: Source name -> what writes its files. ``kind`` is ``"reproduce"`` (``pyro-mpt reproduce
 #: NAME --threads 1 --no-progress``, plus ``--smoke`` or ``--full`` for those sizes) or
 #: ``"benchmarks"`` (``python benchmarks/run_all.py --threads 1 --json ...``); ``size`` is the
-#: size that ``--rerun`` uses, chosen so that a rerun of everything fits in about 15 minutes
+#: size that ``--rerun`` uses, chosen so that a rerun of everything fits in about 20 minutes
 #: on two CPU cores; ``files`` the JSON files it writes.
 SOURCES = {
     "ppca-table1": dict(kind="reproduce", size="default", files=["ppca-table1.json"]),
