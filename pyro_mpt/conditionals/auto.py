@@ -13,6 +13,7 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import Quadrature
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.model_structure import call_signature
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
@@ -37,24 +38,6 @@ MIN_EFFECTIVE_NODES_PER_DIM = 2.5
 
 def _tried_by_auto(strategy_cls):
     return getattr(strategy_cls, "auto", True)
-
-
-def _signature(model, args, kwargs, max_plate_nesting):
-    """What must not change for a choice to stand: the model and the shapes and dtypes of
-    its tensor arguments (only ``id`` s of other objects are kept)."""
-
-    def describe(value):
-        if torch.is_tensor(value):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("object", id(value))
-
-    return (
-        id(getattr(model, "__func__", model)),
-        id(getattr(model, "__self__", None)),
-        tuple(describe(a) for a in args),
-        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
-        max_plate_nesting,
-    )
 
 
 def _describe_model(model):
@@ -90,7 +73,7 @@ class Auto(Conditionals):
         return self._strategies[name]
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        key = _signature(model, args, kwargs, max_plate_nesting)
+        key = call_signature(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
             state = torch.get_rng_state()
             try:

@@ -5,8 +5,8 @@ import math
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.infer.gaussian_form import extract_gaussian_form
-from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.gaussian_form import extract_gaussian_form, no_latent_form
+from pyro_mpt.infer.model_structure import RememberedStructure, read_structure
 from pyro_mpt.infer.whitened_latents import factor_log_prob
 from pyro_mpt.ops.gaussian import (
     dense_gaussian_conditionals,
@@ -67,8 +67,9 @@ class Exact(Conditionals):
     features only.
 
     The guide is not used: the latents are integrated out exactly. Each call runs the model
-    twice: to read its structure, and at ``K + 6`` points of the latents' whitened space
-    that give the affine map and verify it far from the origin.
+    once at ``K + 6`` points of the latents' whitened space, which give the affine map and
+    verify it far from the origin; the first call with a model (and argument shapes) also
+    traces it once to read its structure.
 
     Example::
 
@@ -79,7 +80,14 @@ class Exact(Conditionals):
 
     name = "exact"
 
+    def __init__(self):
+        self._structure = RememberedStructure()
+
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        structure = read_structure(model, args, kwargs, max_plate_nesting)
-        form = extract_gaussian_form(model, args, kwargs, structure)
-        return GaussianSelfPredictive(form, factor_log_prob(structure))
+        structure = self._structure.get(model, args, kwargs, max_plate_nesting)
+        if not structure.latents:
+            # The model's one run is the structure trace itself.
+            structure = read_structure(model, args, kwargs, max_plate_nesting)
+            return GaussianSelfPredictive(no_latent_form(structure), factor_log_prob(structure))
+        form, extra_log_prob = extract_gaussian_form(model, args, kwargs, structure)
+        return GaussianSelfPredictive(form, extra_log_prob)

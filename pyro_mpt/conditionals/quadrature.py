@@ -6,11 +6,9 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
-from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.model_structure import RememberedStructure
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 from pyro_mpt.infer.whitened_latents import (
-    check_factors,
-    factor_log_prob,
     point_parameter,
     run_at_points,
     whitened_guide,
@@ -163,9 +161,10 @@ class Quadrature(Conditionals):
     ``(G, N, D)`` tensor, in time or memory. Other cases evaluate the likelihood of every
     observation at every node.
 
-    Each call runs the model twice, once to read its structure and once at the nodes, with
-    every latent drawn through its own prior at the nodes of the whitened space
-    (:mod:`pyro_mpt.infer.whitened_latents`), so hierarchical latents are integrated right.
+    Each call runs the model once at the nodes, with every latent drawn through its own
+    prior at the nodes of the whitened space (:mod:`pyro_mpt.infer.whitened_latents`), so
+    hierarchical latents are integrated right; the first call with a model (and argument
+    shapes) also traces it once to read its structure.
 
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
@@ -191,6 +190,7 @@ class Quadrature(Conditionals):
     name = "quadrature"
 
     def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
+        self._structure = RememberedStructure()
         num_points = check_positive_int("num_points", num_points, "e.g. num_points=20.")
         if center not in ("prior", "guide"):
             raise ValueError(
@@ -205,7 +205,7 @@ class Quadrature(Conditionals):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        structure = read_structure(model, args, kwargs, max_plate_nesting)
+        structure = self._structure.get(model, args, kwargs, max_plate_nesting)
         observed = structure.observed
         if not structure.latents:
             raise NotApplicableError(
@@ -237,16 +237,14 @@ class Quadrature(Conditionals):
             center, scale = whitened_guide(model, guide, args, kwargs, structure)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         run = run_at_points(model, args, kwargs, structure, nodes)
-        check_factors(structure, run.trace, "quadrature")
-        prepared = _self_predictive(structure, run.fn, log_weights)
+        prepared = _self_predictive(run, log_weights)
         prepared.latent_dim = latent_dim
         return prepared
 
 
-def _self_predictive(structure, fn, log_weights):
+def _self_predictive(run, log_weights):
     """The :class:`SelfPredictive` of a model run at the nodes."""
-    observed, scale = structure.observed, structure.scale
-    extra = factor_log_prob(structure)
+    observed, scale, fn, extra = run.observed, run.scale, run.fn, run.extra_log_prob
     if log_weights.dim() == 1:
         tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra)
         if tabulated is not None:

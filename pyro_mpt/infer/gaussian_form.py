@@ -26,9 +26,9 @@ import torch
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.model_structure import ObservedSite
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.infer.whitened_latents import check_factors, point_parameter, run_at_points
+from pyro_mpt.infer.whitened_latents import point_parameter, run_at_points
 
-__all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form"]
+__all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
 
 
 class NotGaussianError(NotApplicableError):
@@ -133,7 +133,8 @@ def _no_latent_form(site, observed, scale):
 
 
 def extract_gaussian_form(model, args, kwargs, structure):
-    """The :class:`GaussianForm` of ``model``, whose first trace read ``structure``
+    """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
+    the model at whitened points; ``structure`` was read from an earlier trace
     (:func:`~pyro_mpt.infer.model_structure.read_structure`).
 
     :raises NotGaussianError: if the model is not linear-Gaussian.
@@ -141,13 +142,18 @@ def extract_gaussian_form(model, args, kwargs, structure):
     observed = structure.observed
     obs_site = structure.trace.nodes[observed.name]
     if not structure.latents:
-        return _no_latent_form(obs_site, observed, structure.scale)
+        raise ValueError("extract_gaussian_form needs a model with local latents.")
     _check_normal(obs_site["fn"], observed.name)  # before the run at the points
     first = structure.trace.nodes[structure.latents[0].name]["value"]
     points = _probe_points(structure.latent_dim, first.dtype, first.device)
     run = run_at_points(model, args, kwargs, structure, points)
-    check_factors(structure, run.trace, "exact conditionals")
-    return _form_at_points(structure, run.fn, points)
+    return _form_at_points(structure, run, points), run.extra_log_prob
+
+
+def no_latent_form(structure):
+    """The :class:`GaussianForm` of a model without local latents, from its trace."""
+    observed = structure.observed
+    return _no_latent_form(structure.trace.nodes[observed.name], observed, structure.scale)
 
 
 def _check_normal(fn, name):
@@ -161,10 +167,10 @@ def _check_normal(fn, name):
     return base
 
 
-def _form_at_points(structure, fn, points):
+def _form_at_points(structure, run, points):
     """The latent linear-Gaussian form from the likelihood at the points of
     :func:`_probe_points`, verified at its check points."""
-    observed, latents = structure.observed, list(structure.latent_names)
+    observed, fn, latents = run.observed, run.fn, list(structure.latent_names)
     base = _check_normal(fn, observed.name)
     num_latent = points.shape[-1]
     locs = point_parameter(base.loc, fn, observed).expand(
@@ -198,4 +204,4 @@ def _form_at_points(structure, fn, points):
             f"conditionals='quadrature' or 'importance'."
         )
     noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
-    return GaussianForm(observed, structure.scale, bias, weight, noise_var, None, tuple(latents))
+    return GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))

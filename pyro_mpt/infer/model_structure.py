@@ -25,7 +25,15 @@ from pyro_mpt.infer.trace_utils import (
     unwrap_independent,
 )
 
-__all__ = ["LatentSite", "ModelStructure", "ObservedSite", "read_structure"]
+__all__ = [
+    "LatentSite",
+    "ModelStructure",
+    "ObservedSite",
+    "RememberedStructure",
+    "call_signature",
+    "observed_in_run",
+    "read_structure",
+]
 
 
 class ObservedSite(NamedTuple):
@@ -230,6 +238,8 @@ def _entry_mask(site, full_shape, num_feature_dims):
     """The site's mask as booleans ``batch + (D,)``, or ``None`` when every entry counts."""
     mask, fn = site["mask"], site["fn"]
     inner = distribution_mask(fn)  # from .mask(...) on the distribution
+    if inner is not None and inner.dim() > len(full_shape):
+        inner = inner.reshape((-1,) + tuple(full_shape))[0]  # leading dims of points
     if (mask is None or mask is True) and inner is None:
         return None
     if mask is None or mask is True:
@@ -237,7 +247,8 @@ def _entry_mask(site, full_shape, num_feature_dims):
     elif mask is False:
         mask = torch.zeros((), dtype=torch.bool)
     mask = torch.as_tensor(mask, dtype=torch.bool)
-    mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape)).expand(full_shape)
+    mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape))
+    mask = mask.reshape(mask.shape[max(0, mask.dim() - len(full_shape)) :]).expand(full_shape)
     if inner is not None:
         mask = mask & inner
     mask = flatten_tail(mask, num_feature_dims)
@@ -261,11 +272,12 @@ def _check_dtype(name, value, fn):
         )
 
 
-def _observed_site(site, data_dims):
+def _observed_site(site, full_shape, num_batch):
+    """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
+    shape ``full_shape`` (after any leading dims of points or samples), of which the first
+    ``num_batch`` index observations."""
     name, fn = site["name"], site["fn"]
     _check_dtype(name, site["value"], fn)
-    full_shape = fn.batch_shape + fn.event_shape
-    num_batch = _observation_dims(site, data_dims) if data_dims else len(fn.batch_shape)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
     value = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
     dtype = _parameter_dtype(fn)
@@ -431,7 +443,9 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     for name in [obs_name, *latent_names]:
         _check_plates_cover_batch(trace.nodes[name])
     data_dims = _data_dims(trace, obs_name, latent_names)
-    observed = _observed_site(obs_site, data_dims)
+    fn = obs_site["fn"]
+    num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
+    observed = _observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
     scale = _scale(obs_site, observed.batch_shape)
     latents = []
     for name in latent_names:
@@ -458,3 +472,60 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
         tuple(factors),
         tuple(missing),
     )
+
+
+def observed_in_run(structure, trace):
+    """The observed site and its scale in another run of the model (at points, or against
+    samples), read and checked as :func:`read_structure` reads them: ``(observed, scale)``.
+    """
+    site = trace.nodes.get(structure.observed.name)
+    if site is None:
+        raise ValueError(
+            f"The model did not sample observed site {structure.observed.name!r} on this run; "
+            f"MPTLoss needs the same sites on every run of the model."
+        )
+    first = structure.observed
+    observed = _observed_site(site, first.full_shape, len(first.batch_shape))
+    return observed, _scale(site, observed.batch_shape)
+
+
+def call_signature(model, args, kwargs, max_plate_nesting):
+    """What must not change for a model's structure to stand: the model (a function, or a
+    method and its object) and the shapes and dtypes of its tensor arguments. Only ``id`` s
+    of other objects are kept."""
+
+    def describe(value):
+        if torch.is_tensor(value):
+            return ("tensor", tuple(value.shape), value.dtype, value.device)
+        return ("object", id(value))
+
+    return (
+        id(getattr(model, "__func__", model)),
+        id(getattr(model, "__self__", None)),
+        tuple(describe(a) for a in args),
+        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+        max_plate_nesting,
+    )
+
+
+class RememberedStructure:
+    """The :class:`ModelStructure` of the last model a strategy read, so that later calls
+    with the same model and argument shapes run the model once (at the points) instead of
+    twice. The structure is read without touching the random state, so seeded calls draw
+    the same numbers on the first call and on later ones."""
+
+    def __init__(self):
+        self._signature = None
+        self._structure = None
+
+    def get(self, model, args, kwargs, max_plate_nesting=math.inf):
+        signature = call_signature(model, args, kwargs, max_plate_nesting)
+        if signature != self._signature:
+            devices = []
+            if torch.cuda.is_initialized():
+                devices = list(range(torch.cuda.device_count()))
+            # No graph: the remembered trace must not keep the first call's tensors alive.
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                structure = read_structure(model, args, kwargs, max_plate_nesting)
+            self._signature, self._structure = signature, structure
+        return self._structure

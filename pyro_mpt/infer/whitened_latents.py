@@ -24,6 +24,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.model_structure import observed_in_run
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 
 __all__ = [
@@ -46,10 +47,16 @@ class PointsRun(NamedTuple):
     :ivar fn: the observed site's distribution, with a leading dim of size ``Q`` (or 1
         where it does not depend on the latents).
     :ivar trace: the run's trace.
+    :ivar observed: the run's :class:`~pyro_mpt.infer.model_structure.ObservedSite`.
+    :ivar scale: its log-probability scale per observation.
+    :ivar extra_log_prob: the model's ``pyro.factor`` terms (see :func:`factor_log_prob`).
     """
 
     fn: object
     trace: object
+    observed: object
+    scale: object
+    extra_log_prob: object
 
 
 def points_plate(num_points, max_plate_nesting):
@@ -171,13 +178,10 @@ def _run(model, args, kwargs, structure, points, compact):
             f"The model did not sample latent sites {missing} on its second run. MPTLoss "
             f"needs the same latent sites on every run of the model."
         )
-    name = structure.observed.name
-    if name not in trace.nodes:
-        raise ValueError(
-            f"The model did not sample observed site {name!r} on its second run. MPTLoss "
-            f"needs the same sites on every run of the model."
-        )
-    return PointsRun(trace.nodes[name]["fn"], trace)
+    observed, scale = observed_in_run(structure, trace)
+    fn = trace.nodes[observed.name]["fn"]
+    check_factors(structure, trace, "integrating the latents out")
+    return PointsRun(fn, trace, observed, scale, factor_log_prob(structure, trace))
 
 
 def _unexpanded(tensor, num_dims):
@@ -248,16 +252,22 @@ def check_factors(structure, trace, what):
             )
 
 
-def factor_log_prob(structure):
-    """The sum of the model's ``pyro.factor`` terms, scaled and masked as ``Trace_ELBO``
-    scores them (a scalar; 0 when there is none)."""
+def factor_log_prob(structure, trace=None):
+    """The sum of the model's ``pyro.factor`` terms in ``trace`` (by default the structure's
+    own), scaled and masked as ``Trace_ELBO`` scores them: a scalar, 0 when there is none.
+    In a run with leading dims of points or samples, the terms (which
+    :func:`check_factors` found constant along them) are read at the first."""
+    trace = structure.trace if trace is None else trace
+    nesting = structure.max_plate_nesting
     total = 0.0
     for name in structure.factor_names:
-        site = structure.trace.nodes[name]
+        site = trace.nodes[name]
         log_prob = site["fn"].log_prob(site["value"])
         if site["mask"] is not None and site["mask"] is not True:
             log_prob = log_prob * torch.as_tensor(site["mask"]).to(log_prob.dtype)
-        total = total + (site["scale"] * log_prob).sum()
+        log_prob = site["scale"] * log_prob
+        num_lead = max(0, log_prob.dim() - nesting)
+        total = total + log_prob.reshape((-1,) + log_prob.shape[num_lead:])[0].sum()
     return total
 
 
