@@ -211,7 +211,7 @@ class MPTLoss(ELBO):
 
     def _split_params(self, model, guide, args, kwargs):
         """The unconstrained parameters of the model, and those of the guide only."""
-        with poutine.block(), torch.no_grad():
+        with poutine.block(), torch.no_grad(), _same_random_state():
             guide_trace = poutine.trace(guide, param_only=True).get_trace(*args, **kwargs)
             model_trace = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
         model_params = _unconstrained(model_trace)

@@ -139,7 +139,11 @@ def _train(name, x, x_eval, x_test, cfg, seed, bar):
     elbo = Trace_ELBO()
     mpt = None
     if rate is not None:
-        mpt = MPTLoss(rate=rate, conditionals=EncodeDecode(num_iterations=cfg["iterations"]))
+        mpt = MPTLoss(
+            rate=rate,
+            conditionals=EncodeDecode(num_iterations=cfg["iterations"]),
+            guide_loss="elbo" if elbo_encoder else None,
+        )
     seed_everything(derived_seed(seed, 2))  # the same mini-batches for every method
     objective, lml, seconds = [], [], []
     for _ in range(cfg["epochs"]):
@@ -148,22 +152,9 @@ def _train(name, x, x_eval, x_test, cfg, seed, bar):
             for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"]):
                 batch = x[idx]
                 optimizer.zero_grad()
-                if mpt is None:
-                    loss = elbo.differentiable_loss(vae.model, vae.guide, batch) / len(idx)
-                    loss.backward()
-                else:
-                    loss = mpt.differentiable_loss(vae.model, vae.guide, batch) / len(idx)
-                    if elbo_encoder:
-                        grads = torch.autograd.grad(loss, decoder)
-                        for p, g in zip(decoder, grads):
-                            p.grad = g
-                        guide_loss = elbo.differentiable_loss(vae.model, vae.guide, batch)
-                        guide_loss = guide_loss / len(idx)
-                        grads = torch.autograd.grad(guide_loss, encoder)
-                        for p, g in zip(encoder, grads):
-                            p.grad = g
-                    else:
-                        loss.backward()
+                objective_fn = elbo if mpt is None else mpt
+                loss = objective_fn.differentiable_loss(vae.model, vae.guide, batch) / len(idx)
+                loss.backward()
                 optimizer.step()
                 values.append(-float(loss.detach()))
         seconds.append(clock.seconds)
