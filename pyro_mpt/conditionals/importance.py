@@ -7,10 +7,11 @@ from pyro_mpt.errors import check_positive_int
 from pyro_mpt.infer.guided_model import (
     observed_tensor,
     prepare_guided,
+    proposal_log_density,
     run_guided,
     sites_log_density,
 )
-from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.infer.whitened_latents import check_factors, factor_log_prob
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import (
@@ -40,7 +41,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (num_samples, filled.shape[0])
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
-        log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
+        log_q = proposal_log_density(guide_trace, guided, lead)
         site = model_trace.nodes[self.observed.name]
         ll = log_prob(unwrap_independent(site["fn"]), site["value"])
         return log_p - log_q, observed_tensor(ll, guided, lead)

@@ -12,7 +12,7 @@ import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.model_structure import read_structure
@@ -22,6 +22,7 @@ __all__ = [
     "GuidedModel",
     "describe_guide",
     "observed_tensor",
+    "proposal_log_density",
     "prepare_guided",
     "run_guided",
     "sites_log_density",
@@ -137,13 +138,14 @@ def _check_proposal(guide_trace, local, guide, what):
         )
     for name in names:
         site = guide_trace.nodes[name]
-        if not data_frames <= plate_frames(site):
+        if not data_frames <= plate_frames(site) and not _joint_auto_latent(guide, site):
             raise NotApplicableError(
                 f"{what} weighs each observation's latents by their proposal density, but "
                 f"guide {describe_guide(guide)} samples site {name!r} outside the data plate, "
-                f"jointly for all observations (as AutoDiagonalNormal and "
-                f"AutoLowRankMultivariateNormal do). Use a guide with one distribution per "
-                f"observation: AutoNormal, or an amortized encoder."
+                f"jointly for all observations. Use a guide with one distribution per "
+                f"observation (AutoNormal, an amortized encoder) or a Gaussian AutoContinuous "
+                f"guide (AutoDiagonalNormal, AutoLowRankMultivariateNormal, "
+                f"AutoMultivariateNormal), whose per-observation marginals are used."
             )
 
 
@@ -212,6 +214,63 @@ def sites_log_density(trace, names, guided, lead):
             log_prob = log_prob.sum(tuple(range(-num_inner, 0)))
         total = total + _per_observation(log_prob, lead, local.observed.batch_shape, name)
     return total
+
+
+def _joint_auto_latent(guide, site):
+    """Whether ``site`` is the joint latent of a Gaussian ``AutoContinuous`` guide, whose
+    marginal over each observation's coordinates is Gaussian and known."""
+    return (
+        isinstance(guide, AutoContinuous)
+        and bool(site["infer"].get("is_auxiliary"))
+        and isinstance(
+            unwrap_independent(site["fn"]),
+            (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal),
+        )
+    )
+
+
+def proposal_log_density(guide_trace, guided, lead):
+    """``log q(z_n)`` of each observation's latents under the guide, ``lead + batch``.
+
+    Sites inside the data plate contribute their densities; the joint latent of a Gaussian
+    ``AutoContinuous`` guide (all observations' coordinates in one vector) contributes the
+    marginal density of each observation's block of coordinates.
+    """
+    names = latent_sites(guide_trace)
+    joint = [n for n in names if _joint_auto_latent(guided.guide, guide_trace.nodes[n])]
+    total = sites_log_density(guide_trace, [n for n in names if n not in joint], guided, lead)
+    for name in joint:
+        total = total + _block_marginal_log_density(guide_trace.nodes[name], guided, lead)
+    return total
+
+
+def _observation_coordinates(guided, num_coordinates):
+    """Which coordinates of an ``AutoContinuous`` guide's joint latent belong to each
+    observation: a long tensor ``batch + (K,)``."""
+    guide, batch = guided.guide, guided.local.observed.batch_shape
+    positions = torch.arange(num_coordinates, dtype=torch.float64)
+    blocks = []
+    for _, value in guide._unpack_latent(positions):
+        blocks.append(value.reshape(batch + (-1,)))
+    return torch.cat(blocks, -1).round().long()
+
+
+def _block_marginal_log_density(site, guided, lead):
+    """The marginal log-density of each observation's block of the joint latent."""
+    fn, value = unwrap_independent(site["fn"]), site["value"]
+    num = value.shape[-1]
+    index = _observation_coordinates(guided, num).to(value.device)
+    picked = value[..., index]  # lead + pad + batch + (K,)
+    if isinstance(fn, dist.Normal):
+        loc = fn.loc.reshape(-1, num)[0][index]
+        scale = fn.scale.reshape(-1, num)[0][index]
+        log_prob = dist.Normal(loc, scale).log_prob(picked).sum(-1)
+    else:
+        loc = fn.loc.reshape(-1, num)[0][index]
+        cov = fn.covariance_matrix.reshape(-1, num, num)[0]
+        block = cov[index.unsqueeze(-1), index.unsqueeze(-2)]
+        log_prob = dist.MultivariateNormal(loc, covariance_matrix=block).log_prob(picked)
+    return _per_observation(log_prob, lead, guided.local.observed.batch_shape, site["name"])
 
 
 def observed_tensor(tensor, guided, lead):
