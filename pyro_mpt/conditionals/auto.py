@@ -19,9 +19,8 @@ __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 
 logger = logging.getLogger("pyro_mpt")
 
-#: Strategies by name, in the order ``"auto"`` tries them. ``"auto"`` skips those whose
-#: class sets ``auto = False`` (approximations such as ``"encode-decode"``), which are
-#: selectable by name only.
+#: Strategies by name, for ``conditionals=<name>``. ``"auto"`` tries exact, quadrature and
+#: importance; ``"encode-decode"``, an approximation, is selectable by name only.
 STRATEGIES = {
     "exact": Exact,
     "quadrature": Quadrature,
@@ -36,10 +35,6 @@ STRATEGIES = {
 MIN_EFFECTIVE_NODES_PER_DIM = 2.5
 
 
-def _tried_by_auto(strategy_cls):
-    return getattr(strategy_cls, "auto", True)
-
-
 def _describe_model(model):
     name = getattr(model, "__qualname__", None)
     return name if isinstance(name, str) else type(model).__name__
@@ -47,10 +42,11 @@ def _describe_model(model):
 
 class Auto(Conditionals):
     """Picks the strategy for a model: ``"exact"`` for linear-Gaussian models;
-    ``"quadrature"`` (nodes under the prior) for latents of dimension up to 3 when its nodes
-    resolve the posterior; ``"importance"`` otherwise, when a guide is given; and
-    quadrature, with a warning that it is coarse, when there is no guide.
-    ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
+    ``Quadrature(20)`` (nodes under the prior) for latents of dimension up to 3 when its
+    nodes resolve the posterior; ``"importance"`` otherwise, when a guide is given; without
+    a guide, a quadrature rule with more nodes (within :data:`MAX_NODES` nodes and
+    :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries), with a warning if even that is
+    coarse. ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
 
     The choice and its reason are logged once per model and argument shapes (logger
     ``"pyro_mpt"``, level INFO) and remembered: later calls go straight to the chosen
@@ -80,63 +76,83 @@ class Auto(Conditionals):
                 return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError:
                 torch.set_rng_state(state)  # the model changed: search again
-        reasons = []
-        names = [name for name, cls in STRATEGIES.items() if _tried_by_auto(cls)]
-        coarse = None
-        for name in names:
-            strategy = self._strategy(name)
-            # A strategy that does not apply leaves the random state as it found it: a
-            # seeded call draws the same numbers whether or not it searched.
-            state = torch.get_rng_state()
-            try:
-                prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-            except NotApplicableError as error:
-                torch.set_rng_state(state)
-                reasons.append(f"  {name}: {error}")
-                continue
-            if name == "quadrature":
-                spread = _effective_nodes_per_dim(prepared)
-                if spread < MIN_EFFECTIVE_NODES_PER_DIM:
-                    finer = _finer_rule(strategy, prepared, spread)
-                    if finer is not None:
-                        torch.set_rng_state(state)  # as if the coarse rule was never run
-                        refined = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
-                        spread = _effective_nodes_per_dim(refined)
-                        if spread >= MIN_EFFECTIVE_NODES_PER_DIM:
-                            reason = (
-                                f"{strategy!r} was coarse for this posterior; "
-                                f"{finer.num_points} nodes per dimension resolve it"
-                            )
-                            return self._choose(finer, key, model, reason, refined)
-                        strategy, prepared = finer, refined
-                if spread < MIN_EFFECTIVE_NODES_PER_DIM:
-                    reason = (
-                        f"the posterior of one observation in ten spreads over only "
-                        f"{spread:.1f} of its nodes per latent dimension"
-                    )
-                    coarse = (strategy, prepared, state, reason)
-                    torch.set_rng_state(state)
-                    reasons.append(f"  {name}: coarse: {reason}")
-                    continue
-            return self._choose(strategy, key, model, f"{name} applies", prepared)
-        if coarse is not None:
-            strategy, _, state, reason = coarse
+        return self._search(model, guide, args, kwargs, max_plate_nesting, key)
+
+    def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons):
+        """``strategy.prepare(...)``, or None (with the reason kept) when it does not apply.
+        A strategy that does not apply leaves the random state as it found it: a seeded call
+        draws the same numbers whether or not it searched."""
+        state = torch.get_rng_state()
+        try:
+            return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        except NotApplicableError as error:
             torch.set_rng_state(state)
-            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-            warnings.warn(
-                f"conditionals='auto' uses {strategy!r} for {_describe_model(model)}, but "
-                f"{reason}, so its conditionals are coarse. Give MPTLoss a guide (importance "
-                f"sampling then applies), or pass Quadrature(num_points=...) with more nodes "
-                f"or Quadrature(center='guide').",
-                stacklevel=4,
+            reasons.append(f"  {strategy.name}: {error}")
+            return None
+
+    def _search(self, model, guide, args, kwargs, max_plate_nesting, key):
+        reasons = []
+        call = (model, guide, args, kwargs, max_plate_nesting, reasons)
+        state = torch.get_rng_state()
+        for name in ("exact", "quadrature"):
+            strategy = self._strategy(name)
+            prepared = self._try(strategy, *call)
+            if prepared is None:
+                continue
+            if name == "exact":
+                return self._choose(strategy, key, model, "the model is linear-Gaussian", prepared)
+            spread = _effective_nodes_per_dim(prepared)
+            if spread >= MIN_EFFECTIVE_NODES_PER_DIM:
+                return self._choose(
+                    strategy, key, model, "its nodes resolve the posterior", prepared
+                )
+            coarse = (
+                f"{strategy!r} is coarse here: the posterior of one observation in ten spreads "
+                f"over {spread:.1f} of its nodes per latent dimension"
             )
-            return self._choose(strategy, key, model, "coarse, and nothing else applies", prepared)
-        raise NotApplicableError(
-            "conditionals='auto' found no strategy for this model. Available strategies: "
-            + ", ".join(repr(name) for name in names)
-            + ". Why each does not apply:\n"
-            + "\n".join(reasons)
+            reasons.append(f"  quadrature: {coarse}")
+            torch.set_rng_state(state)  # as if the coarse rule was never run
+            importance = self._strategy("importance")
+            prepared = self._try(importance, *call)
+            if prepared is not None:
+                return self._choose(
+                    importance, key, model, f"{coarse}, and a guide is given", prepared
+                )
+            break
+        else:
+            importance = self._strategy("importance")
+            prepared = self._try(importance, *call)
+            if prepared is not None:
+                return self._choose(importance, key, model, "a guide is given", prepared)
+            raise NotApplicableError(
+                "conditionals='auto' found no strategy for this model. Why each does not "
+                "apply:\n" + "\n".join(reasons)
+            )
+        return self._finer_quadrature(strategy, spread, coarse, key, *call[:5])
+
+    def _finer_quadrature(self, strategy, spread, coarse, key, model, guide, args, kwargs, mpn):
+        """A rule with more nodes for a posterior the default rule is coarse for, within a
+        node and memory budget; warns when even that is coarse."""
+        state = torch.get_rng_state()
+        prepared = strategy.prepare(model, guide, args, kwargs, mpn)
+        finer = _finer_rule(strategy, prepared, spread)
+        if finer is not None:
+            torch.set_rng_state(state)
+            prepared = finer.prepare(model, guide, args, kwargs, mpn)
+            spread = _effective_nodes_per_dim(prepared)
+            strategy = finer
+            if spread >= MIN_EFFECTIVE_NODES_PER_DIM:
+                reason = f"{coarse}; {finer.num_points} nodes per dimension resolve it"
+                return self._choose(finer, key, model, reason, prepared)
+        warnings.warn(
+            f"conditionals='auto' uses {strategy!r} for {_describe_model(model)}, but the "
+            f"posterior of one observation in ten spreads over only {spread:.1f} of its nodes "
+            f"per latent dimension, so its conditionals are coarse. Give MPTLoss a guide "
+            f"(importance sampling then applies), or pass Quadrature(center='guide') with a "
+            f"trained guide.",
+            stacklevel=5,
         )
+        return self._choose(strategy, key, model, "coarse, and nothing else applies", prepared)
 
     def _choose(self, strategy, key, model, reason, prepared):
         if self.chosen is not strategy or self._chosen_for != key:

@@ -163,8 +163,6 @@ class EncodeDecode(Conditionals):
     """
 
     name = "encode-decode"
-    #: Selectable by name only: ``conditionals="auto"`` never picks an approximation.
-    auto = False
 
     def __init__(self, num_iterations=5, num_samples=1, fill="zeros"):
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, numbers.Integral):

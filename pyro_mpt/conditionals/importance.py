@@ -111,8 +111,6 @@ class Importance(Conditionals):
     """
 
     name = "importance"
-    #: ``conditionals="auto"`` tries it (it applies whenever a guide is given).
-    auto = True
 
     def __init__(self, num_samples=64, fill="zeros"):
         self.num_samples = check_positive_int("num_samples", num_samples)

@@ -1,5 +1,6 @@
 """Self-predictive conditionals by numerical integration over a low-dimensional latent."""
 
+import copy
 import math
 
 import torch
@@ -64,6 +65,19 @@ class _QuadratureSelfPredictive(SelfPredictive):
     def _entry_weights(self, dtype):
         entries = self.observed.entries
         return None if entries is None else entries.to(dtype)
+
+    def node_log_posterior(self, context):
+        """``log pi_g(x_R)``, the posterior probability of each node given the context
+        features of each observation, ``(G,) + batch``: ``pi_g`` is proportional to
+        ``w_g prod_{k in R} p(x_k | z_g)``.
+
+        :param torch.Tensor context: booleans ``batch + (D,)``, ``True`` at the features of
+            ``R`` (observed entries only: see :meth:`SelfPredictive.context`).
+        """
+        restricted = copy.copy(self)
+        restricted.observed = self.observed._replace(entries=context.to(torch.bool))
+        log_joint = restricted.node_log_joint()
+        return log_joint - torch.logsumexp(log_joint, 0)
 
 
 class QuadratureSelfPredictive(_QuadratureSelfPredictive):
@@ -239,6 +253,7 @@ class Quadrature(Conditionals):
         run = run_at_points(model, args, kwargs, structure, nodes)
         prepared = _self_predictive(run, log_weights)
         prepared.latent_dim = latent_dim
+        prepared.nodes = nodes  # whitened points (G, K), or (G,) + batch + (K,) at the guide
         return prepared
 
 
