@@ -10,6 +10,7 @@ Usage::
 """
 
 import argparse
+import logging
 import pathlib
 import re
 import sys
@@ -84,6 +85,7 @@ def main(argv=None):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     pyro.enable_validation(True)
+    logging.getLogger("pyro").setLevel(logging.WARNING)  # Pyro's max_plate_nesting guesses
     print(
         "| model | expected | auto chose | max abs log_marginal error per obs, or error | status |"
     )
