@@ -2,8 +2,18 @@
 log-marginal likelihood."""
 
 from pyro_mpt.diagnostics import MPTCurve, log_marginal, mpt_curve, plot_mpt_curve
+from pyro_mpt.generation import gibbs, impute
 from pyro_mpt.loss import MPTLoss
 
 __version__ = "0.1.0"
 
-__all__ = ["MPTCurve", "MPTLoss", "__version__", "log_marginal", "mpt_curve", "plot_mpt_curve"]
+__all__ = [
+    "MPTCurve",
+    "MPTLoss",
+    "__version__",
+    "gibbs",
+    "impute",
+    "log_marginal",
+    "mpt_curve",
+    "plot_mpt_curve",
+]

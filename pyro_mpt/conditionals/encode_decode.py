@@ -25,12 +25,13 @@ __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
 class EncodeDecodeSelfPredictive(SelfPredictive):
     """Conditionals of one batch by recursive encoding and decoding."""
 
-    def __init__(self, guided, num_iterations, num_samples, fill):
+    def __init__(self, guided, num_iterations, num_samples, fill, refill="mean"):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_iterations = num_iterations
         self.num_samples = num_samples
         self.fill = fill
+        self.refill = refill
 
     def _decode(self, filled):
         """The observed site's base distribution and value at ``z ~ q(z | filled)``."""
@@ -44,8 +45,10 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         hidden = ~self.context(masks)  # masked or missing
         filled = fill_masked(x, hidden, self.fill)  # (P,) + batch + (D,)
         for _ in range(self.num_iterations):
-            mean = observed_tensor(self._decode(filled)[0].mean, self.guided, lead)
-            filled = select_masked(hidden, mean, x)  # (S, P) + batch + (D,): one chain per sample
+            fn = self._decode(filled)[0]
+            refill = fn.mean if self.refill == "mean" else fn.sample()
+            refill = observed_tensor(refill, self.guided, lead)
+            filled = select_masked(hidden, refill, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled)
         return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
 
@@ -117,8 +120,9 @@ class EncodeDecode(Conditionals):
 
     For every mask: fill the masked features (zeros or feature means), then ``T`` times
     encode the data with the guide, ``z ~ q(z | x_fill)``, decode, and refill the masked
-    features with the decoder's mean ``E[x_j | z]`` (Bernoulli ``probs``, Normal ``loc``);
-    each of the ``S`` samples runs its own chain. Finally encode once more and score the
+    features with the decoder's mean ``E[x_j | z]`` (Bernoulli ``probs``, Normal ``loc``;
+    ``refill="mean"``) or with a draw of ``p(x_j | z)`` (``refill="sample"``); each of the
+    ``S`` samples runs its own chain. Finally encode once more and score the
     masked features under the decoder at these codes,
 
     .. math::
@@ -138,6 +142,14 @@ class EncodeDecode(Conditionals):
     covariance ``sigma^2 (M - H)^{-1}``, so the predictive variance is too small. Use
     ``conditionals="importance"`` for a consistent estimate.
 
+    **Refilling with the mean or a draw.** ``refill="mean"`` (the default) is a deterministic
+    fixed-point iteration: the chain's fill settles near ``E[x_S | x_R]`` and its codes are
+    too confident, as above. ``refill="sample"`` makes each iteration a step of the Markov
+    chain of Rezende et al. (2014, appendix F): encode, decode, *draw* the masked features.
+    Its fills wander as draws of ``p(x_S | x_R)`` would (exactly so when the guide is the
+    exact posterior), so the final codes keep the spread of ``p(z | x_R)``, at the price of
+    more Monte Carlo noise per mask; :func:`~pyro_mpt.impute` always runs this chain.
+
     **Data conventions.** The strategy relies on the guide being an amortized encoder:
 
     * the model and the guide take the data tensor as their first positional argument (the
@@ -155,6 +167,8 @@ class EncodeDecode(Conditionals):
     :param int num_iterations: ``T``, refills of the masked features (0 or more).
     :param int num_samples: ``S``, chains per mask and observation.
     :param str fill: the initial value of masked features: ``"zeros"`` or ``"mean"``.
+    :param str refill: what replaces the masked features at each iteration: ``"mean"``, the
+        decoder's mean, or ``"sample"``, a draw from the decoder.
 
     Example::
 
@@ -164,7 +178,7 @@ class EncodeDecode(Conditionals):
 
     name = "encode-decode"
 
-    def __init__(self, num_iterations=5, num_samples=1, fill="zeros"):
+    def __init__(self, num_iterations=5, num_samples=1, fill="zeros", refill="mean"):
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, numbers.Integral):
             raise TypeError(f"num_iterations must be an integer, got {num_iterations!r}.")
         if num_iterations < 0:
@@ -172,11 +186,18 @@ class EncodeDecode(Conditionals):
         self.num_iterations = int(num_iterations)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.fill = check_fill(fill)
+        if refill not in ("mean", "sample"):
+            raise ValueError(
+                f"refill must be 'mean' or 'sample', got {refill!r}: 'mean' refills the masked "
+                f"features with the decoder's mean, 'sample' with a draw from the decoder."
+            )
+        self.refill = refill
 
     def __repr__(self):
+        refill = "" if self.refill == "mean" else f", refill={self.refill!r}"
         return (
             f"EncodeDecode(num_iterations={self.num_iterations}, "
-            f"num_samples={self.num_samples}, fill={self.fill!r})"
+            f"num_samples={self.num_samples}, fill={self.fill!r}{refill})"
         )
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
@@ -193,4 +214,6 @@ class EncodeDecode(Conditionals):
                 f"has none; use conditionals='importance'."
             )
         _check_amortized(guided)
-        return EncodeDecodeSelfPredictive(guided, self.num_iterations, self.num_samples, self.fill)
+        return EncodeDecodeSelfPredictive(
+            guided, self.num_iterations, self.num_samples, self.fill, self.refill
+        )

@@ -1,0 +1,114 @@
+"""Block Gibbs chains on the self-predictive conditionals."""
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.generation._arguments import check_count
+from pyro_mpt.generation.draws import draw_hidden
+from pyro_mpt.infer.model_structure import RememberedStructure
+from pyro_mpt.ops.masks import masks_of_sizes
+
+__all__ = ["gibbs"]
+
+
+def gibbs(
+    model,
+    *args,
+    block_size,
+    num_steps,
+    joint=True,
+    conditionals="auto",
+    guide=None,
+    progress=True,
+    max_plate_nesting=math.inf,
+    **kwargs,
+):
+    """Runs a block Gibbs chain from each observation of the data.
+
+    Each step picks, for every observation, a uniformly random block ``S`` of
+    ``block_size`` features and draws them again given the others ``R``:
+
+    * ``joint=True``: :math:`x_S \\sim p(x_S \\mid x_R)` jointly, an exact block-Gibbs step
+      that leaves :math:`p(x)` invariant (with ``block_size = D`` each step is an
+      independent draw of the model);
+    * ``joint=False``: each :math:`x_j \\sim p(x_j \\mid x_R)`, :math:`j \\in S`,
+      independently, what one parallel pass of a masked language model does. Its
+      stationary distribution is not :math:`p(x)` when the features of a block depend on
+      one another: with ``block_size = D`` it draws every feature from its marginal, with
+      no dependence left.
+
+    The draws are those of :func:`~pyro_mpt.impute`; each step prepares the conditionals
+    once (one model run for ``"exact"``, two for ``"quadrature"``).
+
+    :param callable model: the Pyro model. Its first positional argument must be the data
+        tensor observed at its likelihood site: each step calls it with the chain's state.
+    :param args: the model's arguments, the data first.
+    :param int block_size: ``k``, features drawn per step, ``1 <= k <= D``.
+    :param int num_steps: steps of the chain (0 or more).
+    :param bool joint: joint block draws (True) or a product of per-feature draws.
+    :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`.
+    :param callable guide: the guide, for ``"importance"`` and ``"encode-decode"``.
+    :param bool progress: show a progress bar over steps.
+    :param kwargs: the model's keyword arguments.
+    :returns: the chain, ``(num_steps + 1,) + x.shape``; its first entry is the data.
+
+    Example::
+
+        >>> from pyro_mpt import gibbs
+        >>> from pyro_mpt.models import PPCA
+        >>> ppca = PPCA(num_features=6, latent_dim=1)
+        >>> x = ppca.sample(4)
+        >>> gibbs(ppca.model, x, block_size=2, num_steps=10, progress=False).shape
+        torch.Size([11, 4, 6])
+    """
+    data = args[0] if args else None
+    if not torch.is_tensor(data):
+        got = "no positional argument" if not args else f"{type(data).__name__} {data!r}"
+        raise TypeError(
+            f"gibbs calls the model with the chain's state as its first positional argument, "
+            f"which must be the data tensor observed at its likelihood site; got {got}. "
+            f"Write the model as model(x, ...) and call gibbs(model, x, ...)."
+        )
+    num_steps = check_count("num_steps", num_steps, 0, hint="Pass num_steps=0 or more.")
+    if not isinstance(joint, bool):
+        raise TypeError(f"joint must be True or False, got {joint!r}.")
+    strategy = as_conditionals(conditionals)
+    rest = tuple(args[1:])
+    # Prepared with gradients on: some strategies check their guide by differentiating it.
+    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    observed = prepared.observed
+    _check_state(data, observed)
+    num_features = observed.num_features
+    block_size = check_count(
+        "block_size",
+        block_size,
+        1,
+        num_features,
+        f"It counts the features drawn per step, of the D={num_features} of one observation.",
+    )
+    sizes = torch.full(observed.batch_shape, block_size, device=data.device)
+    remembered = RememberedStructure()
+    chain = [data]
+    for step in tqdm(range(num_steps), desc="Gibbs", disable=not progress, leave=False):
+        step_args = (chain[-1],) + rest
+        if step > 0:
+            prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
+        blocks = masks_of_sizes(sizes, num_features)
+        call = (model, step_args, kwargs, max_plate_nesting, remembered)
+        with torch.no_grad():
+            draws = draw_hidden(prepared, call, blocks, 1, joint=joint)[0]
+        chain.append(draws.reshape(data.shape).to(data.dtype))
+    return torch.stack(chain)
+
+
+def _check_state(data, observed):
+    if tuple(data.shape) != tuple(observed.full_shape):
+        raise ValueError(
+            f"gibbs calls the model with the chain's state as its first positional argument, "
+            f"but that argument has shape {tuple(data.shape)} and the observed site "
+            f"{observed.name!r} has shape {tuple(observed.full_shape)}. Pass the observed data "
+            f"tensor first."
+        )

@@ -1,0 +1,83 @@
+"""Imputation: joint draws of missing entries from the self-predictive conditionals."""
+
+import math
+
+import torch
+
+from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.errors import check_positive_int
+from pyro_mpt.generation._arguments import check_missing, flat_missing
+from pyro_mpt.generation.draws import draw_hidden
+from pyro_mpt.infer.model_structure import RememberedStructure
+
+__all__ = ["impute"]
+
+
+def impute(
+    model,
+    *args,
+    missing,
+    num_samples=1,
+    conditionals="auto",
+    guide=None,
+    max_plate_nesting=math.inf,
+    **kwargs,
+):
+    """Draws the missing entries of each observation jointly from
+    :math:`p(x_S \\mid x_R)`, with ``S`` the entries where ``missing`` is True and ``R`` the
+    others, the local latents integrated out as each strategy integrates them:
+
+    .. math::
+
+        x_S \\sim p(x_S \\mid x_R) = \\int p(x_S \\mid z)\\, p(z \\mid x_R)\\, dz.
+
+    * ``"exact"`` (linear-Gaussian models): ``z ~ p(z | x_R)`` in closed form, then
+      ``x_S ~ p(x_S | z)``; exact, ``O(D K^2 + K^3)`` per observation.
+    * ``"quadrature"``: node ``g`` with probability proportional to ``w_g p(x_R | z_g)``,
+      then ``x_S`` from the model's own likelihood at that node; exact for the rule.
+    * ``"importance"``: sampling-importance-resampling of the guide's proposals on the
+      filled data; consistent as the strategy's ``num_samples`` grows.
+    * ``"encode-decode"``: the chain of Rezende et al. (2014, appendix F) that encodes the
+      current fill, decodes and *draws* the missing entries again, ``num_iterations`` times;
+      an approximation.
+
+    :param callable model: the Pyro model; its observed site holds the data ``x``.
+    :param args: the model's arguments.
+    :param torch.Tensor missing: booleans of the shape of ``x`` (or broadcasting to it),
+        True at the entries to draw. Their values in ``x`` are ignored but must be valid for
+        the likelihood (e.g. 0, not NaN).
+    :param int num_samples: draws per observation.
+    :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`,
+        as in :class:`~pyro_mpt.MPTLoss`.
+    :param callable guide: the guide, for ``"importance"`` and ``"encode-decode"``.
+    :param kwargs: the model's keyword arguments.
+    :returns: a tensor ``(num_samples,) + x.shape``: ``x`` with its missing entries drawn.
+    :raises TypeError: if ``missing`` is not a boolean tensor.
+    :raises ValueError: if it does not broadcast to ``x`` or has no True entry.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_mpt import impute
+        >>> from pyro_mpt.models import PPCA
+        >>> ppca = PPCA(num_features=5, latent_dim=2)
+        >>> x = ppca.sample(10)
+        >>> missing = torch.zeros(10, 5, dtype=torch.bool)
+        >>> missing[:, :2] = True
+        >>> impute(ppca.model, x, missing=missing, num_samples=100).shape
+        torch.Size([100, 10, 5])
+
+    .. note:: Entries that the model itself marks missing (``obs_mask``, ``.mask``) are
+        never context; they are drawn only where ``missing`` is True too.
+    """
+    num_samples = check_positive_int("num_samples", num_samples, "e.g. num_samples=100.")
+    check_missing(missing)
+    strategy = as_conditionals(conditionals)
+    # Prepared with gradients on: some strategies check their guide by differentiating it.
+    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    observed = prepared.observed
+    hidden = flat_missing(missing.to(observed.value.device), observed)
+    call = (model, args, kwargs, max_plate_nesting, RememberedStructure())
+    with torch.no_grad():
+        draws = draw_hidden(prepared, call, hidden, num_samples, joint=True)
+    return draws.reshape((num_samples,) + tuple(observed.full_shape))

@@ -1,0 +1,141 @@
+"""Draws from the conditionals ``p(x_S | x_R)`` of latent-variable models.
+
+Three families, each with a *joint* draw of all the hidden features of an observation and a
+*product* draw of each hidden feature from its own conditional ``p(x_j | x_R)``:
+
+* **latent linear-Gaussian** ``u ~ N(0, I_K)``, ``x = W u + b + eps``,
+  ``eps ~ N(0, diag(psi))``: a joint draw takes ``u ~ p(u | x_R)``, Gaussian with precision
+  ``I + W_R^T Psi_R^{-1} W_R``, then ``x_S ~ p(x_S | u)``; ``O(D K^2 + K^3)`` per observation
+  and never a ``D x D`` matrix.
+* **dense multivariate normal** ``N(mu, Sigma)``: a joint draw moves an unconditional draw
+  ``y`` by the kriging correction ``Sigma_{SR} Sigma_{RR}^{-1} (x_R - y_R)`` (exact for
+  Gaussians), one ``D x D`` Cholesky per observation.
+* **finite mixtures** (quadrature nodes, importance samples): a component ``g`` with
+  probability ``pi_g``, then ``x_S ~ p(x_S | z_g)``; a product draw takes an independent
+  component per feature.
+
+Context weights ``c`` (True at features in ``R``) have shape ``batch + (D,)``; draws have a
+leading dim of size ``num_samples``. Every function returns draws of *all* features;
+callers keep the observed values where ``c`` is True (see
+:func:`~pyro_mpt.ops.masks.select_masked`).
+
+This module is pure tensor code: no Pyro effects.
+"""
+
+import torch
+
+from pyro_mpt.ops.gaussian import dense_gaussian_conditionals, latent_gaussian_conditionals
+
+__all__ = [
+    "dense_gaussian_block_sample",
+    "dense_gaussian_marginal_sample",
+    "gaussian_marginal_sample",
+    "latent_gaussian_block_sample",
+    "latent_gaussian_marginal_sample",
+    "latent_gaussian_posterior",
+    "mixture_component_sample",
+]
+
+
+def latent_gaussian_posterior(x, weight, bias, noise_var, context):
+    """The posterior ``p(u | x_R)`` of a standard normal latent given the context features.
+
+    .. math::
+
+        \\Lambda = I + W^\\top \\mathrm{diag}(c / \\psi) W, \\qquad
+        \\mu_u = \\Lambda^{-1} W^\\top \\mathrm{diag}(c / \\psi)(x - b).
+
+    :param torch.Tensor x: observations, ``batch + (D,)``.
+    :param torch.Tensor weight: ``W``, ``batch + (D, K)`` (broadcastable).
+    :param torch.Tensor bias: ``b``, ``batch + (D,)`` (broadcastable).
+    :param torch.Tensor noise_var: ``psi > 0``, ``batch + (D,)`` (broadcastable).
+    :param torch.Tensor context: booleans or 0/1 weights, ``batch + (D,)``.
+    :returns: ``(mean, precision_tril)``: the posterior mean ``batch + (K,)`` and the lower
+        Cholesky factor ``L`` of ``Lambda = L L^T``, ``batch + (K, K)``.
+    """
+    context = context.to(x.dtype)
+    precision_weights = context / noise_var
+    latent_dim = weight.shape[-1]
+    eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
+    weighted = weight * precision_weights.unsqueeze(-1)  # batch + (D, K)
+    precision = eye + weighted.transpose(-1, -2) @ weight
+    precision_tril = torch.linalg.cholesky(precision)
+    rhs = weighted.transpose(-1, -2) @ (x - bias).unsqueeze(-1)  # batch + (K, 1)
+    mean = torch.cholesky_solve(rhs, precision_tril).squeeze(-1)
+    return mean, precision_tril
+
+
+def latent_gaussian_block_sample(x, weight, bias, noise_var, context, num_samples):
+    """Joint draws of every feature from ``p(x | x_R)`` of a latent linear-Gaussian model.
+
+    ``u = mu_u + L^{-T} e`` with ``e ~ N(0, I)`` is a draw of ``p(u | x_R)``
+    (:func:`latent_gaussian_posterior`), and ``x = W u + b + sqrt(psi) eta`` a draw of
+    ``p(x | u)``; the features outside ``R`` of these draws are distributed as
+    ``p(x_S | x_R)``, jointly.
+
+    :param int num_samples: draws per observation.
+    :returns: a tensor ``(num_samples,) + batch + (D,)``.
+    """
+    mean, tril = latent_gaussian_posterior(x, weight, bias, noise_var, context)
+    shape = (num_samples,) + mean.shape
+    noise = torch.randn(shape + (1,), dtype=x.dtype, device=x.device)
+    offset = torch.linalg.solve_triangular(tril.transpose(-1, -2), noise, upper=True)
+    u = mean + offset.squeeze(-1)  # (S,) + batch + (K,)
+    loc = (weight @ u.unsqueeze(-1)).squeeze(-1) + bias
+    return loc + noise_var.sqrt() * torch.randn_like(loc)
+
+
+def dense_gaussian_block_sample(x, loc, covariance, context, num_samples):
+    """Joint draws of every feature from ``p(x | x_R)`` of ``N(loc, covariance)``.
+
+    A draw ``y ~ N(loc, Sigma)`` corrected by ``Sigma_{.R} Sigma_{RR}^{-1} (x_R - y_R)`` is a
+    draw of the conditional (the correction is solved with the context block padded by the
+    identity, so that every observation has its own context in one batched solve).
+
+    :returns: a tensor ``(num_samples,) + batch + (D,)``.
+    """
+    weights = context.to(x.dtype)
+    batch = torch.broadcast_shapes(x.shape, loc.shape, weights.shape, covariance.shape[:-1])
+    y = torch.distributions.MultivariateNormal(loc, covariance_matrix=covariance).sample(
+        (num_samples,)
+    )
+    y = y.expand((num_samples,) + batch)
+    outer = weights.unsqueeze(-1) * weights.unsqueeze(-2)
+    padded = covariance * outer + torch.diag_embed(1 - weights)  # Sigma_RR, identity elsewhere
+    residual = (weights * (x - y)).unsqueeze(-1)
+    solved = torch.linalg.solve(padded.expand(y.shape + y.shape[-1:]), residual)
+    correction = ((covariance * weights.unsqueeze(-2)) @ solved).squeeze(-1)
+    return y + correction
+
+
+def gaussian_marginal_sample(mean, var, num_samples):
+    """Independent draws ``x_j ~ N(mean_j, var_j)``, ``(num_samples,) + mean.shape``: the
+    product of the conditionals ``p(x_j | x_R)``."""
+    shape = (num_samples,) + torch.broadcast_shapes(mean.shape, var.shape)
+    return mean + var.sqrt() * torch.randn(shape, dtype=mean.dtype, device=mean.device)
+
+
+def latent_gaussian_marginal_sample(x, weight, bias, noise_var, context, num_samples):
+    """Draws of each feature from its own conditional ``p(x_j | x_R)`` of a latent
+    linear-Gaussian model, independently: ``(num_samples,) + batch + (D,)``."""
+    mean, var = latent_gaussian_conditionals(x, weight, bias, noise_var, context)
+    return gaussian_marginal_sample(mean, var, num_samples)
+
+
+def dense_gaussian_marginal_sample(x, loc, covariance, context, num_samples):
+    """Draws of each feature from its own conditional ``p(x_j | x_R)`` of
+    ``N(loc, covariance)``, independently: ``(num_samples,) + batch + (D,)``."""
+    mean, var = dense_gaussian_conditionals(x, loc, covariance, context)
+    return gaussian_marginal_sample(mean, var, num_samples)
+
+
+def mixture_component_sample(log_probs, sample_shape=()):
+    """Indices of mixture components drawn with probabilities ``softmax(log_probs)`` over
+    the leading dim.
+
+    :param torch.Tensor log_probs: unnormalised log-probabilities ``(G,) + batch``.
+    :param tuple sample_shape: independent draws per batch entry.
+    :returns: a long tensor ``sample_shape + batch``.
+    """
+    logits = log_probs.movedim(0, -1)
+    return torch.distributions.Categorical(logits=logits).sample(torch.Size(sample_shape))
