@@ -19,7 +19,7 @@ def _ar1(rho, num_chains, num_draws, seed):
 
 
 # ESS / (C N) -> (1 - rho) / (1 + rho) for an AR(1) chain. The estimator's spread, measured
-# over 30 seeds at 4 chains of 2000 draws, is 3.4% (rho = 0), 4.6% (0.5) and 10% (0.8) of the
+# over 30 seeds at 4 chains of 2000 draws, is 3.4% (rho = 0), 4.6% (0.5) and 8% (0.8) of the
 # limit; at 4 x 4000 draws it is sqrt(2) smaller. The tolerances are 4 of those spreads.
 @pytest.mark.parametrize("rho, rel_tol", [(0.0, 0.10), (0.5, 0.13), (0.8, 0.30)])
 @pytest.mark.parametrize("method", ["bulk", "mean"])

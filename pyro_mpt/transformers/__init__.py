@@ -35,3 +35,25 @@ from pyro_mpt.transformers.mae_curve import mae_curve  # noqa: E402
 from pyro_mpt.transformers.mae_training import mae_loss, train_mae  # noqa: E402
 
 __all__ += ["mae_curve", "mae_loss", "train_mae"]
+
+from pyro_mpt.transformers.generation import (  # noqa: E402
+    MLMSamples,
+    mask_predict_schedule,
+    sample_mlm,
+)
+from pyro_mpt.transformers.generation_diagnostics import (  # noqa: E402
+    GenerationDiagnostics,
+    generation_diagnostics,
+    pseudo_log_likelihood,
+    stutter_rate,
+    token_frequency_distance,
+)
+
+__all__ += ["MLMSamples", "mask_predict_schedule", "sample_mlm"]
+__all__ += [
+    "GenerationDiagnostics",
+    "generation_diagnostics",
+    "pseudo_log_likelihood",
+    "stutter_rate",
+    "token_frequency_distance",
+]

@@ -1,0 +1,357 @@
+"""Sampling from the conditionals of a masked language model, and diagnostics of the samples.
+
+Three samplers share one state, a batch of token ids in which some positions are free:
+
+* ``"sequential"``: a ``k``-block Gibbs step masks ``k`` random free positions and unmasks
+  them one at a time, each drawn from the model's conditional given everything unmasked so
+  far: an exact draw from the model's block conditional, in ``k`` forward passes.
+* ``"parallel"``: the same block, one forward pass, each position drawn from its own
+  conditional given the rest. Not a draw from the block conditional: with the whole
+  sequence masked it draws every position independently of the others.
+* ``"mask-predict"`` (Ghazvininejad et al., 2019): predict every masked position, then
+  re-mask the least confident ones, a linearly decaying number, for ``T`` passes.
+"""
+
+import math
+import numbers
+import time
+from typing import NamedTuple
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.errors import check_positive_int
+
+__all__ = ["MLMSamples", "mask_predict_schedule", "sample_mlm"]
+
+METHODS = ("sequential", "parallel", "mask-predict")
+MASK_PREDICT_STEPS = 10
+
+
+class MLMSamples(NamedTuple):
+    """Sequences drawn by :func:`sample_mlm`.
+
+    :ivar torch.Tensor sequences: long ``(B, L)`` token ids, special tokens where the start
+        had them.
+    :ivar torch.Tensor attention_mask: ``(B, L)``, 0 at padding.
+    :ivar int num_passes: forward passes of the model (each over the whole batch, or over
+        the sequences that still had positions to fill).
+    :ivar float seconds: wall-clock time of the sampling.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    num_passes: int
+    seconds: float
+
+    @property
+    def seconds_per_sequence(self):
+        return self.seconds / self.sequences.shape[0]
+
+
+def _check_model(model):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
+    if not any(cls.__name__ in names for cls in type(model).__mro__):
+        raise TypeError(
+            f"model must be a masked language model (a transformers *ForMaskedLM, e.g. "
+            f"BertForMaskedLM), got {type(model).__name__}; load one with "
+            "AutoModelForMaskedLM.from_pretrained."
+        )
+
+
+def _check_mask_token(tokenizer):
+    if getattr(tokenizer, "mask_token_id", None) is None:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no mask token (mask_token_id is None); "
+            "sampling needs a masked language model's tokenizer, e.g. BERT's."
+        )
+    return tokenizer.mask_token_id
+
+
+def _special_ids(tokenizer, device):
+    return torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long, device=device)
+
+
+def _content(sequences, tokenizer, attention_mask=None):
+    """Positions holding ordinary tokens: not special (mask included), not padding."""
+    content = ~torch.isin(sequences, _special_ids(tokenizer, sequences.device))
+    if attention_mask is not None:
+        content &= attention_mask.bool()
+    return content
+
+
+def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
+    """``(ids, attention_mask)`` on ``device`` from the accepted forms of the start."""
+    mask_id = tokenizer.mask_token_id
+    if (input_ids is None) == (length is None):
+        raise ValueError(
+            "give exactly one of input_ids (start sequences) and length (fully masked "
+            f"sequences), got input_ids={'None' if input_ids is None else '...'} and "
+            f"length={length!r}."
+        )
+    if length is not None:
+        length = check_positive_int("length", length)
+        num_sequences = check_positive_int("num_sequences", num_sequences)
+        # The tokenizer adds its own special tokens ([CLS] ... [SEP], <s> ... </s>).
+        row = tokenizer(" ".join([tokenizer.mask_token] * length))["input_ids"]
+        if sum(t == mask_id for t in row) != length:
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} did not read {length} space-separated "
+                "mask tokens as as many tokens; pass input_ids with the mask tokens instead."
+            )
+        ids = torch.tensor([row] * num_sequences, dtype=torch.long)
+        return ids.to(device), torch.ones_like(ids).to(device)
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")
+        ids = input_ids.long().reshape(-1, input_ids.shape[-1])
+        if attention_mask is None:
+            attention_mask = torch.ones_like(ids)
+        attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
+    else:
+        padded = tokenizer.pad(
+            {"input_ids": [list(map(int, r)) for r in input_ids]}, return_tensors="pt"
+        )
+        ids, attention_mask = padded["input_ids"], padded["attention_mask"]
+    return ids.clone().to(device), attention_mask.long().to(device)
+
+
+class _Conditionals:
+    """Forward passes of the model and draws from its conditionals with the sampling
+    settings; counts the passes and advances the progress bar."""
+
+    def __init__(self, model, banned, temperature, top_k, generator, bar):
+        self.model, self.banned = model, banned
+        self.temperature, self.top_k = temperature, top_k
+        self.generator, self.bar = generator, bar
+        self.passes = 0
+
+    def draw(self, ids, attention, rows, cols):
+        """One forward pass over the sequences in ``rows``; draws a token at each
+        ``(rows[i], cols[i])``. Returns the tokens and their probabilities."""
+        seqs = rows.unique()
+        logits = self.model(input_ids=ids[seqs], attention_mask=attention[seqs]).logits
+        logits = logits[torch.searchsorted(seqs, rows), cols].double() / self.temperature
+        logits[:, self.banned] = -math.inf  # special tokens are never sampled
+        if self.top_k is not None:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = logits.softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        self.passes += 1
+        self.bar.update()
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _rand(shape, generator, device):
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def _unmask_in_order(cond, ids, attention, order, counts):
+    """Unmasks ``order[b, :counts[b]]`` of each sequence one position per pass."""
+    for j in range(order.shape[1]):
+        rows = (counts > j).nonzero().squeeze(-1)
+        cols = order[rows, j]
+        ids[rows, cols], _ = cond.draw(ids, attention, rows, cols)
+
+
+def _unmask_together(cond, ids, attention, masked):
+    """Unmasks every masked position in one pass."""
+    rows, cols = masked.nonzero(as_tuple=True)
+    if rows.numel():
+        ids[rows, cols], _ = cond.draw(ids, attention, rows, cols)
+
+
+def _fill(cond, ids, attention, masked, sequential):
+    """Fills the start's masked positions: one at a time in a random order, or together."""
+    if not sequential:
+        return _unmask_together(cond, ids, attention, masked)
+    counts = masked.sum(1)
+    keys = _rand(ids.shape, cond.generator, ids.device).masked_fill(~masked, 2.0)
+    order = keys.argsort(dim=1)[:, : int(counts.max())]
+    _unmask_in_order(cond, ids, attention, order, counts)
+
+
+def _gibbs_step(cond, ids, attention, free, block_size, mask_id, sequential):
+    """Masks ``block_size`` random free positions per sequence and resamples them."""
+    keys = _rand(ids.shape, cond.generator, ids.device).masked_fill(~free, -1.0)
+    block = keys.topk(block_size, dim=1).indices  # (B, k), in a uniformly random order
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(block)
+    ids[rows, block] = mask_id
+    if sequential:
+        counts = torch.full((ids.shape[0],), block_size, device=ids.device)
+        _unmask_in_order(cond, ids, attention, block, counts)
+    else:
+        masked = torch.zeros_like(free).scatter(1, block, True)
+        _unmask_together(cond, ids, attention, masked)
+
+
+def mask_predict_schedule(num_masked, num_steps):
+    """Masked positions predicted at each of the ``T`` mask-predict iterations:
+    ``n_t = floor(N (T - t) / T)`` for ``t = 0, ..., T - 1``, all ``N`` first, decaying
+    linearly towards 0 (Ghazvininejad et al., 2019, eq. 1)."""
+    return [num_masked * (num_steps - t) // num_steps for t in range(num_steps)]
+
+
+def _mask_predict(cond, ids, attention, masked, num_steps, mask_id):
+    num_masked = masked.sum(1)
+    confidence = torch.full(ids.shape, math.inf, dtype=torch.float64, device=ids.device)
+    for t in range(num_steps):
+        if t > 0:  # re-mask the n_t least confident of the start's masked positions
+            count = num_masked * (num_steps - t) // num_steps
+            order = confidence.masked_fill(~masked, math.inf).argsort(dim=1)
+            first = torch.arange(ids.shape[1], device=ids.device) < count[:, None]
+            remask = torch.zeros_like(masked).scatter(1, order, first)
+            ids[remask] = mask_id
+        rows, cols = (masked & (ids == mask_id)).nonzero(as_tuple=True)
+        if rows.numel():
+            ids[rows, cols], confidence[rows, cols] = cond.draw(ids, attention, rows, cols)
+
+
+def _check_settings(method, temperature, top_k, num_allowed, num_steps):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not temperature > 0
+    ):
+        raise ValueError(
+            f"temperature must be a positive number, got {temperature!r}; use 1.0 to sample "
+            "from the model's conditionals, below 1 to sharpen them."
+        )
+    if top_k is not None:
+        top_k = check_positive_int("top_k", top_k)
+        if top_k > num_allowed:
+            raise ValueError(
+                f"top_k must be at most {num_allowed} (the vocabulary without special "
+                f"tokens), got {top_k}; use None to keep every token."
+            )
+    if num_steps is None:
+        return MASK_PREDICT_STEPS if method == "mask-predict" else 0
+    if method == "mask-predict":
+        return check_positive_int("num_steps", num_steps, "Mask-predict needs T >= 1 passes.")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) or num_steps < 0:
+        raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}.")
+    return int(num_steps)
+
+
+@torch.no_grad()
+def sample_mlm(
+    model,
+    tokenizer,
+    input_ids=None,
+    *,
+    length=None,
+    num_sequences=1,
+    attention_mask=None,
+    method="sequential",
+    num_steps=None,
+    block_size=1,
+    keep_unmasked=False,
+    temperature=1.0,
+    top_k=None,
+    generator=None,
+    progress=False,
+):
+    """Draws sequences from the conditionals of a masked language model.
+
+    The start's mask tokens are filled first, one per pass in a random order
+    (``"sequential"``: an exact draw from the model's joint, chained by its conditionals),
+    or all in one pass (``"parallel"``). Then ``num_steps`` block Gibbs steps each resample
+    a uniformly random block of ``k = block_size`` free positions:
+
+    .. math::
+
+        x_S \\sim \\prod_{j=1}^{k} p(x_{s_j} \\mid x_{s_1}, \\dots, x_{s_{j-1}},
+            x_{\\setminus S}) \\quad \\text{(sequential, } k \\text{ passes)}, \\qquad
+        x_S \\sim \\prod_{s \\in S} p(x_s \\mid x_{\\setminus S}) \\quad
+            \\text{(parallel, one pass)}.
+
+    ``"mask-predict"`` instead runs ``T = num_steps`` passes (default 10) over the start's
+    masked positions: each predicts every masked position, then the
+    :func:`mask_predict_schedule` count of least confident ones (lowest probability of
+    their drawn token) is masked again.
+
+    :param model: a ``*ForMaskedLM`` (e.g. :class:`transformers.BertForMaskedLM`); run in
+        ``eval()`` mode, restored afterwards.
+    :param tokenizer: its tokenizer (mask token, special tokens, padding).
+    :param input_ids: start sequences: long ``(B, L)`` or ``(L,)``, or lists of token ids
+        (padded by the tokenizer); mask tokens mark the positions to fill.
+    :param int length: instead of ``input_ids``, start from ``num_sequences`` fully masked
+        sequences of ``length`` tokens between the tokenizer's special tokens.
+    :param attention_mask: with a tensor ``input_ids``, 0 at padding (default: all 1).
+    :param str method: ``"sequential"``, ``"parallel"`` or ``"mask-predict"``.
+    :param int num_steps: Gibbs steps after the fill (default 0), or mask-predict's ``T``.
+    :param int block_size: ``k``, positions per Gibbs step, at most the free positions of
+        the shortest sequence.
+    :param bool keep_unmasked: Gibbs steps resample only the start's masked positions,
+        conditioned on the rest (imputation); mask-predict always does.
+    :param float temperature: the logits are divided by it; must be positive.
+    :param int top_k: draw only among the ``top_k`` most probable tokens.
+    :param torch.Generator generator: source of randomness, on the model's device.
+    :param bool progress: show a progress bar over forward passes.
+    :returns: :class:`MLMSamples`.
+
+    .. note:: Special tokens (``[CLS]``, ``[SEP]``, padding, ``[MASK]``, ``[UNK]``) are
+        never drawn and the start's special tokens never change.
+
+    Example::
+
+        >>> from pyro_mpt.transformers.antiberty import load_antiberty
+        >>> model, tokenizer = load_antiberty()  # doctest: +SKIP
+        >>> out = sample_mlm(model, tokenizer, length=20, num_sequences=2)  # doctest: +SKIP
+        >>> out.sequences.shape, out.num_passes  # doctest: +SKIP
+        (torch.Size([2, 22]), 20)
+    """
+    _check_model(model)
+    mask_id = _check_mask_token(tokenizer)
+    device = next(model.parameters()).device
+    banned = _special_ids(tokenizer, device)
+    num_steps = _check_settings(method, temperature, top_k, len(tokenizer) - len(banned), num_steps)
+    block_size = check_positive_int("block_size", block_size)
+    ids, attention = _start(tokenizer, input_ids, attention_mask, length, num_sequences, device)
+    masked = (ids == mask_id) & attention.bool()
+    free = (
+        masked
+        if keep_unmasked or method == "mask-predict"
+        else masked | _content(ids, tokenizer, attention)
+    )
+    sequential = method == "sequential"
+    if method == "mask-predict" and not masked.any():
+        raise ValueError(
+            "mask-predict fills masked positions, and the start has none; put the tokenizer's "
+            "mask token where tokens are to be drawn, or pass length= for fully masked starts."
+        )
+    if method != "mask-predict" and num_steps > 0:
+        fewest = int(free.sum(1).min())
+        if block_size > fewest:
+            raise ValueError(
+                f"block_size must be between 1 and {fewest} (the free positions of the "
+                f"shortest start sequence), got {block_size}; use a smaller block."
+            )
+    if method == "mask-predict":
+        total = num_steps
+    elif sequential:
+        total = int(masked.sum(1).max()) + num_steps * block_size
+    else:
+        total = int(masked.any()) + num_steps
+    training = model.training
+    model.eval()
+    start = time.perf_counter()
+    with tqdm(total=total, desc=f"sample_mlm ({method})", disable=not progress) as bar:
+        cond = _Conditionals(model, banned, float(temperature), top_k, generator, bar)
+        try:
+            if method == "mask-predict":
+                _mask_predict(cond, ids, attention, masked, num_steps, mask_id)
+            else:
+                _fill(cond, ids, attention, masked, sequential)
+                for _ in range(num_steps):
+                    _gibbs_step(cond, ids, attention, free, block_size, mask_id, sequential)
+        finally:
+            model.train(training)
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+    return MLMSamples(ids, attention, cond.passes, time.perf_counter() - start)
