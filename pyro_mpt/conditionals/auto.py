@@ -125,8 +125,9 @@ class Auto(Conditionals):
             if prepared is not None:
                 return self._choose(importance, key, model, "a guide is given", prepared)
             raise NotApplicableError(
-                "conditionals='auto' found no strategy for this model. Why each does not "
-                "apply:\n" + "\n".join(reasons)
+                "conditionals='auto' found no strategy for this model. Available strategies: "
+                "'exact', 'quadrature', 'importance'. Why each does not apply:\n"
+                + "\n".join(reasons)
             )
         return self._finer_quadrature(strategy, spread, coarse, key, *call[:5])
 
