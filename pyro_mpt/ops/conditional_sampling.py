@@ -22,11 +22,14 @@ callers keep the observed values where ``c`` is True (see
 This module is pure tensor code: no Pyro effects.
 """
 
+import itertools
+
 import torch
 
 from pyro_mpt.ops.gaussian import dense_gaussian_conditionals, latent_gaussian_conditionals
 
 __all__ = [
+    "block_gibbs_covariance",
     "dense_gaussian_block_sample",
     "dense_gaussian_marginal_sample",
     "gaussian_marginal_sample",
@@ -139,3 +142,45 @@ def mixture_component_sample(log_probs, sample_shape=()):
     """
     logits = log_probs.movedim(0, -1)
     return torch.distributions.Categorical(logits=logits).sample(torch.Size(sample_shape))
+
+
+def block_gibbs_covariance(covariance, block_size, joint=True):
+    """The stationary covariance of block Gibbs on ``N(mu, Sigma)`` with a uniformly random
+    block of ``block_size`` features per step, in closed form.
+
+    A step with block ``S`` and context ``R`` maps ``x - mu`` to ``A_S (x - mu) + e_S`` with
+    ``A_S`` the regression ``Sigma_{SR} Sigma_{RR}^{-1}`` on the block's rows (identity
+    rows elsewhere) and ``e_S`` Gaussian with the conditional covariance of the block:
+    the Schur complement (``joint=True``) or only its diagonal (``joint=False``, each
+    feature from its own conditional). The stationary ``C`` solves
+    ``C = E_S[A_S C A_S^T + Cov(e_S)]``, a ``D^2 x D^2`` linear system; ``joint=True`` gives
+    ``Sigma`` back.
+
+    :param torch.Tensor covariance: ``Sigma``, ``(D, D)``; every block of ``D`` choose
+        ``block_size`` is enumerated, so keep ``D`` small (a dozen).
+    :returns: ``C``, ``(D, D)``.
+    """
+    num_features = covariance.shape[-1]
+    eye = torch.eye(num_features, dtype=covariance.dtype, device=covariance.device)
+    blocks = list(itertools.combinations(range(num_features), block_size))
+    transition = covariance.new_zeros(num_features**2, num_features**2)
+    noise = torch.zeros_like(covariance)
+    for block in blocks:
+        s = list(block)
+        r = [j for j in range(num_features) if j not in block]
+        gain = eye.clone()
+        gain[s] = 0.0
+        schur = covariance[s][:, s]
+        if r:
+            regression = covariance[s][:, r] @ torch.linalg.inv(covariance[r][:, r])
+            gain[torch.tensor(s)[:, None], torch.tensor(r)] = regression
+            schur = schur - regression @ covariance[r][:, s]
+        if not joint:
+            schur = torch.diag(schur.diagonal())
+        noise[torch.tensor(s)[:, None], torch.tensor(s)] += schur
+        transition += torch.kron(gain, gain)
+    transition /= len(blocks)
+    noise /= len(blocks)
+    identity = torch.eye(num_features**2, dtype=covariance.dtype, device=covariance.device)
+    stationary = torch.linalg.solve(identity - transition, noise.reshape(-1))
+    return stationary.reshape(num_features, num_features)

@@ -1,0 +1,249 @@
+"""impute: draws of missing entries against closed forms and brute-force integrals."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_mpt import impute
+from pyro_mpt.conditionals import EncodeDecode, Importance, Quadrature
+from pyro_mpt.models import PPCA, LinearVAE
+
+NUM_SE = 4.5
+
+
+def _gaussian_conditional(cov, loc, x, missing):
+    """Mean and covariance of ``x_S | x_R`` under ``N(loc, cov)`` by the dense Schur
+    complement."""
+    s, r = missing.nonzero().squeeze(-1), (~missing).nonzero().squeeze(-1)
+    gain = cov[s][:, r] @ torch.linalg.inv(cov[r][:, r])
+    mean = loc[s] + gain @ (x[r] - loc[r])
+    return mean, cov[s][:, s] - gain @ cov[r][:, s]
+
+
+def _check_gaussian_draws(draws, mean, cov):
+    """Sample mean and covariance of ``draws`` (n, d) within NUM_SE standard errors."""
+    n = draws.shape[0]
+    var = cov.diagonal()
+    assert ((draws.mean(0) - mean).abs() <= NUM_SE * (var / n).sqrt()).all()
+    cov_se = ((var[:, None] * var[None, :] + cov**2) / n).sqrt()
+    assert ((torch.cov(draws.T) - cov).abs() <= NUM_SE * cov_se).all()
+
+
+def _ppca():
+    ppca = PPCA(6, 2, init_scale=1.0, noise_scale=0.4)
+    ppca.loc = torch.linspace(-1.0, 1.0, 6)
+    return ppca
+
+
+def test_exact_matches_gaussian_conditional():
+    ppca = _ppca()
+    x = ppca.sample(3)
+    missing = torch.tensor(
+        [[1, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 1], [1, 1, 1, 1, 1, 0]], dtype=torch.bool
+    )
+    draws = impute(ppca.model, x, missing=missing, num_samples=20000, conditionals="exact")
+    assert draws.shape == (20000, 3, 6)
+    assert torch.equal(draws[:, ~missing], x[~missing].expand(20000, -1))
+    cov, loc = ppca.covariance().detach(), ppca.loc.detach()
+    for i in range(3):
+        mean, block = _gaussian_conditional(cov, loc, x[i], missing[i])
+        _check_gaussian_draws(draws[:, i][:, missing[i]], mean, block)
+
+
+def test_exact_dense_multivariate_normal():
+    cov = torch.tensor([[2.0, 1.2, 0.5, 0.1], [1.2, 1.5, 0.3, 0.2], [0.5, 0.3, 1.0, 0.6],
+                        [0.1, 0.2, 0.6, 0.8]])  # fmt: skip
+    loc = torch.tensor([0.5, -1.0, 0.0, 2.0])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.MultivariateNormal(loc, cov), obs=x)
+
+    x = torch.tensor([[1.0, 0.0, -1.0, 2.5], [0.0, 0.5, 1.0, 1.0]])
+    missing = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    draws = impute(model, x, missing=missing, num_samples=20000, conditionals="exact")
+    for i in range(2):
+        mean, block = _gaussian_conditional(cov, loc, x[i], missing[i])
+        _check_gaussian_draws(draws[:, i][:, missing[i]], mean, block)
+
+
+def test_missing_broadcasts_over_observations():
+    ppca = _ppca()
+    x = ppca.sample(4)
+    missing = torch.tensor([True, False, False, False, False, True])
+    draws = impute(ppca.model, x, missing=missing, num_samples=2)
+    assert draws.shape == (2, 4, 6)
+    assert torch.equal(draws[:, :, 1:5], x[:, 1:5].expand(2, 4, 4))
+    assert not torch.equal(draws[0, :, 0], draws[1, :, 0])
+
+
+# A 1-D latent with strong loadings: the features depend on one another.
+LOADING = torch.tensor([2.5, 2.0, -1.5, 1.0, 3.0])
+BIAS = torch.tensor([0.0, 0.5, -0.5, 0.3, -1.0])
+
+
+def bernoulli_model(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        logits = z.unsqueeze(-1) * LOADING + BIAS
+        pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+
+def poisson_model(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        rate = (0.5 * z.unsqueeze(-1) * LOADING + 0.2 * BIAS).exp()
+        pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+
+def _grid_joint(likelihood, x, missing, values):
+    """``p(x_a = u, x_b = v | x_R)`` for the two missing features ``a < b`` by a fine
+    trapezoid grid over the latent."""
+    z = torch.linspace(-9.0, 9.0, 8001)
+    log_prior = dist.Normal(0.0, 1.0).log_prob(z)
+    fn = likelihood(z.unsqueeze(-1))
+    log_context = (fn.log_prob(x) * (~missing)).sum(-1)
+    a, b = missing.nonzero().squeeze(-1).tolist()
+    post = (log_prior + log_context).softmax(0)
+    table = torch.empty(len(values), len(values))
+    for i, u in enumerate(values):
+        for j, v in enumerate(values):
+            table[i, j] = (post * fn.log_prob(torch.tensor(u)).exp()[:, a]
+                           * fn.log_prob(torch.tensor(v)).exp()[:, b]).sum()  # fmt: skip
+    return table
+
+
+@pytest.mark.parametrize(
+    "model, likelihood, x, values",
+    [
+        (
+            bernoulli_model,
+            lambda z: dist.Bernoulli(logits=z * LOADING + BIAS),
+            torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0, 0.0]]),
+            [0.0, 1.0],
+        ),
+        (
+            poisson_model,
+            lambda z: dist.Poisson((0.5 * z * LOADING + 0.2 * BIAS).exp()),
+            torch.tensor([[2.0, 0.0, 1.0, 1.0, 3.0], [0.0, 1.0, 0.0, 2.0, 0.0]]),
+            [0.0, 1.0, 2.0],
+        ),
+    ],
+    ids=["bernoulli", "poisson"],
+)
+def test_quadrature_joint_of_two_features_matches_grid(model, likelihood, x, values):
+    missing = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
+    n = 30000
+    draws = impute(model, x, missing=missing, num_samples=n, conditionals=Quadrature(60))
+    for i in range(2):
+        table = _grid_joint(likelihood, x[i], missing[i], values)
+        a, b = missing[i].nonzero().squeeze(-1).tolist()
+        pair = draws[:, i, [a, b]]
+        for p, u in enumerate(values):
+            for q, v in enumerate(values):
+                freq = ((pair[:, 0] == u) & (pair[:, 1] == v)).double().mean()
+                se = math.sqrt(table[p, q] * (1 - table[p, q]) / n) + 1e-4
+                assert abs(freq - table[p, q]) <= NUM_SE * se, (i, u, v, freq, table[p, q])
+        # The two features are drawn jointly: their joint is not the product of marginals,
+        # by far more than the Monte Carlo error (a product sampler fails here).
+        if len(values) == 2:
+            both = (pair == 1).all(-1).double().mean()
+            product = (pair[:, 0] == 1).double().mean() * (pair[:, 1] == 1).double().mean()
+            assert abs(both - product) > 3 * NUM_SE * math.sqrt(0.25 / n)
+
+
+def test_quadrature_at_the_guide_matches_prior_rule():
+    vae = LinearVAE(5, 1)
+    x = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0, 1.0]])
+    missing = torch.tensor([1, 1, 0, 0, 0], dtype=torch.bool)
+    n = 20000
+    prior = impute(vae.model, x, missing=missing, num_samples=n, conditionals=Quadrature(40))
+    guided = impute(
+        vae.model,
+        x,
+        missing=missing,
+        num_samples=n,
+        conditionals=Quadrature(40, center="guide"),
+        guide=vae.guide,
+    )
+    p, q = prior[:, :, :2].mean(0), guided[:, :, :2].mean(0)
+    assert ((p - q).abs() <= NUM_SE * (2 * 0.25 / n) ** 0.5).all()
+
+
+def test_importance_resampling_converges_to_exact():
+    ppca = _ppca()
+    x = ppca.sample(2)
+    missing = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    n = 4000
+    draws = impute(
+        ppca.model,
+        x,
+        missing=missing,
+        num_samples=n,
+        conditionals=Importance(num_samples=4000),
+        guide=ppca.guide,  # zero encoder weights: q(z | x) is the prior, a broad proposal
+    )
+    assert torch.equal(draws[:, ~missing], x[~missing].expand(n, -1))
+    cov, loc = ppca.covariance().detach(), ppca.loc.detach()
+    for i in range(2):
+        mean, block = _gaussian_conditional(cov, loc, x[i], missing[i])
+        se = (block.diagonal() / n).sqrt()
+        # Resampling 4000 proposals adds a little bias and duplicates: a looser bound.
+        assert ((draws[:, i][:, missing[i]].mean(0) - mean).abs() <= 2 * NUM_SE * se).all()
+
+
+def test_encode_decode_chain_draws_missing_entries():
+    vae = LinearVAE(5, 2)
+    x = torch.bernoulli(torch.full((3, 5), 0.5))
+    missing = torch.tensor([1, 0, 1, 0, 0], dtype=torch.bool)
+    draws = impute(
+        vae.model,
+        x,
+        missing=missing,
+        num_samples=50,
+        conditionals=EncodeDecode(num_iterations=3),
+        guide=vae.guide,
+    )
+    assert draws.shape == (50, 3, 5)
+    assert torch.equal(draws[:, :, ~missing], x[:, ~missing].expand(50, 3, 3))
+    assert set(draws[:, :, missing].unique().tolist()) == {0.0, 1.0}  # drawn, not means
+
+
+def test_encode_decode_refill_option():
+    assert repr(EncodeDecode(refill="sample")).endswith("refill='sample')")
+    with pytest.raises(ValueError, match="refill must be 'mean' or 'sample', got 'mode'"):
+        EncodeDecode(refill="mode")
+
+
+def test_encode_decode_sampled_refill_scores_masks():
+    vae = LinearVAE(5, 2)
+    x = torch.bernoulli(torch.full((3, 5), 0.5))
+    masks = torch.zeros(2, 3, 5, dtype=torch.bool)
+    masks[:, :, :2] = True
+    for refill in ("mean", "sample"):
+        prepared = EncodeDecode(num_iterations=2, refill=refill).prepare(
+            vae.model, vae.guide, (x,), {}
+        )
+        assert torch.isfinite(prepared.log_prob(masks)).all()
+
+
+def test_errors_name_argument_value_and_fix():
+    ppca = _ppca()
+    x = ppca.sample(3)
+    good = torch.zeros(3, 6, dtype=torch.bool)
+    good[0, 0] = True
+    with pytest.raises(TypeError, match=r"missing must be a boolean tensor.*torch\.float64"):
+        impute(ppca.model, x, missing=good.double())
+    with pytest.raises(TypeError, match="missing must be a boolean tensor.*list"):
+        impute(ppca.model, x, missing=[[True]])
+    with pytest.raises(ValueError, match=r"missing has no True entry \(shape \(3, 6\)\)"):
+        impute(ppca.model, x, missing=torch.zeros(3, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"shape \(3, 5\).*shape \(3, 6\) of the observed site"):
+        impute(ppca.model, x, missing=torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="num_samples must be at least 1, got 0"):
+        impute(ppca.model, x, missing=good, num_samples=0)
+    with pytest.raises(ValueError, match="conditionals='nope' is not a known strategy"):
+        impute(ppca.model, x, missing=good, conditionals="nope")
