@@ -1,0 +1,179 @@
+"""Cost of one step of ``pyro_mpt.transformers.sample_mlm`` against one plain forward pass.
+
+The model is a ``BertForMaskedLM`` built from a config (hidden size 256, 4 layers, 4 heads,
+vocabulary 1000; random weights, nothing downloaded) on a batch of 16 sequences of 64
+tokens. One Gibbs step resamples a random block of ``k`` positions per sequence:
+``"parallel"`` in one forward pass (target: at most 1.2 times a plain
+``model(input_ids, attention_mask)`` under ``torch.no_grad``), ``"sequential"`` in ``k``
+passes, counted by a forward hook (target: exactly ``k``, and at most 1.2 times ``k`` plain
+passes). All are timed in interleaved blocks in one run.
+
+Usage::
+
+    python benchmarks/bench_mlm_generation.py [--device cuda] [--repeats 5] [--json out.json]
+"""
+
+import argparse
+import os
+import tempfile
+
+import torch
+from _common import (
+    add_common_args,
+    configure,
+    environment,
+    format_table,
+    median_ms,
+    time_calls,
+    write_json,
+)
+
+__all__ = ["main", "print_report", "run"]
+
+TARGET_RATIO = 1.2
+NUM_SEQUENCES = 16
+LENGTH = 64
+VOCAB = 1000
+BLOCK_SIZES = (1, 4, 16)
+
+
+def _tokenizer(folder):
+    """A BERT tokenizer over a made-up vocabulary of ``VOCAB`` tokens, built offline."""
+    from transformers import BertTokenizer
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = [f"w{i}" for i in range(VOCAB - len(special))]
+    path = os.path.join(folder, "vocab.txt")
+    with open(path, "w") as handle:
+        handle.write("\n".join(special + words) + "\n")
+    return BertTokenizer.from_pretrained(folder, do_lower_case=False)
+
+
+def _model(device, seed):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=128,
+    )
+    return BertForMaskedLM(config).to(device).eval()
+
+
+def run(device="cpu", steps=3, repeats=5, seed=0):
+    """Times a forward pass and one step of each sampler; returns ``{"config",
+    "environment", "results"}``."""
+    from pyro_mpt.transformers import sample_mlm
+
+    device = torch.device(device)
+    model = _model(device, seed)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = _tokenizer(folder)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (NUM_SEQUENCES, LENGTH), generator=gen, device=device)
+    ids[:, 0], ids[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    attention = torch.ones_like(ids)
+
+    @torch.no_grad()
+    def forward():
+        model(input_ids=ids, attention_mask=attention)
+
+    def step(method, k):
+        return lambda: sample_mlm(
+            model,
+            tokenizer,
+            ids,
+            attention_mask=attention,
+            method=method,
+            num_steps=1,
+            block_size=k,
+            generator=gen,
+        )
+
+    calls = {"forward": forward}
+    for k in BLOCK_SIZES:
+        calls[f"parallel k={k}"] = step("parallel", k)
+        calls[f"sequential k={k}"] = step("sequential", k)
+    passes, seen = {}, []
+    handle = model.register_forward_pre_hook(lambda *args: seen.append(1))
+    try:
+        for name, fn in calls.items():  # count the forward passes of one call
+            seen.clear()
+            fn()
+            passes[name] = len(seen)
+    finally:
+        handle.remove()
+    times = time_calls(calls, device, steps, repeats, warmup=1)
+    forward_ms = median_ms(times["forward"])
+    results = []
+    for name in calls:
+        method, _, k = name.partition(" k=")
+        k = int(k) if k else 1
+        ms = median_ms(times[name])
+        expected = 1 if method in ("forward", "parallel") else k
+        results.append(
+            {
+                "call": name,
+                "method": method,
+                "block_size": k,
+                "passes": passes[name],
+                "expected_passes": expected,
+                "ms": ms,
+                "ms_repeats": times[name],
+                "ratio_to_forward": ms / forward_ms,
+                "ratio_per_pass": ms / (forward_ms * expected),
+            }
+        )
+    config = {
+        "model": f"BertForMaskedLM hidden 256, 4 layers, vocab {VOCAB} (random weights)",
+        "num_sequences": NUM_SEQUENCES,
+        "length": LENGTH,
+        "block_sizes": list(BLOCK_SIZES),
+        "steps": steps,
+        "repeats": repeats,
+        "target_ratio": TARGET_RATIO,
+    }
+    return {"config": config, "environment": environment(device), "results": results}
+
+
+def print_report(report):
+    """Prints the timing table."""
+    cfg, env = report["config"], report["environment"]
+    print(
+        f"sample_mlm, one Gibbs step vs one forward pass: {cfg['model']}, "
+        f"{cfg['num_sequences']} sequences of {cfg['length']} tokens "
+        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
+    )
+    rows = [
+        (
+            r["call"],
+            f"{r['passes']} (expected {r['expected_passes']})",
+            f"{r['ms']:.1f}",
+            f"{r['ratio_to_forward']:.2f}",
+            f"{r['ratio_per_pass']:.2f}",
+            f"<= {cfg['target_ratio']}",
+        )
+        for r in report["results"]
+    ]
+    headers = ["call", "forward passes", "ms", "/forward", "/(passes x forward)", "target"]
+    print(format_table(headers, rows))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, steps=3, repeats=5)
+    args = parser.parse_args(argv)
+    device = configure(args.device, args.threads)
+    report = run(device, args.steps, args.repeats)
+    print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
