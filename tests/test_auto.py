@@ -31,13 +31,15 @@ def test_auto_goes_straight_to_its_choice(monkeypatch):
     loss = MPTLoss()
     loss.loss(vae.model, vae.guide, x)
     chosen = loss.conditionals.chosen
-    assert isinstance(chosen, Quadrature) and (exact.calls, quadrature.calls) == (1, 1)
+    # The search prepares the 20-node rule and a 30-node rule that confirms it converged.
+    assert isinstance(chosen, Quadrature) and chosen.num_points == 20
+    assert (exact.calls, quadrature.calls) == (1, 2)
     loss.loss(vae.model, vae.guide, x.flip(0))
     # The same Quadrature object, and no second try of the exact strategy.
-    assert loss.conditionals.chosen is chosen and (exact.calls, quadrature.calls) == (1, 2)
+    assert loss.conditionals.chosen is chosen and (exact.calls, quadrature.calls) == (1, 3)
     # Another batch shape: the search runs again.
     loss.loss(vae.model, vae.guide, x[:7])
-    assert (exact.calls, quadrature.calls) == (2, 3)
+    assert (exact.calls, quadrature.calls) == (2, 5)
 
 
 def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):

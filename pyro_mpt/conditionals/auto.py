@@ -11,7 +11,7 @@ from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
-from pyro_mpt.conditionals.quadrature import Quadrature
+from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.model_structure import call_signature
 
@@ -28,11 +28,13 @@ STRATEGIES = {
     "encode-decode": EncodeDecode,
 }
 
-#: Prior-centred quadrature is taken as accurate when the posterior of nine observations in
-#: ten, given all their features, spreads over at least this many nodes per latent dimension
-#: (Gauss-Hermite rules on Gaussian-like posteriors: 2.5 keeps the log-marginal error near
-#: 1e-3 nats or below, 1.6 leaves it near 0.1).
-MIN_EFFECTIVE_NODES_PER_DIM = 2.5
+#: ``auto`` takes a quadrature rule when a rule with 1.5 times its nodes per dimension
+#: agrees with it on the log-marginal likelihood of nine observations in ten to this many
+#: nats: the full data give the narrowest posterior, the hardest of the rule's integrals.
+CONVERGENCE_TOL = 1e-3
+#: The most quadrature nodes ``auto`` uses, and the most entries of the ``(G, N, D)``
+#: log-likelihood tensor it lets a finer rule make.
+MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
 
 
 def _describe_model(model):
@@ -41,12 +43,13 @@ def _describe_model(model):
 
 
 class Auto(Conditionals):
-    """Picks the strategy for a model: ``"exact"`` for linear-Gaussian models;
-    ``Quadrature(20)`` (nodes under the prior) for latents of dimension up to 3 when its
-    nodes resolve the posterior; ``"importance"`` otherwise, when a guide is given; without
-    a guide, a quadrature rule with more nodes (within :data:`MAX_NODES` nodes and
-    :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries), with a warning if even that is
-    coarse. ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
+    """Picks the strategy for a model: ``"exact"`` for linear-Gaussian models; for latents
+    of dimension up to 3, a prior-centred quadrature rule that has converged (from 20 nodes
+    per dimension, refined by 1.5 times until a finer rule changes ``log p(x)`` by less than
+    :data:`CONVERGENCE_TOL`, within :data:`MAX_NODES` nodes and
+    :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries); ``"importance"`` otherwise, when a
+    guide is given; without one, the finest rule, with a warning that it is coarse.
+    ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
 
     The choice and its reason are logged once per model and argument shapes (logger
     ``"pyro_mpt"``, level INFO) and remembered: later calls go straight to the chosen
@@ -93,67 +96,42 @@ class Auto(Conditionals):
     def _search(self, model, guide, args, kwargs, max_plate_nesting, key):
         reasons = []
         call = (model, guide, args, kwargs, max_plate_nesting, reasons)
-        state = torch.get_rng_state()
-        for name in ("exact", "quadrature"):
-            strategy = self._strategy(name)
-            prepared = self._try(strategy, *call)
-            if prepared is None:
-                continue
-            if name == "exact":
-                return self._choose(strategy, key, model, "the model is linear-Gaussian", prepared)
-            spread = _effective_nodes_per_dim(prepared)
-            if spread >= MIN_EFFECTIVE_NODES_PER_DIM:
-                return self._choose(
-                    strategy, key, model, "its nodes resolve the posterior", prepared
-                )
-            coarse = (
-                f"{strategy!r} is coarse here: the posterior of one observation in ten spreads "
-                f"over {spread:.1f} of its nodes per latent dimension"
+        prepared = self._try(self._strategy("exact"), *call)
+        if prepared is not None:
+            return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
+        rule = self._strategy("quadrature")
+        prepared = self._try(rule, *call)
+        coarse = None
+        if prepared is not None:
+            rule, prepared, gap = _converged_rule(rule, prepared, *call[:5])
+            if gap < CONVERGENCE_TOL:
+                reason = f"converged: 1.5 times its nodes change log p(x) by {gap:.1e} nats"
+                return self._choose(rule, key, model, reason, prepared)
+            coarse = (rule, prepared, gap)
+            reasons.append(
+                f"  quadrature: {rule!r} is coarse here: a finer rule changes log p(x) by "
+                f"{gap:.2g} nats, and finer rules exceed {MAX_NODES} nodes or "
+                f"{MAX_LIKELIHOOD_ENTRIES} likelihood entries"
             )
-            reasons.append(f"  quadrature: {coarse}")
-            torch.set_rng_state(state)  # as if the coarse rule was never run
-            importance = self._strategy("importance")
-            prepared = self._try(importance, *call)
-            if prepared is not None:
-                return self._choose(
-                    importance, key, model, f"{coarse}, and a guide is given", prepared
-                )
-            break
-        else:
-            importance = self._strategy("importance")
-            prepared = self._try(importance, *call)
-            if prepared is not None:
-                return self._choose(importance, key, model, "a guide is given", prepared)
+        importance = self._strategy("importance")
+        prepared = self._try(importance, *call)
+        if prepared is not None:
+            return self._choose(importance, key, model, "a guide is given", prepared)
+        if coarse is None:
             raise NotApplicableError(
                 "conditionals='auto' found no strategy for this model. Available strategies: "
                 "'exact', 'quadrature', 'importance'. Why each does not apply:\n"
                 + "\n".join(reasons)
             )
-        return self._finer_quadrature(strategy, spread, coarse, key, *call[:5])
-
-    def _finer_quadrature(self, strategy, spread, coarse, key, model, guide, args, kwargs, mpn):
-        """A rule with more nodes for a posterior the default rule is coarse for, within a
-        node and memory budget; warns when even that is coarse."""
-        state = torch.get_rng_state()
-        prepared = strategy.prepare(model, guide, args, kwargs, mpn)
-        finer = _finer_rule(strategy, prepared, spread)
-        if finer is not None:
-            torch.set_rng_state(state)
-            prepared = finer.prepare(model, guide, args, kwargs, mpn)
-            spread = _effective_nodes_per_dim(prepared)
-            strategy = finer
-            if spread >= MIN_EFFECTIVE_NODES_PER_DIM:
-                reason = f"{coarse}; {finer.num_points} nodes per dimension resolve it"
-                return self._choose(finer, key, model, reason, prepared)
+        rule, prepared, gap = coarse
         warnings.warn(
-            f"conditionals='auto' uses {strategy!r} for {_describe_model(model)}, but the "
-            f"posterior of one observation in ten spreads over only {spread:.1f} of its nodes "
-            f"per latent dimension, so its conditionals are coarse. Give MPTLoss a guide "
-            f"(importance sampling then applies), or pass Quadrature(center='guide') with a "
-            f"trained guide.",
-            stacklevel=5,
+            f"conditionals='auto' uses {rule!r} for {_describe_model(model)}, but a finer "
+            f"rule changes its log p(x) by {gap:.2g} nats, so its conditionals are coarse. Give "
+            f"MPTLoss a guide (importance sampling then applies), or pass "
+            f"Quadrature(center='guide') with a trained guide.",
+            stacklevel=4,
         )
-        return self._choose(strategy, key, model, "coarse, and nothing else applies", prepared)
+        return self._choose(rule, key, model, "coarse, and nothing else applies", prepared)
 
     def _choose(self, strategy, key, model, reason, prepared):
         if self.chosen is not strategy or self._chosen_for != key:
@@ -164,38 +142,29 @@ class Auto(Conditionals):
         return prepared
 
 
-#: The most quadrature nodes ``auto`` uses, and the most entries of the ``(G, N, D)``
-#: log-likelihood tensor it lets a finer rule make.
-MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
-
-
-def _finer_rule(strategy, prepared, spread):
-    """A prior-centred rule with enough nodes per dimension for the posterior's spread, or
-    ``None`` when it would exceed :data:`MAX_NODES` or the memory budget."""
+def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting):
+    """Refines a quadrature rule by 1.5 times its nodes per dimension until two successive
+    rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
+    budget: ``(rule, prepared, gap)`` of the coarser rule of the last pair compared."""
     dim = prepared.latent_dim
-    observed = prepared.observed
-    per_node = (
-        1
-        if prepared.log_weights.dim() == 1 and not hasattr(prepared, "log_likelihoods")
-        else observed.value.numel()
-    )
-    budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // max(per_node, 1))
-    # The spread grows about as the square root of the nodes per dimension.
-    ratio = MIN_EFFECTIVE_NODES_PER_DIM / max(spread, 0.5)
-    wanted = math.ceil(1.3 * strategy.num_points * ratio**2)
-    num_points = min(wanted, int(budget ** (1.0 / dim) + 1e-9))
-    if num_points <= strategy.num_points:
-        return None
-    return Quadrature(num_points=num_points, max_latent_dim=strategy.max_latent_dim)
-
-
-def _effective_nodes_per_dim(prepared):
-    """The tenth percentile over observations of the effective number of nodes, to the
-    power ``1 / K``."""
+    per_node = prepared.observed.value.numel() if hasattr(prepared, "log_likelihoods") else 1
+    budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // per_node)
     with torch.no_grad():
-        nodes = prepared.effective_nodes().reshape(-1)
-    dim = prepared.latent_dim
-    return float(nodes.quantile(0.1)) ** (1.0 / dim)
+        log_marginal = prepared.log_marginal()
+    gap = math.inf
+    while True:
+        num_points = math.ceil(1.5 * rule.num_points)
+        if num_points**dim > budget or num_points > MAX_POINTS:
+            return rule, prepared, gap
+        finer = Quadrature(num_points=num_points, max_latent_dim=rule.max_latent_dim)
+        finer_prepared = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
+        with torch.no_grad():
+            finer_log_marginal = finer_prepared.log_marginal()
+            differences = (finer_log_marginal - log_marginal).abs().reshape(-1)
+            gap = float(differences.quantile(0.9))
+        if gap < CONVERGENCE_TOL:
+            return rule, prepared, gap
+        rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
 
 
 def as_conditionals(conditionals):

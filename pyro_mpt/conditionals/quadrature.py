@@ -40,13 +40,15 @@ _TABULATED_PARAMETERS = {
     torch.distributions.Geometric: ("logits", "probs"),
     torch.distributions.Poisson: ("rate",),
 }
+#: The most nodes per dimension: Gauss-Hermite weights underflow beyond a few hundred.
+MAX_POINTS = 200
 #: The most distinct observed values for which a table beats per-observation likelihoods.
 _MAX_TABULATED_VALUES = 16
 
 
 class _QuadratureSelfPredictive(SelfPredictive):
     """What every quadrature rule offers besides the conditionals: the log-marginal
-    likelihood and the effective number of nodes of each observation's posterior."""
+    likelihood by the same rule."""
 
     def node_log_joint(self):
         """``log w_g + log p(x | z_g)`` over the observed entries, ``(G,) + batch``."""
@@ -55,12 +57,6 @@ class _QuadratureSelfPredictive(SelfPredictive):
     def log_marginal(self):
         """``log p(x)`` of each observation (of its observed entries) by the same rule."""
         return torch.logsumexp(self.node_log_joint(), dim=0)
-
-    def effective_nodes(self):
-        """``1 / sum_g pi_g^2`` for the node posterior ``pi`` given each whole observation,
-        ``batch``: how many nodes carry its posterior (few: the rule is coarse for it)."""
-        log_joint = self.node_log_joint()
-        return torch.exp(2 * torch.logsumexp(log_joint, 0) - torch.logsumexp(2 * log_joint, 0))
 
     def _entry_weights(self, dtype):
         entries = self.observed.entries
@@ -206,6 +202,11 @@ class Quadrature(Conditionals):
     def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
         self._structure = RememberedStructure()
         num_points = check_positive_int("num_points", num_points, "e.g. num_points=20.")
+        if num_points > MAX_POINTS:
+            raise ValueError(
+                f"num_points={num_points} is more than {MAX_POINTS}, past which Gauss-Hermite "
+                f"weights underflow; use at most {MAX_POINTS}, or importance sampling."
+            )
         if center not in ("prior", "guide"):
             raise ValueError(
                 f"center must be 'prior' or 'guide', got {center!r}: 'prior' places the nodes "
