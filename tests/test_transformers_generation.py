@@ -120,6 +120,9 @@ def test_fully_masked_starts_and_lists_of_ids(model, tokenizer):
     out = sample_mlm(model, tokenizer, lists, method="parallel", generator=_gen(0))
     assert out.sequences.shape == (2, 4) and out.attention_mask.tolist()[1] == [1, 1, 1, 0]
     assert out.sequences[1, 3] == PAD and out.sequences[1, 2] == SEP
+    # Without an attention mask, a tensor start attends to everything but padding.
+    out = sample_mlm(model, tokenizer, _ids(START), method="parallel", generator=_gen(0))
+    assert torch.equal(out.attention_mask, _ids(ATTENTION))
 
 
 def test_seeded_runs_repeat_and_different_seeds_differ(model, tokenizer):

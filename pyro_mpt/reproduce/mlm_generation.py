@@ -1,5 +1,5 @@
-"""Generation from a masked language model's conditionals (DESIGN §4; Li et al., 2024,
-"Promises and pitfalls of generative masked language modeling"): antibody sequences drawn
+"""Generation from a masked language model's conditionals (Li et al., 2024, "Promises and
+pitfalls of generative masked language modeling"): antibody sequences drawn
 by an antibody BERT from masked starts with the three samplers of
 :func:`pyro_mpt.transformers.sample_mlm`, and what each costs and produces.
 

@@ -82,6 +82,12 @@ def _content(sequences, tokenizer, attention_mask=None):
     return content
 
 
+def _default_attention(ids, tokenizer):
+    """1 except at the tokenizer's padding token."""
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    return torch.ones_like(ids) if pad_id is None else (ids != pad_id).long()
+
+
 def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
     """``(ids, attention_mask)`` on ``device`` from the accepted forms of the start."""
     mask_id = tokenizer.mask_token_id
@@ -108,7 +114,7 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
             raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")
         ids = input_ids.long().reshape(-1, input_ids.shape[-1])
         if attention_mask is None:
-            attention_mask = torch.ones_like(ids)
+            attention_mask = _default_attention(ids, tokenizer)
         attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
     else:
         padded = tokenizer.pad(
@@ -282,7 +288,8 @@ def sample_mlm(
         (padded by the tokenizer); mask tokens mark the positions to fill.
     :param int length: instead of ``input_ids``, start from ``num_sequences`` fully masked
         sequences of ``length`` tokens between the tokenizer's special tokens.
-    :param attention_mask: with a tensor ``input_ids``, 0 at padding (default: all 1).
+    :param attention_mask: with a tensor ``input_ids``, 0 at padding (default: 0 at the
+        tokenizer's padding token, 1 elsewhere).
     :param str method: ``"sequential"``, ``"parallel"`` or ``"mask-predict"``.
     :param int num_steps: Gibbs steps after the fill (default 0), or mask-predict's ``T``.
     :param int block_size: ``k``, positions per Gibbs step, at most the free positions of

@@ -14,6 +14,7 @@ from pyro_mpt.transformers.generation import (
     _check_mask_token,
     _check_model,
     _content,
+    _default_attention,
 )
 
 __all__ = [
@@ -90,7 +91,7 @@ def pseudo_log_likelihood(
     :param model: a ``*ForMaskedLM``; run in ``eval()`` mode, restored afterwards.
     :param tokenizer: its tokenizer.
     :param sequences: long ``(B, L)`` token ids, or :class:`MLMSamples`.
-    :param attention_mask: ``(B, L)``, 0 at padding.
+    :param attention_mask: ``(B, L)``, 0 at padding (default: 0 at the padding token).
     :param int batch_size: masked copies per forward pass.
     :param bool progress: show a progress bar over forward passes.
     :returns: float64 ``(B,)`` on the CPU.
@@ -101,7 +102,7 @@ def pseudo_log_likelihood(
     ids, attention = _ids(sequences, attention_mask)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    attention = torch.ones_like(ids) if attention is None else attention.to(device)
+    attention = _default_attention(ids, tokenizer) if attention is None else attention.to(device)
     rows, cols = _content(ids, tokenizer, attention).nonzero(as_tuple=True)
     total = torch.zeros(ids.shape[0], dtype=torch.float64)
     training = model.training
