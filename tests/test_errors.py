@@ -155,3 +155,24 @@ def test_observations_outside_the_likelihood_support_raise(conditionals):
     assert set(pyro.get_param_store().keys()) == names
     with pyro.validation_enabled(False):
         assert math.isfinite(loss.loss(vae.model, vae.guide, grey))
+
+
+def test_mpt_curve_refuses_observations_with_missing_entries():
+    weight = torch.randn(4, 2)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            keep = torch.ones(x.shape, dtype=torch.bool)
+            keep[0, 1] = False
+            pyro.sample("x", dist.Normal(z @ weight.T, 1.0).mask(keep).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match="Observed site 'x' has missing entries; the MPT curve"):
+        mpt_curve(model, torch.randn(5, 4), num_masks=2)
+
+
+def test_log_marginal_names_the_strategy_that_gives_none():
+    vae = LinearVAE(6, latent_dim=2)
+    x = torch.bernoulli(torch.full((5, 6), 0.5))
+    with pytest.raises(ValueError, match=r"EncodeDecode.*gives no log-marginal likelihood"):
+        log_marginal(vae.model, x, conditionals="encode-decode", guide=vae.guide)

@@ -98,6 +98,13 @@ def mpt_curve(
     """
     strategy = as_conditionals(conditionals)
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    if prepared.observed.entries is not None:
+        raise ValueError(
+            f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "
+            f"scores masks of each size among all D features, so it needs complete "
+            f"observations. Drop the incomplete ones, or use MPTLoss.estimate, which scores "
+            f"each observation's observed entries."
+        )
     num_features = prepared.num_features
     sizes = _sizes_from(rates, sizes, num_features)
     batch_shape = prepared.batch_shape

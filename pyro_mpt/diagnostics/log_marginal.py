@@ -26,7 +26,8 @@ def log_marginal(
     :param callable guide: the guide, for strategies that use one.
     :param kwargs: the model's keyword arguments.
     :returns: a tensor of the data plate's batch shape (differentiable).
-    :raises ValueError: if the strategy does not apply to the model.
+    :raises ValueError: if the strategy does not apply to the model or gives no
+        log-marginal likelihood.
 
     Example::
 
@@ -38,9 +39,7 @@ def log_marginal(
     """
     strategy = as_conditionals(conditionals)
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-    if not hasattr(prepared, "log_marginal"):
-        raise ValueError(
-            f"conditionals={strategy!r} gives no log-marginal likelihood; use 'exact', a "
-            f"Quadrature rule, or Importance."
-        )
-    return prepared.log_marginal()
+    try:
+        return prepared.log_marginal()
+    except NotImplementedError as error:
+        raise ValueError(f"conditionals={strategy!r}: {error}") from None

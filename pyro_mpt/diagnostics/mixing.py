@@ -110,7 +110,7 @@ def mixing_diagnostics(samples, evaluations_per_step=1, method="bulk"):
 
     Example::
 
-        >>> chains = torch.randn(4, 200)
+        >>> chains = torch.randn(4, 200, generator=torch.Generator().manual_seed(0))
         >>> d = mixing_diagnostics(chains, evaluations_per_step=3)
         >>> bool(abs(d.rhat - 1) < 0.05)
         True
