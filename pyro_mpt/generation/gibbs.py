@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
-from pyro_mpt.infer.model_structure import RememberedStructure
+from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.ops.masks import masks_of_sizes
 
 __all__ = ["gibbs"]
@@ -59,10 +59,10 @@ def gibbs(
 
         >>> from pyro_mpt import gibbs
         >>> from pyro_mpt.models import PPCA
-        >>> ppca = PPCA(num_features=6, latent_dim=1)
+        >>> ppca = PPCA(num_features=5, latent_dim=2)
         >>> x = ppca.sample(4)
         >>> gibbs(ppca.model, x, block_size=2, num_steps=10, progress=False).shape
-        torch.Size([11, 4, 6])
+        torch.Size([11, 4, 5])
     """
     data = args[0] if args else None
     if not torch.is_tensor(data):
