@@ -13,7 +13,7 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.model_structure import call_signature
+from pyro_mpt.infer.remembered_structure import call_signature
 
 __all__ = ["Auto", "STRATEGIES", "as_conditionals"]
 

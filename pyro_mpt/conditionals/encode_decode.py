@@ -7,6 +7,7 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
+from pyro_mpt.infer.factors import factor_log_prob
 from pyro_mpt.infer.guided_model import (
     describe_guide,
     observed_tensor,
@@ -14,7 +15,6 @@ from pyro_mpt.infer.guided_model import (
     run_guided,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
-from pyro_mpt.infer.whitened_latents import factor_log_prob
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.ops.masks import select_masked

@@ -5,9 +5,10 @@ import math
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.infer.factors import factor_log_prob
 from pyro_mpt.infer.gaussian_form import extract_gaussian_form, no_latent_form
-from pyro_mpt.infer.model_structure import RememberedStructure, read_structure
-from pyro_mpt.infer.whitened_latents import factor_log_prob
+from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.ops.gaussian import (
     dense_gaussian_conditionals,
     latent_gaussian_conditionals,

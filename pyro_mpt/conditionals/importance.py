@@ -4,6 +4,7 @@ import math
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import check_positive_int
+from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.guided_model import (
     observed_tensor,
     prepare_guided,
@@ -12,7 +13,6 @@ from pyro_mpt.infer.guided_model import (
     sites_log_density,
 )
 from pyro_mpt.infer.trace_utils import unwrap_independent
-from pyro_mpt.infer.whitened_latents import check_factors, factor_log_prob
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance import (
     check_fill,

@@ -7,7 +7,7 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
-from pyro_mpt.infer.model_structure import RememberedStructure
+from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 from pyro_mpt.infer.whitened_latents import (
     point_parameter,

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
-from pyro_mpt.infer.model_structure import RememberedStructure
+from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.ops.masks import masks_of_sizes
 
 __all__ = ["gibbs"]

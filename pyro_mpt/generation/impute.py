@@ -8,7 +8,7 @@ from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
-from pyro_mpt.infer.model_structure import RememberedStructure
+from pyro_mpt.infer.remembered_structure import RememberedStructure
 
 __all__ = ["impute"]
 

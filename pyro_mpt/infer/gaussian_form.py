@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.model_structure import ObservedSite
+from pyro_mpt.infer.observed_site import ObservedSite
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 from pyro_mpt.infer.whitened_latents import point_parameter, run_at_points
 

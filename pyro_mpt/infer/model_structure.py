@@ -1,11 +1,12 @@
-"""What one trace of a Pyro model says about it: the observed site, its missing entries and
-scale, the local latents and the plates that index observations.
+"""What one trace of a Pyro model says about it: the observed site, the local latents and
+the plates that index observations.
 
 Every strategy starts here. The rules follow Pyro's semantics: ``pyro.deterministic`` sites
-are ignored; ``pyro.factor`` sites are kept aside (a factor that does not depend on the
-local latents is added to the loss, as ``Trace_ELBO`` adds it); a site's mask
-(``poutine.mask``, ``obs_mask``) marks entries that do not count, i.e. missing entries; the
-observed site's scale (subsampling, ``poutine.scale``) scales each observation's estimate.
+(and the ``Delta`` sites reparameterisers leave) are ignored; ``pyro.factor`` sites are kept
+aside (a factor that does not depend on the local latents is added to the loss, as
+``Trace_ELBO`` adds it); masks mark entries that do not count
+(:mod:`pyro_mpt.infer.observed_site`); latents must count and be scaled wherever their
+observation does.
 """
 
 import math
@@ -14,57 +15,17 @@ from typing import NamedTuple
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
-from torch.distributions import constraints
 
-from pyro_mpt.infer.trace_utils import (
-    distribution_mask,
-    flatten_tail,
-    plate_frames,
-    unwrap_independent,
-)
+from pyro_mpt.infer.observed_site import ObservedSite, read_observed_site, site_scale
+from pyro_mpt.infer.trace_utils import plate_frames, unwrap_independent
 
 __all__ = [
     "LatentSite",
     "ModelStructure",
-    "ObservedSite",
-    "RememberedStructure",
-    "call_signature",
     "observed_in_run",
     "read_structure",
 ]
-
-
-class ObservedSite(NamedTuple):
-    """The observed site of a model, its features flattened.
-
-    :ivar str name: the site's name.
-    :ivar torch.Tensor value: observations ``batch_shape + (D,)``; missing entries are 0.
-    :ivar torch.Size batch_shape: the shape of the batch of observations.
-    :ivar int num_feature_dims: how many rightmost dims of the site value are features.
-    :ivar entries: boolean ``batch_shape + (D,)``, ``True`` at entries that count, or
-        ``None`` when every entry does.
-    :ivar torch.Size full_shape: the site distribution's batch and event shape.
-    """
-
-    name: str
-    value: torch.Tensor
-    batch_shape: torch.Size
-    num_feature_dims: int
-    entries: torch.Tensor | None = None
-    full_shape: torch.Size = torch.Size()
-
-    @property
-    def num_features(self):
-        """``D``, the number of features of one observation."""
-        return self.value.shape[-1]
-
-    def feature_counts(self):
-        """How many entries of each observation count, ``batch_shape`` (a float tensor)."""
-        if self.entries is None:
-            return self.value.new_full(self.batch_shape, float(self.num_features))
-        return self.entries.sum(-1).to(self.value.dtype)
 
 
 class LatentSite(NamedTuple):
@@ -166,7 +127,7 @@ def _classify(trace):
     return observed, latents, factors, missing
 
 
-def _the_observed_site(names, what):
+def _theread_observed_site(names, what):
     if not names:
         raise ValueError(
             f"{what} found no observed sample site in the model. Pass the data to the "
@@ -234,147 +195,6 @@ def _check_plates_cover_batch(site):
             )
 
 
-def _entry_mask(site, full_shape, num_feature_dims):
-    """The site's mask as booleans ``batch + (D,)``, or ``None`` when every entry counts."""
-    mask, fn = site["mask"], site["fn"]
-    inner = distribution_mask(fn)  # from .mask(...) on the distribution
-    if inner is not None and inner.dim() > len(full_shape):
-        inner = inner.reshape((-1,) + tuple(full_shape))[0]  # leading dims of points
-    if (mask is None or mask is True) and inner is None:
-        return None
-    if mask is None or mask is True:
-        mask = torch.ones((), dtype=torch.bool)
-    elif mask is False:
-        mask = torch.zeros((), dtype=torch.bool)
-    mask = torch.as_tensor(mask, dtype=torch.bool)
-    mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape))
-    mask = mask.reshape(mask.shape[max(0, mask.dim() - len(full_shape)) :]).expand(full_shape)
-    if inner is not None:
-        mask = mask & inner
-    mask = flatten_tail(mask, num_feature_dims)
-    return None if bool(mask.all()) else mask
-
-
-def _check_dtype(name, value, fn):
-    if not torch.is_tensor(value):
-        kind = type(value).__module__ + "." + type(value).__name__
-        raise TypeError(
-            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
-            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
-        )
-    support = unwrap_independent(fn).support
-    discrete = getattr(support, "is_discrete", False)
-    if not value.is_floating_point() and not discrete:
-        raise TypeError(
-            f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
-            f"{type(unwrap_independent(fn)).__name__} likelihood. Convert it to floats, e.g. "
-            f"x = x.float()."
-        )
-
-
-def _observed_site(site, full_shape, num_batch):
-    """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
-    shape ``full_shape`` (after any leading dims of points or samples), of which the first
-    ``num_batch`` index observations."""
-    name, fn = site["name"], site["fn"]
-    _check_dtype(name, site["value"], fn)
-    batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
-    value = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
-    dtype = _parameter_dtype(fn)
-    if value.is_floating_point() and dtype is not None and dtype != value.dtype:
-        # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
-        # are computed in the model's dtype.
-        value = value.to(dtype)
-    entries = _entry_mask(site, full_shape, num_feature_dims)
-    nan = torch.isnan(value) if value.is_floating_point() else None
-    if nan is not None:
-        stray = nan if entries is None else nan & entries
-        if bool(stray.any()):
-            raise ValueError(
-                f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
-                f"{value.numel()} among the entries that count. Mark missing entries with a "
-                f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
-                f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only."
-            )
-    if entries is not None:
-        value = _fill_missing(value, entries)
-    if is_validation_enabled():
-        _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
-    return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape)
-
-
-def _parameter_dtype(fn):
-    """The floating dtype of the distribution's parameters, or ``None``."""
-    base = unwrap_independent(fn)
-    for key in type(base).arg_constraints:
-        value = base.__dict__.get(key)
-        if torch.is_tensor(value) and value.is_floating_point():
-            return value.dtype
-    return None
-
-
-def _fill_missing(value, entries):
-    """Missing entries are never scored, but every likelihood is evaluated on them: each
-    gets an observed value of the same feature (any observed value if the feature has none),
-    which lies in the likelihood's support, so no log-probability or gradient is NaN."""
-    flat_value, flat_entries = (
-        value.reshape(-1, value.shape[-1]),
-        entries.reshape(-1, value.shape[-1]),
-    )
-    if not bool(flat_entries.any()):
-        return torch.zeros_like(value)
-    first = flat_entries.to(torch.uint8).argmax(0)  # first observed row of each feature
-    filler = flat_value.gather(0, first.unsqueeze(0)).squeeze(0)
-    anywhere = flat_value[flat_entries][0]
-    filler = torch.where(flat_entries.any(0), filler, anywhere)
-    return torch.where(entries, value, filler)
-
-
-def _check_support(name, fn, value, entries, num_feature_dims):
-    """Raises ``ValueError`` for observed entries outside the support of ``fn``, when the
-    support does not depend on the distribution's parameters."""
-    # Boolean tests are slow on CPUs: the two common supports are checked by arithmetic.
-    if fn.support is constraints.real and bool(torch.isfinite(value.sum())):
-        return
-    if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
-        return
-    if fn.event_shape:
-        return  # the support concerns whole events
-    try:
-        inside = fn.support.check(value)
-    except (NotImplementedError, RuntimeError, TypeError):
-        return
-    if inside.shape != value.shape:
-        return
-    if entries is not None:
-        inside = inside | ~entries
-    if bool(inside.all()):
-        return
-    outside = value[~inside]
-    raise ValueError(
-        f"Observed site {name!r} has {outside.numel()} values outside the support "
-        f"{fn.support} of its {type(fn).__name__} likelihood, e.g. {outside[0].item()!r}. "
-        f"Bring the data into the support (binary images: binarise them, e.g. "
-        f"(x > 0.5).float()), or choose a likelihood that covers it; "
-        f"pyro.enable_validation(False) skips this check."
-    )
-
-
-def _scale(site, batch_shape):
-    """The site's scale per observation; it may not vary across features."""
-    scale = site["scale"]
-    if not torch.is_tensor(scale):
-        return float(scale)
-    try:
-        return torch.broadcast_to(scale, batch_shape)
-    except RuntimeError:
-        raise ValueError(
-            f"Site {site['name']!r} has a scale of shape {tuple(scale.shape)} that varies "
-            f"across the features of an observation; MPTLoss supports one scale per "
-            f"observation (shape broadcastable to {tuple(batch_shape)})."
-        ) from None
-
-
 def _per_observation(tensor, site, num_batch, batch_shape, reduce):
     """A tensor over a latent site's batch shape (its mask or scale) as one value per
     observation, ``batch_shape``: ``reduce`` (``all`` or ``amax``) over its inner dims."""
@@ -438,15 +258,15 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     """
     trace = poutine.trace(model).get_trace(*args, **kwargs)
     observed_names, latent_names, factors, missing = _classify(trace)
-    obs_name = _the_observed_site(observed_names, what)
+    obs_name = _theread_observed_site(observed_names, what)
     obs_site = trace.nodes[obs_name]
     for name in [obs_name, *latent_names]:
         _check_plates_cover_batch(trace.nodes[name])
     data_dims = _data_dims(trace, obs_name, latent_names)
     fn = obs_site["fn"]
     num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
-    observed = _observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
-    scale = _scale(obs_site, observed.batch_shape)
+    observed = read_observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
+    scale = site_scale(obs_site, observed.batch_shape)
     latents = []
     for name in latent_names:
         site = trace.nodes[name]
@@ -485,47 +305,5 @@ def observed_in_run(structure, trace):
             f"MPTLoss needs the same sites on every run of the model."
         )
     first = structure.observed
-    observed = _observed_site(site, first.full_shape, len(first.batch_shape))
-    return observed, _scale(site, observed.batch_shape)
-
-
-def call_signature(model, args, kwargs, max_plate_nesting):
-    """What must not change for a model's structure to stand: the model (a function, or a
-    method and its object) and the shapes and dtypes of its tensor arguments. Only ``id`` s
-    of other objects are kept."""
-
-    def describe(value):
-        if torch.is_tensor(value):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("object", id(value))
-
-    return (
-        id(getattr(model, "__func__", model)),
-        id(getattr(model, "__self__", None)),
-        tuple(describe(a) for a in args),
-        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
-        max_plate_nesting,
-    )
-
-
-class RememberedStructure:
-    """The :class:`ModelStructure` of the last model a strategy read, so that later calls
-    with the same model and argument shapes run the model once (at the points) instead of
-    twice. The structure is read without touching the random state, so seeded calls draw
-    the same numbers on the first call and on later ones."""
-
-    def __init__(self):
-        self._signature = None
-        self._structure = None
-
-    def get(self, model, args, kwargs, max_plate_nesting=math.inf):
-        signature = call_signature(model, args, kwargs, max_plate_nesting)
-        if signature != self._signature:
-            devices = []
-            if torch.cuda.is_initialized():
-                devices = list(range(torch.cuda.device_count()))
-            # No graph: the remembered trace must not keep the first call's tensors alive.
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                structure = read_structure(model, args, kwargs, max_plate_nesting)
-            self._signature, self._structure = signature, structure
-        return self._structure
+    observed = read_observed_site(site, first.full_shape, len(first.batch_shape))
+    return observed, site_scale(site, observed.batch_shape)

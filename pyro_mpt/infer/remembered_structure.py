@@ -1,0 +1,52 @@
+"""A model's structure remembered between calls, so that strategies which run the model at
+points run it once per step."""
+
+import math
+
+import torch
+
+from pyro_mpt.infer.model_structure import read_structure
+
+__all__ = ["RememberedStructure", "call_signature"]
+
+
+def call_signature(model, args, kwargs, max_plate_nesting):
+    """What must not change for a model's structure to stand: the model (a function, or a
+    method and its object) and the shapes and dtypes of its tensor arguments. Only ``id`` s
+    of other objects are kept."""
+
+    def describe(value):
+        if torch.is_tensor(value):
+            return ("tensor", tuple(value.shape), value.dtype, value.device)
+        return ("object", id(value))
+
+    return (
+        id(getattr(model, "__func__", model)),
+        id(getattr(model, "__self__", None)),
+        tuple(describe(a) for a in args),
+        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+        max_plate_nesting,
+    )
+
+
+class RememberedStructure:
+    """The :class:`ModelStructure` of the last model a strategy read, so that later calls
+    with the same model and argument shapes run the model once (at the points) instead of
+    twice. The structure is read without touching the random state, so seeded calls draw
+    the same numbers on the first call and on later ones."""
+
+    def __init__(self):
+        self._signature = None
+        self._structure = None
+
+    def get(self, model, args, kwargs, max_plate_nesting=math.inf):
+        signature = call_signature(model, args, kwargs, max_plate_nesting)
+        if signature != self._signature:
+            devices = []
+            if torch.cuda.is_initialized():
+                devices = list(range(torch.cuda.device_count()))
+            # No graph: the remembered trace must not keep the first call's tensors alive.
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                structure = read_structure(model, args, kwargs, max_plate_nesting)
+            self._signature, self._structure = signature, structure
+        return self._structure
