@@ -234,3 +234,14 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got None"):
         EncodeDecode(fill=None)
     assert repr(EncodeDecode()) == "EncodeDecode(num_iterations=5, num_samples=1, fill='zeros')"
+
+
+def test_prepare_works_under_no_grad():
+    vae = LinearVAE(6, latent_dim=2)
+    x = torch.bernoulli(torch.full((5, 6), 0.5))
+    with torch.no_grad():
+        prepared = EncodeDecode(num_iterations=1).prepare(vae.model, vae.guide, (x,), {})
+        log_p = prepared.log_prob(
+            torch.zeros(1, 5, 6, dtype=torch.bool).index_fill(-1, torch.tensor([0]), True)
+        )
+    assert log_p.shape == (1, 5, 6) and bool(torch.isfinite(log_p[..., 0]).all())

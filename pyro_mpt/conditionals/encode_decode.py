@@ -95,7 +95,10 @@ def _ignores_data(guided):
             return False
     outputs = [p for p in params[0] if p.requires_grad]
     if fillings[0].requires_grad and outputs:
-        grads = torch.autograd.grad([p.sum() for p in outputs], fillings[0], allow_unused=True)
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                [p.sum() for p in outputs], fillings[0], allow_unused=True
+            )
         return grads[0] is None
     return True
 
