@@ -27,6 +27,10 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.ppca_curve",
         "Fig. 4: MPT curves S(x; M) and their area vs exact LML (P=1, P=100, K=50)",
     ),
+    "ppca-curve-training": (
+        "pyro_mpt.reproduce.ppca_curve_training",
+        "Fig. 5 left: MPT curve of a PPCA at epochs 0-600 of MPT training; area vs exact LML",
+    ),
     "vae-linear": (
         "pyro_mpt.reproduce.vae_linear",
         "Fig. 3 top: linear Bernoulli VAE on MNIST, ELBO vs MPT (quadrature), LML per epoch",
