@@ -176,3 +176,21 @@ def test_log_marginal_names_the_strategy_that_gives_none():
     x = torch.bernoulli(torch.full((5, 6), 0.5))
     with pytest.raises(ValueError, match=r"EncodeDecode.*gives no log-marginal likelihood"):
         log_marginal(vae.model, x, conditionals="encode-decode", guide=vae.guide)
+
+
+def test_a_latent_scale_that_changes_after_the_first_call_is_refused():
+    weight = torch.randn(4, 2)
+    beta = {"value": 1.0}
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.poutine.scale(scale=beta["value"]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 1.0).to_event(1), obs=x)
+
+    x = torch.randn(5, 4)
+    loss = MPTLoss(conditionals="exact")
+    assert math.isfinite(loss.loss(model, None, x))
+    beta["value"] = 0.5  # annealing the latent's term only: a tempered model
+    with pytest.raises(ValueError, match="Latent site 'z' and observed site 'x' have different"):
+        loss.loss(model, None, x)

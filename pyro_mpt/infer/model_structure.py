@@ -25,6 +25,7 @@ __all__ = [
     "ModelStructure",
     "observed_in_run",
     "read_structure",
+    "scale_mismatch",
 ]
 
 
@@ -229,12 +230,17 @@ def _check_latent_effects(trace, latents, observed, scale):
         else:
             same = float(latent_scale) == scale
         if not same:
-            raise ValueError(
-                f"Latent site {latent.name!r} and observed site {observed.name!r} have "
-                f"different scales (poutine.scale on one of them only): MPTLoss estimates "
-                f"log p(x) with the latents integrated out, which a tempered likelihood does "
-                f"not have. Scale the whole model (both sites) or neither."
-            )
+            raise scale_mismatch(latent.name, observed.name)
+
+
+def scale_mismatch(latent_name, observed_name):
+    """The error for a latent scaled unlike its observation (a tempered likelihood)."""
+    return ValueError(
+        f"Latent site {latent_name!r} and observed site {observed_name!r} have different "
+        f"scales (poutine.scale on one of them only): MPTLoss estimates log p(x) with the "
+        f"latents integrated out, which a tempered likelihood does not have. Scale the whole "
+        f"model (both sites) or neither."
+    )
 
 
 def _max_plate_nesting(trace):

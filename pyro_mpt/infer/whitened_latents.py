@@ -24,7 +24,7 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
-from pyro_mpt.infer.model_structure import observed_in_run
+from pyro_mpt.infer.model_structure import observed_in_run, scale_mismatch
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 
 __all__ = [
@@ -177,6 +177,12 @@ def _run(model, args, kwargs, structure, points, compact):
             f"needs the same latent sites on every run of the model."
         )
     observed, scale = observed_in_run(structure, trace)
+    for latent in structure.latents:
+        # Scales may change between calls (annealing): a latent's must stay its observation's.
+        latent_scale = trace.nodes[latent.name]["scale"]
+        if not torch.is_tensor(latent_scale) and not torch.is_tensor(scale):
+            if float(latent_scale) != scale:
+                raise scale_mismatch(latent.name, observed.name)
     fn = trace.nodes[observed.name]["fn"]
     check_factors(structure, trace, "integrating the latents out")
     return PointsRun(fn, trace, observed, scale, factor_log_prob(structure, trace))
