@@ -132,10 +132,8 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
     :func:`~pyro_mpt.ops.bernoulli_quadrature.bernoulli_log_conditionals`."""
 
     def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0):
-        ones = observed.value.to(logits.dtype)
-        super().__init__(
-            observed, scale, log_weights, None, _binary_indicators(ones), extra_log_prob
-        )
+        # The table and indicators serve log_marginal only: built when it is called.
+        super().__init__(observed, scale, log_weights, None, None, extra_log_prob)
         self.logits = logits
 
     def log_prob(self, masks):
@@ -145,6 +143,7 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
 
     def node_log_joint(self):
         self.log_table = bernoulli_log_table(self.logits)
+        self.indicators = _binary_indicators(self.observed.value.to(self.logits.dtype))
         return super().node_log_joint()
 
 
