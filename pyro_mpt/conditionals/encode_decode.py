@@ -96,9 +96,7 @@ def _ignores_data(guided):
     outputs = [p for p in params[0] if p.requires_grad]
     if fillings[0].requires_grad and outputs:
         with torch.enable_grad():
-            grads = torch.autograd.grad(
-                [p.sum() for p in outputs], fillings[0], allow_unused=True
-            )
+            grads = torch.autograd.grad([p.sum() for p in outputs], fillings[0], allow_unused=True)
         return grads[0] is None
     return True
 
