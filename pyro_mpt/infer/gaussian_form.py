@@ -14,8 +14,9 @@ The affine map is found by *probing*: the model runs once more with its local la
 ``K + 1`` whitened points (:mod:`pyro_mpt.infer.whitened_latents`), the origin and each unit
 vector, whose likelihood ``loc`` s give the loading matrix in whitened coordinates. The map
 is then verified at further points, random and far (30 standard deviations out), where the
-``loc`` must be affine and the ``scale`` constant: a mean that is affine only near the
-origin, or a noise scale that depends on the latents, is refused.
+``loc`` must be affine and the ``scale`` constant, compared in float64 to within the
+rounding of the model's own dtype: a mean that is affine only near the origin, or a noise
+scale that depends on the latents, is refused.
 """
 
 import math
@@ -180,16 +181,19 @@ def _form_at_points(structure, run, points):
     # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
     bias = locs[0]
     weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
-    checks = points[num_latent + 1 :]
+    # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
     with torch.no_grad():
-        predicted = bias + torch.einsum("...dk,ck->c...d", weight, checks.to(weight.dtype))
-        actual = locs[num_latent + 1 :]
-        size = bias.abs() + torch.einsum(
-            "...dk,ck->c...d", weight.abs(), checks.abs().to(weight.dtype)
-        )
+        bias64, weight64 = bias.double(), weight.double()
+        checks = points[num_latent + 1 :].double()
+        predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks)
+        actual = locs[num_latent + 1 :].double()
+        size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks.abs())
         affine = bool(((predicted - actual).abs() <= tol * (size + 1)).all())
-        constant_scale = torch.allclose(scales, scales[:1].expand_as(scales), rtol=tol, atol=0)
+        scales64 = scales.double()
+        constant_scale = torch.allclose(
+            scales64, scales64[:1].expand_as(scales64), rtol=tol, atol=0
+        )
     if not affine:
         raise NotGaussianError(
             f"The loc of observed site {observed.name!r} is not affine in the latent sites "

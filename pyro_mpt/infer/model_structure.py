@@ -23,6 +23,7 @@ from pyro_mpt.infer.trace_utils import plate_frames, unwrap_independent
 __all__ = [
     "LatentSite",
     "ModelStructure",
+    "PointLayout",
     "observed_in_run",
     "read_structure",
     "scale_mismatch",
@@ -54,6 +55,8 @@ class ModelStructure(NamedTuple):
     :ivar tuple factor_names: the ``pyro.factor`` sites.
     :ivar tuple missing_names: sites that sample the missing part of the observation
         (``obs_mask``); they are not latents.
+    :ivar PointLayout point_layout: how runs at points lay out the observations, decided
+        on the first such run (:func:`~pyro_mpt.infer.whitened_latents.run_at_points`).
     """
 
     trace: object
@@ -64,6 +67,7 @@ class ModelStructure(NamedTuple):
     max_plate_nesting: int
     factor_names: tuple = ()
     missing_names: tuple = ()
+    point_layout: "PointLayout | None" = None
 
     @property
     def latent_names(self):
@@ -73,6 +77,15 @@ class ModelStructure(NamedTuple):
     def latent_dim(self):
         """``K``, the number of scalar latent coordinates per observation."""
         return sum(latent.size for latent in self.latents)
+
+
+class PointLayout:
+    """Whether a run at points shared by every observation may keep the observations' dims
+    of size one (``shared``), so a decoder runs once per point rather than once per point
+    and observation. ``None`` until the first run at points decides it."""
+
+    def __init__(self):
+        self.shared = None
 
 
 def _is_sample(site):
@@ -297,6 +310,7 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
         nesting,
         tuple(factors),
         tuple(missing),
+        PointLayout(),
     )
 
 

@@ -155,16 +155,50 @@ def run_at_points(model, args, kwargs, structure, points):
 
     :returns: a :class:`PointsRun`.
     """
-    if points.dim() == 2:
-        try:
-            return _run(model, args, kwargs, structure, points, compact=True)
-        except (RuntimeError, IndexError):
-            # The model indexes its latents per observation: run at full size.
-            pass
-    return _run(model, args, kwargs, structure, points, compact=False)
+    shared = points.dim() == 2 and _shares_points(model, args, kwargs, structure)
+    return _run(model, args, kwargs, structure, points, compact=shared)
+
+
+#: Points of the one-time check that a compact run matches a full-size one.
+_NUM_LAYOUT_CHECKS = 2
+
+
+def _shares_points(model, args, kwargs, structure):
+    """Whether runs at points shared by every observation may keep the observations' dims
+    of size one, decided once per structure: the model must run so at two random points
+    and give the likelihood it gives with the points repeated for every observation. A
+    model that indexes, reshapes or concatenates its latents per observation fails the
+    check and runs at full size."""
+    layout = structure.point_layout
+    if layout.shared is None:
+        generator = torch.Generator().manual_seed(0)
+        first = structure.trace.nodes[structure.latents[0].name]["value"]
+        points = torch.randn(_NUM_LAYOUT_CHECKS, structure.latent_dim, generator=generator)
+        points = points.to(dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            full = _observed_log_prob(_run(model, args, kwargs, structure, points, False))
+            try:
+                compact = _observed_log_prob(_run(model, args, kwargs, structure, points, True))
+            except (RuntimeError, IndexError):  # shape errors of per-observation indexing
+                compact = None
+        tol = 10 * torch.finfo(full.dtype).eps ** 0.5
+        layout.shared = compact is not None and bool(
+            torch.allclose(compact.expand_as(full), full, rtol=tol, atol=tol, equal_nan=True)
+        )
+    return layout.shared
+
+
+def _observed_log_prob(run):
+    """The per-entry log-likelihood of the observation in ``run``, ``(Q,) + full shape``."""
+    value = run.observed.value.reshape(run.observed.full_shape)
+    return unwrap_independent(run.fn).log_prob(value)
 
 
 def _run(model, args, kwargs, structure, points, compact):
+    if points.dim() == 2 and not compact:  # the same points for every observation
+        batch = structure.observed.batch_shape
+        points = points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:])
+        points = points.expand(points.shape[:1] + batch + points.shape[-1:])
     latents = _LatentsAtPoints(structure, points, compact)
     # The first trace validated the model on the data; validating every distribution again
     # at every point would double the cost of this run.
