@@ -12,13 +12,13 @@ from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact, Importance, Quadrature, as_conditionals
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.models import PPCA, LinearVAE
-from pyro_mpt.ops.importance import (
+from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
+from pyro_mpt.ops.self_normalised_importance import (
     fill_masked,
     importance_log_conditionals,
     importance_log_marginal,
 )
-from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.ops.quadrature import quadrature_log_conditionals
 
 
 def _ppca(num_features=6, latent_dim=2, noise_scale=0.7, num_data=8):

@@ -11,7 +11,7 @@ from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import Exact, Quadrature
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.ops.quadrature import gauss_hermite_grid
+from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 
 
 def _linear_model(weight, bias, likelihood):
@@ -188,7 +188,7 @@ def test_guide_centred_nodes_agree_with_exact_using_few_nodes():
 
 
 def test_adapted_nodes_integrate_against_the_standard_normal():
-    from pyro_mpt.ops.quadrature import adapted_nodes
+    from pyro_mpt.ops.quadrature_nodes import adapted_nodes
 
     nodes, log_w = gauss_hermite_grid(30, 2)
     u, log_w2 = adapted_nodes(nodes, log_w, torch.tensor([[0.5, -1.0]]), torch.tensor([[0.7, 1.3]]))
@@ -213,7 +213,7 @@ def test_guide_centred_nodes_need_normal_guides():
 def test_per_observation_path_with_impossible_masked_values():
     """A value impossible at some or every node, at a masked feature, gives the log-sum-exp
     of the definition (``-inf`` when impossible everywhere), not NaN."""
-    from pyro_mpt.ops.quadrature import quadrature_log_conditionals
+    from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 
     ll = torch.randn(5, 2, 3)  # (G, N, D)
     ll[:2, 0, 1] = -math.inf  # impossible at two nodes

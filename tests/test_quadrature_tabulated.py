@@ -13,14 +13,14 @@ from pyro_mpt.conditionals.quadrature import (
     TabulatedQuadratureSelfPredictive,
 )
 from pyro_mpt.models import LinearVAE
-from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.ops.quadrature import (
-    gauss_hermite_grid,
+from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
+from pyro_mpt.ops.quadrature_conditionals import (
     quadrature_log_conditionals,
     quadrature_log_marginal,
 )
-from pyro_mpt.ops.tabulated_quadrature import (
+from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
+from pyro_mpt.ops.quadrature_tabulated import (
     tabulated_log_conditionals,
     tabulated_log_marginal,
     value_indicators,

@@ -11,7 +11,7 @@ from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
-from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
+from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature, QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.remembered_structure import call_signature
 
@@ -147,7 +147,10 @@ def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nestin
     rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
     budget: ``(rule, prepared, gap)`` of the coarser rule of the last pair compared."""
     dim = prepared.latent_dim
-    per_node = prepared.observed.value.numel() if hasattr(prepared, "log_likelihoods") else 1
+    # A rule that keeps every observation's likelihood at every node; tables keep one row.
+    per_node = 1
+    if isinstance(prepared, QuadratureSelfPredictive):
+        per_node = prepared.observed.value.numel()
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // per_node)
     with torch.no_grad():
         log_marginal = prepared.log_marginal()

@@ -16,8 +16,8 @@ from pyro_mpt.infer.guided_model import (
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
-from pyro_mpt.ops.importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.ops.masks import select_masked
+from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
 
 __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
 

@@ -14,7 +14,7 @@ from pyro_mpt.infer.guided_model import (
 )
 from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
-from pyro_mpt.ops.importance import (
+from pyro_mpt.ops.self_normalised_importance import (
     check_fill,
     fill_masked,
     importance_log_conditionals,
@@ -92,7 +92,7 @@ class Importance(Conditionals):
     :param int num_samples: ``S``, latent samples per mask and observation.
     :param str fill: the value of masked features given to the guide: ``"zeros"`` or
         ``"mean"`` (each feature's mean over the batch, see
-        :func:`~pyro_mpt.ops.importance.fill_masked`).
+        :func:`~pyro_mpt.ops.self_normalised_importance.fill_masked`).
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as

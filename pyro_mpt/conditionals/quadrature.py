@@ -14,13 +14,10 @@ from pyro_mpt.infer.whitened_latents import (
     run_at_points,
     whitened_guide,
 )
-from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals, bernoulli_log_table
-from pyro_mpt.ops.quadrature import (
-    adapted_nodes,
-    gauss_hermite_grid,
-    quadrature_log_conditionals,
-)
-from pyro_mpt.ops.tabulated_quadrature import (
+from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
+from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
+from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
+from pyro_mpt.ops.quadrature_tabulated import (
     tabulated_log_conditionals,
     value_indicators,
 )
@@ -28,6 +25,7 @@ from pyro_mpt.ops.tabulated_quadrature import (
 __all__ = [
     "BernoulliQuadratureSelfPredictive",
     "Quadrature",
+    "QuadratureRuleSelfPredictive",
     "QuadratureSelfPredictive",
     "TabulatedQuadratureSelfPredictive",
 ]
@@ -46,9 +44,9 @@ MAX_POINTS = 200
 _MAX_TABULATED_VALUES = 16
 
 
-class _QuadratureSelfPredictive(SelfPredictive):
-    """What every quadrature rule offers besides the conditionals: the log-marginal
-    likelihood by the same rule."""
+class QuadratureRuleSelfPredictive(SelfPredictive):
+    """What every quadrature rule's conditionals offer besides ``log_prob``: the
+    log-marginal likelihood and the posterior over the nodes, by the same rule."""
 
     def node_log_joint(self):
         """``log w_g + log p(x | z_g)`` over the observed entries, ``(G,) + batch``."""
@@ -76,7 +74,7 @@ class _QuadratureSelfPredictive(SelfPredictive):
         return log_joint - torch.logsumexp(log_joint, 0)
 
 
-class QuadratureSelfPredictive(_QuadratureSelfPredictive):
+class QuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     """Conditionals from the per-feature log-likelihoods at every quadrature node."""
 
     def __init__(self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0):
@@ -100,7 +98,7 @@ class QuadratureSelfPredictive(_QuadratureSelfPredictive):
         )
 
 
-class TabulatedQuadratureSelfPredictive(_QuadratureSelfPredictive):
+class TabulatedQuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     """Quadrature conditionals from a table ``log p(x_j = v | z_g)``, ``(V, D, G)``, over the
     distinct observed values ``v``, for nodes and likelihood parameters shared by every
     observation."""
@@ -129,7 +127,7 @@ class TabulatedQuadratureSelfPredictive(_QuadratureSelfPredictive):
 class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
     """Quadrature conditionals of binary data under ``Bernoulli(logits)`` with logits
     ``(G, D)`` shared by every observation, by
-    :func:`~pyro_mpt.ops.bernoulli_quadrature.bernoulli_log_conditionals`."""
+    :func:`~pyro_mpt.ops.quadrature_bernoulli.bernoulli_log_conditionals`."""
 
     def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0):
         # The table and indicators serve log_marginal only: built when it is called.

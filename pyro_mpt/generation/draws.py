@@ -12,7 +12,7 @@ import torch
 from pyro_mpt.conditionals.encode_decode import EncodeDecodeSelfPredictive
 from pyro_mpt.conditionals.exact import GaussianSelfPredictive
 from pyro_mpt.conditionals.importance import ImportanceSelfPredictive
-from pyro_mpt.conditionals.quadrature import _QuadratureSelfPredictive
+from pyro_mpt.conditionals.quadrature import QuadratureRuleSelfPredictive
 from pyro_mpt.infer.guided_model import observed_tensor, run_guided, sites_log_density
 from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, unwrap_independent
 from pyro_mpt.infer.whitened_latents import check_factors, run_at_points
@@ -24,8 +24,8 @@ from pyro_mpt.ops.conditional_sampling import (
     latent_gaussian_marginal_sample,
     mixture_component_sample,
 )
-from pyro_mpt.ops.importance import fill_masked
 from pyro_mpt.ops.masks import masked_sum, select_masked
+from pyro_mpt.ops.self_normalised_importance import fill_masked
 
 __all__ = ["draw_hidden"]
 
@@ -156,7 +156,7 @@ def _encode_decode(prepared, call, hidden, num_samples, joint):
 
 _SAMPLERS = {
     GaussianSelfPredictive: _exact,
-    _QuadratureSelfPredictive: _quadrature,
+    QuadratureRuleSelfPredictive: _quadrature,
     ImportanceSelfPredictive: _importance,
     EncodeDecodeSelfPredictive: _encode_decode,
 }

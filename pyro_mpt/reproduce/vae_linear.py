@@ -40,7 +40,7 @@ from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.datasets import load_mnist, train_test_split
 from pyro_mpt.models import LinearVAE
-from pyro_mpt.ops.quadrature import gauss_hermite_grid
+from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,

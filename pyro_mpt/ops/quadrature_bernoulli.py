@@ -1,7 +1,7 @@
 """Quadrature conditionals of binary data under ``Bernoulli(logits)`` shared by every
 observation: the likelihood of image models.
 
-This is :func:`~pyro_mpt.ops.tabulated_quadrature.tabulated_log_conditionals` with the table
+This is :func:`~pyro_mpt.ops.quadrature_tabulated.tabulated_log_conditionals` with the table
 
 .. math::
 
@@ -25,8 +25,8 @@ computed exactly instead, with its gradient, from the likelihoods of its feature
 nodes. Every conditional is then exact to a relative ``64 (G + 1)`` rounding errors at worst.
 Where more than one entry in 64 needs that, or a conditional is below the fourth root of the
 smallest normal number (``3e-10`` in float32, where the floors of
-:mod:`pyro_mpt.ops.quadrature` start to matter), the two-value table of
-:mod:`pyro_mpt.ops.tabulated_quadrature` is used instead: exact, and slower.
+:mod:`pyro_mpt.ops.floored_exp` start to matter), the two-value table of
+:mod:`pyro_mpt.ops.quadrature_tabulated` is used instead: exact, and slower.
 
 This module is pure tensor code: no Pyro effects.
 """
@@ -37,11 +37,11 @@ from typing import NamedTuple
 import torch
 
 from pyro_mpt.ops.bernoulli import log_sigmoid
-from pyro_mpt.ops.quadrature import _gemm_safe_floor
-from pyro_mpt.ops.tabulated_quadrature import (
-    _conditionals_backward,
-    _conditionals_forward,
-    _node_posterior,
+from pyro_mpt.ops.floored_exp import gemm_safe_floor
+from pyro_mpt.ops.quadrature_tabulated import (
+    floored_node_posterior,
+    table_conditionals_backward,
+    table_conditionals_forward,
 )
 
 __all__ = ["bernoulli_log_conditionals", "bernoulli_log_table"]
@@ -84,7 +84,7 @@ class _BernoulliLogTable(torch.autograd.Function):
 
 
 def bernoulli_log_table(logits):
-    """The table of :func:`~pyro_mpt.ops.tabulated_quadrature.tabulated_log_conditionals`
+    """The table of :func:`~pyro_mpt.ops.quadrature_tabulated.tabulated_log_conditionals`
     for ``Bernoulli(logits=eta)``:
 
     .. math::
@@ -110,7 +110,7 @@ class _Orientation(NamedTuple):
 def _orient(logits, ones):
     """The :class:`_Orientation` of the rows, the log-likelihoods of ``o_j`` and of
     ``1 - o_j`` at the nodes, ``(G, D)`` each, and whether some ``F`` may be below the floor
-    of :mod:`pyro_mpt.ops.quadrature`."""
+    of :mod:`pyro_mpt.ops.floored_exp`."""
     signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     signed_logits = logits * signs
     likelihood = torch.sigmoid(signed_logits)
@@ -126,7 +126,7 @@ def _orient(logits, ones):
     disagreement = torch.sub(1, agreement).mul_(0.5)
     orientation = _Orientation(signs, likelihood, agreement, disagreement)
     # sigmoid(l) >= exp(l) / 2: below the floor only where l < log(floor) + log(2).
-    needs_floor = lowest < math.log(_gemm_safe_floor(logits.dtype)) + 1
+    needs_floor = lowest < math.log(gemm_safe_floor(logits.dtype)) + 1
     return orientation, log_agree, log_disagree, needs_floor
 
 
@@ -152,7 +152,7 @@ def _oriented_forward(logits, posterior, orientation, needs_floor=True):
     """
     signs, likelihood, agreement, disagreement = orientation
     num_features = likelihood.shape[-1]
-    floor = _gemm_safe_floor(logits.dtype)
+    floor = gemm_safe_floor(logits.dtype)
     # sigmoid(eta) sigmoid(-eta) = F (1 - F): exact to F's rounding error in absolute
     # terms, which is all the gradient it scales needs.
     slope = torch.addcmul(likelihood, likelihood, likelihood, value=-1)
@@ -227,14 +227,14 @@ class _BernoulliConditionals(torch.autograd.Function):
         weight_agree = context - weight_disagree
         # a_rg = log w_g + sum_j c_rj log p(x_rj | z_g)
         log_joint = torch.addmm(log_weights, weight_agree, log_agree.T)
-        posterior = _node_posterior(log_joint.addmm_(weight_disagree, log_disagree.T))
+        posterior = floored_node_posterior(log_joint.addmm_(weight_disagree, log_disagree.T))
         result = _oriented_forward(logits, posterior, orientation, needs_floor)
         ctx.oriented = result is not None
         if not ctx.oriented:
             table = torch.cat([log_agree, log_disagree], -1)  # (G, 2D)
             disagreement = orientation.disagreement
             oriented_onehot = torch.stack([1 - disagreement, disagreement], 1)
-            result = _conditionals_forward(posterior, table, oriented_onehot, overwrite=True)
+            result = table_conditionals_forward(posterior, table, oriented_onehot, overwrite=True)
         out, saved = result
         ctx.save_for_backward(weight_agree, weight_disagree, posterior, *orientation, *saved)
         return out
@@ -246,7 +246,7 @@ class _BernoulliConditionals(torch.autograd.Function):
         orientation, saved = _Orientation(*saved[:4]), saved[4:]
         if not ctx.oriented:
             weighted = torch.cat([weight_agree, weight_disagree], -1)
-            table_grad = _conditionals_backward(grad, weighted, posterior, *saved)
+            table_grad = table_conditionals_backward(grad, weighted, posterior, *saved)
             grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
             logits_grad = torch.zeros_like(grad_agree)
         else:
@@ -260,7 +260,7 @@ class _BernoulliConditionals(torch.autograd.Function):
 
 
 def bernoulli_log_conditionals(log_weights, logits, data, context):
-    """:func:`~pyro_mpt.ops.tabulated_quadrature.tabulated_log_conditionals` with the
+    """:func:`~pyro_mpt.ops.quadrature_tabulated.tabulated_log_conditionals` with the
     table :func:`bernoulli_log_table` ``(logits)``, for binary data under
     ``Bernoulli(logits=eta)`` shared by every observation. The table is built inside, the
     gradient goes to the logits directly, and the sums over nodes take three matrix

@@ -13,17 +13,17 @@ at node ``g`` is a table lookup, ``l_gnj = L_{g v j}`` at ``v = x_nj``, and
 the sums over features and over nodes become matrix products with the table, and no
 ``(G, N, D)`` tensor is formed, in time or in memory. The forward and backward passes are
 written by hand (:class:`torch.autograd.Function`), so that the only large temporaries are
-the table and its exponential. The floors of :mod:`pyro_mpt.ops.quadrature` apply.
+the table and its exponential. The floors of :mod:`pyro_mpt.ops.floored_exp` apply.
 
 Binary data under ``Bernoulli(logits)``, the likelihood of image models, take a faster
-path of their own (:mod:`pyro_mpt.ops.bernoulli_quadrature`).
+path of their own (:mod:`pyro_mpt.ops.quadrature_bernoulli`).
 
 This module is pure tensor code: no Pyro effects.
 """
 
 import torch
 
-from pyro_mpt.ops.quadrature import _floored_exp_, _flushed_exp
+from pyro_mpt.ops.floored_exp import floored_exp_, flushed_exp
 
 __all__ = [
     "tabulated_log_conditionals",
@@ -45,9 +45,9 @@ def value_indicators(values, data):
     return (data.unsqueeze(0) == values.reshape(shape)).to(dtype)
 
 
-def _node_posterior(log_joint):
+def floored_node_posterior(log_joint):
     """``softmax`` over the last dim (the nodes), with weights below the floor set to zero."""
-    posterior = _flushed_exp(log_joint - log_joint.amax(-1, keepdim=True))
+    posterior = flushed_exp(log_joint - log_joint.amax(-1, keepdim=True))
     return posterior.div_(posterior.sum(-1, keepdim=True))
 
 
@@ -61,23 +61,23 @@ def _context_posterior(log_weights, table, onehot, context):
     :param context: ``c_rj``, shape ``(R, D)``.
     """
     weighted = (context.unsqueeze(-2) * onehot).flatten(-2)
-    return weighted, _node_posterior(torch.addmm(log_weights, weighted, table.T))
+    return weighted, floored_node_posterior(torch.addmm(log_weights, weighted, table.T))
 
 
-def _conditionals_forward(posterior, table, onehot, overwrite=False):
+def table_conditionals_forward(posterior, table, onehot, overwrite=False):
     """``log p(x_rj | x_R)``, ``(R, D)``, from the node posterior ``(R, G)`` of
-    :func:`_context_posterior`, and the tensors :func:`_conditionals_backward` needs besides
+    :func:`_context_posterior`, and the tensors :func:`table_conditionals_backward` needs besides
     ``W`` and ``pi``; ``table`` is overwritten by ``E`` if ``overwrite``."""
     table_max = table.amax(0)  # (V * D,)
     shifted = table.sub_(table_max) if overwrite else table - table_max
-    shifted = _floored_exp_(shifted)  # E = exp(L - max_g L), floored
+    shifted = floored_exp_(shifted)  # E = exp(L - max_g L), floored
     sums = (posterior @ shifted).unflatten(-1, onehot.shape[-2:])
     numerator = (sums * onehot).sum(-2)  # (R, D)
     shift = (table_max.unflatten(-1, onehot.shape[-2:]) * onehot).sum(-2)
     return numerator.log().add_(shift), (shifted, numerator, onehot)
 
 
-def _conditionals_backward(grad, weighted, posterior, shifted, numerator, onehot):
+def table_conditionals_backward(grad, weighted, posterior, shifted, numerator, onehot):
     """The gradient ``(pi^T M) * E + B^T W`` with respect to the table ``(G, V * D)``, where
     ``M_r = [x = v] grad_rj / num_rj`` and ``B_rg = pi_rg ((M E^T)_rg - sum_j grad_rj)``."""
     scaled = (onehot * (grad / numerator).unsqueeze(-2)).flatten(-2)  # M, (R, V * D)
@@ -94,20 +94,20 @@ class _TabulatedConditionals(torch.autograd.Function):
     @staticmethod
     def forward(ctx, log_weights, log_table, onehot, context):
         weighted, posterior = _context_posterior(log_weights, log_table, onehot, context)
-        out, saved = _conditionals_forward(posterior, log_table, onehot)
+        out, saved = table_conditionals_forward(posterior, log_table, onehot)
         ctx.save_for_backward(weighted, posterior, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        return None, _conditionals_backward(grad, *ctx.saved_tensors), None, None
+        return None, table_conditionals_backward(grad, *ctx.saved_tensors), None, None
 
 
 def tabulated_log_conditionals(log_weights, log_table, indicators, context):
     """``log p(x_j | x_R)`` by quadrature, for data with few distinct values under
     likelihood parameters shared by every observation; equal to
-    :func:`~pyro_mpt.ops.quadrature.quadrature_log_conditionals` on the full
+    :func:`~pyro_mpt.ops.quadrature_conditionals.quadrature_log_conditionals` on the full
     ``(G,) + batch + (D,)`` tensor of log-likelihoods.
 
     :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``; no gradient flows to it.

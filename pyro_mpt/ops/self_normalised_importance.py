@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from pyro_mpt.ops.floored_exp import floored_exp_, flushed_exp
 from pyro_mpt.ops.masks import masked_sum, select_masked
-from pyro_mpt.ops.quadrature import _floored_exp_, _flushed_exp
 
 __all__ = [
     "check_fill",
@@ -94,14 +94,14 @@ class _ImportanceConditionals(torch.autograd.Function):
             context_ll[s] = masked_sum(ll, context)
             torch.maximum(ll_max, ll, out=ll_max)
         log_joint = log_weights + context_ll
-        weights = _flushed_exp(log_joint - log_joint.amax(0))
+        weights = flushed_exp(log_joint - log_joint.amax(0))
         weights /= weights.sum(0)
         # A feature impossible under every sample keeps its -inf: shift it by 0 instead.
         shift = ll_max.clamp(min=torch.finfo(ll_max.dtype).min)
         shifted = torch.empty_like(log_likelihoods)
         predictive = torch.zeros_like(ll_max)
         for s, ll in enumerate(log_likelihoods):
-            _floored_exp_(torch.sub(ll, shift, out=shifted[s]))
+            floored_exp_(torch.sub(ll, shift, out=shifted[s]))
             predictive.addcmul_(weights[s].unsqueeze(-1), shifted[s])
         ctx.save_for_backward(weights, shifted, predictive, context)
         return predictive.log().add_(ll_max)
@@ -134,7 +134,7 @@ def importance_log_conditionals(log_weights, log_likelihoods, context):
     :returns: a tensor of shape ``(P,) + batch + (D,)``.
 
     Sums over samples are those of shifted exponentials, floored as in
-    :mod:`pyro_mpt.ops.quadrature` (a relative error below ``S sqrt(tiny)``); the forward and
+    :mod:`pyro_mpt.ops.floored_exp` (a relative error below ``S sqrt(tiny)``); the forward and
     backward passes are written by hand (:class:`_ImportanceConditionals`).
     """
     ll = log_likelihoods

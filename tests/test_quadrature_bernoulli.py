@@ -5,9 +5,10 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_mpt.ops import bernoulli_quadrature
-from pyro_mpt.ops.bernoulli_quadrature import bernoulli_log_conditionals
-from pyro_mpt.ops.quadrature import gauss_hermite_grid, quadrature_log_conditionals
+from pyro_mpt.ops import quadrature_bernoulli
+from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals
+from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
+from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 
 
 @pytest.fixture
@@ -15,14 +16,14 @@ def branches(monkeypatch):
     """Records, per call, how many entries the one-product path computed exactly, or
     ``None`` where the two-value table took over."""
     calls = []
-    oriented_forward = bernoulli_quadrature._oriented_forward
+    oriented_forward = quadrature_bernoulli._oriented_forward
 
     def spy(*args):
         result = oriented_forward(*args)
         calls.append(None if result is None else result[1].index.numel())
         return result
 
-    monkeypatch.setattr(bernoulli_quadrature, "_oriented_forward", spy)
+    monkeypatch.setattr(quadrature_bernoulli, "_oriented_forward", spy)
     return calls
 
 
@@ -64,7 +65,7 @@ def test_one_product_path_matches_dense_quadrature(branches):
 def test_confident_mispredictions_are_computed_exactly(branches, monkeypatch):
     # Large logits and data not from the model: many observed values the model gives less
     # than 1/64, all computed exactly when the limit on their number is lifted.
-    monkeypatch.setattr(bernoulli_quadrature, "_MAX_EXACT_FRACTION", 1.0)
+    monkeypatch.setattr(quadrature_bernoulli, "_MAX_EXACT_FRACTION", 1.0)
     _compare(*_decoder_case(logit_scale=6.0, from_model=False), atol=1e-12)
     assert branches[0] > 100
 

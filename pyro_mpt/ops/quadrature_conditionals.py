@@ -1,0 +1,66 @@
+"""Self-predictive conditionals by numerical integration over a low-dimensional latent.
+
+With quadrature nodes ``u_g`` and weights ``w_g`` for a standard normal latent and the
+per-feature log-likelihoods ``l_gj = log p(x_j | z(u_g))`` of every node,
+
+.. math::
+
+    \\log p(x_j \\mid x_R) = \\operatorname{LSE}_g\\Big(\\log w_g + \\sum_{k \\in R} l_{gk}
+        + l_{gj}\\Big) - \\operatorname{LSE}_g\\Big(\\log w_g + \\sum_{k \\in R} l_{gk}\\Big).
+
+One evaluation of the likelihood at every node serves every mask.
+
+When the nodes and the likelihood's parameters are shared by every observation (nodes under
+the prior, a decoder that sees only ``z``) and the data take few distinct values ``v``
+(binary pixels, small counts), ``l_gnj = L_{v j g}`` at ``v = x_nj``: the sums over features
+and over nodes become matrix products with a table over the values, and no ``(G, N, D)``
+tensor is formed (:mod:`pyro_mpt.ops.quadrature_tabulated`).
+
+Sums over nodes are matrix products of exponentials floored as
+:mod:`pyro_mpt.ops.floored_exp` explains.
+
+This module is pure tensor code: no Pyro effects.
+"""
+
+import torch
+
+from pyro_mpt.ops.floored_exp import floored_exp, flushed_exp
+
+__all__ = ["quadrature_log_conditionals", "quadrature_log_marginal"]
+
+
+def quadrature_log_conditionals(log_weights, log_likelihoods, context):
+    """``log p(x_j | x_R)`` for every feature, by quadrature.
+
+    :param torch.Tensor log_weights: ``log w_g``, shape ``(G,)``, or ``(G,) + batch`` for
+        nodes placed per observation.
+    :param torch.Tensor log_likelihoods: ``l_gj``, shape ``(G,) + batch + (D,)``.
+    :param torch.Tensor context: 1/True at observed features, shape
+        ``(P,) + batch + (D,)`` (batch dims may be 1 to share masks).
+    :returns: a tensor of shape ``(P,) + batch + (D,)``.
+
+    The sums over nodes are matrix products of exponentials shifted by their maxima over
+    the nodes (see the module notes on the floor), so no ``(G, P, N, D)`` tensor is formed.
+    """
+    ll = log_likelihoods
+    # a_g = log w_g + sum_{k in R} l_gk, shape (P,) + batch + (G,).
+    context_ll = torch.einsum("g...d,p...d->p...g", ll, context.to(ll.dtype))
+    if not bool(torch.isfinite(context_ll).all()):
+        # A -inf likelihood at a masked feature must not turn its context sum into NaN.
+        picked = torch.where(context.to(torch.bool), ll.unsqueeze(1), 0.0)  # (G, P) + ...
+        context_ll = picked.sum(-1).movedim(0, -1)
+    a = log_weights.movedim(0, -1) + context_ll
+    wa = flushed_exp(a - a.amax(-1, keepdim=True))
+    ll_max = ll.amax(0)  # batch + (D,)
+    # A value impossible at every node keeps its -inf: shift it by a finite number instead.
+    el = floored_exp(ll - ll_max.clamp(min=torch.finfo(ll.dtype).min))
+    numerator = torch.einsum("p...g,g...d->p...d", wa, el)
+    return numerator.log() + ll_max - wa.sum(-1, keepdim=True).log()
+
+
+def quadrature_log_marginal(log_weights, log_likelihoods):
+    """``log p(x) = LSE_g(log w_g + sum_j l_gj)``, shape ``batch``; ``log_weights`` of shape
+    ``(G,)`` or ``(G,) + batch``."""
+    total = log_likelihoods.sum(-1)  # (G,) + batch
+    log_weights = log_weights.reshape(log_weights.shape + (1,) * (total.dim() - log_weights.dim()))
+    return torch.logsumexp(log_weights + total, dim=0)
