@@ -123,7 +123,7 @@ def summary_rows(reports):
         ratio = mlm_curve["results"][0]["ratio_loop_over_curve"]
         rows.append(
             (
-                "plain forward loop / mpt_curve",
+                "plain forward loop / mlm_mpt_curve",
                 f"{ratio:.2f}",
                 f">= {target}",
                 _status(ratio >= target),

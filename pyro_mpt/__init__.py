@@ -1,7 +1,7 @@
 """pyro_mpt: train Bayesian models by masked pre-training, a stochastic estimate of the
 log-marginal likelihood."""
 
-from pyro_mpt.diagnostics import MPTCurve, log_marginal, mpt_curve, plot_mpt_curve
+from pyro_mpt.diagnostics import MPTCurve, default_rates, log_marginal, mpt_curve, plot_mpt_curve
 from pyro_mpt.generation import gibbs, impute
 from pyro_mpt.loss import MPTLoss
 
@@ -11,6 +11,7 @@ __all__ = [
     "MPTCurve",
     "MPTLoss",
     "__version__",
+    "default_rates",
     "gibbs",
     "impute",
     "log_marginal",

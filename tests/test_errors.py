@@ -131,12 +131,14 @@ def test_log_marginal_rejects_models_without_closed_form():
 def test_mpt_curve_argument_errors():
     model = _model_factory("ok")
     x = torch.randn(4, 3)
-    with pytest.raises(ValueError, match=r"either sizes or rates"):
+    with pytest.raises(ValueError, match=r"sizes=\[1\] and rates=\[0.5\]; pass one of them"):
         mpt_curve(model, x, sizes=[1], rates=[0.5])
     with pytest.raises(ValueError, match=r"sizes must be .* mask sizes in 1..3, got"):
         mpt_curve(model, x, sizes=[0, 4])
-    with pytest.raises(ValueError, match=r"rates must be a non-empty list of values in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"rates must be a non-empty sequence .* in \(0, 1\]"):
         mpt_curve(model, x, rates=[0.0, 0.5])
+    with pytest.raises(TypeError, match=r"rates must be a sequence of floats in \(0, 1\], got"):
+        mpt_curve(model, x, rates=["a"])
 
 
 @pytest.mark.parametrize("conditionals", ["quadrature", "importance"])

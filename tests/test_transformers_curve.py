@@ -1,5 +1,7 @@
-"""``pyro_mpt.transformers.mpt_curve`` on tiny BERTs built from configs (nothing downloaded)."""
+"""``pyro_mpt.transformers.mlm_mpt_curve`` on tiny BERTs built from configs (nothing
+downloaded), checked against forward passes over every mask written out in the test."""
 
+import itertools
 import math
 import os
 import types
@@ -12,8 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer  # noqa: E402
 
+from pyro_mpt import MPTCurve, default_rates  # noqa: E402
 from pyro_mpt.ops.masks import FixedRate  # noqa: E402
-from pyro_mpt.transformers import MaskedCurve, default_rates, mpt_curve  # noqa: E402
+from pyro_mpt.transformers import mlm_mpt_curve  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -50,8 +53,10 @@ def _texts(count, low, high, seed=0):
 def test_random_bert_gives_a_flat_curve_at_minus_log_v(tokenizer):
     model = _bert(len(tokenizer))
     texts = _texts(24, 20, 40)
-    curve = mpt_curve(model, tokenizer, texts, rates=default_rates(0.05, 0.95, 0.1), num_masks=8)
-    assert isinstance(curve, MaskedCurve) and curve.scores.shape == (10,)
+    curve = mlm_mpt_curve(
+        model, tokenizer, texts, rates=default_rates(0.05, 0.95, 0.1), num_masks=8
+    )
+    assert isinstance(curve, MPTCurve) and curve.scores.shape == (10,)
     log_v = math.log(len(tokenizer))
     # Tolerance, derived: the LM head's LayerNorm output h has |h|^2 = H and the tied output
     # embeddings are N(0, s0^2) with zero bias, so the logits are N(0, s^2), s^2 = s0^2 H.
@@ -71,14 +76,64 @@ def test_random_bert_gives_a_flat_curve_at_minus_log_v(tokenizer):
     mean_d = float(curve.num_features.double().mean())
     area_tol = mean_d * (s**2 / 2 + 4 * model_sd + 4 * float(curve.stderr.max()))
     assert abs(curve.area + mean_d * log_v) < area_tol
-    expected_area = (curve.num_features * curve.sequence_scores.mean(1)).mean()
-    assert curve.area == pytest.approx(float(expected_area), rel=1e-12)
+
+
+def _enumerated_scores(model, tokenizer, text):
+    """Every mask of the text's ``D`` letters scored by its own forward pass:
+    ``{M: (C(D, M),)}``, each entry the mean log-probability of the masked letters."""
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0].to(DEVICE)
+    letters = range(1, len(ids) - 1)  # [CLS] and [SEP] are never masked
+    out = {}
+    for size in range(1, len(letters) + 1):
+        scores = []
+        for masked in itertools.combinations(letters, size):
+            row = ids.clone()
+            row[list(masked)] = tokenizer.mask_token_id
+            with torch.no_grad():
+                logp = model(input_ids=row[None]).logits[0].double().log_softmax(-1)
+            scores.append(logp[list(masked), ids[list(masked)]].mean())
+        out[size] = torch.stack(scores).cpu()
+    return out
+
+
+def test_curve_and_area_match_every_mask_enumerated(tokenizer):
+    """Sequences of 3 and 5 letters: at each rate the score is within 4 exact standard
+    errors of the mean over all masks of that size, the standard errors match the exact
+    ones (400 masks: about 5% sampling noise; allowed 15%), and the area is the D-weighted
+    mean of the exact scores within 4 of its own."""
+    model = _bert(len(tokenizer), seed=9, hidden=16, layers=1)
+    texts = ["c a b", "e d a c b"]
+    rates = [0.2, 0.4, 0.6, 0.8, 1.0]
+    sizes = {3: [1, 1, 2, 2, 3], 5: [1, 2, 3, 4, 5]}  # max(1, round half up of r D)
+    num_masks = 400
+    torch.manual_seed(10)
+    curve = mlm_mpt_curve(model, tokenizer, texts, rates=rates, num_masks=num_masks, progress=False)
+    assert curve.sizes.tolist() == [sizes[3], sizes[5]]
+    exact, variance = torch.zeros(2, 5), torch.zeros(2, 5)
+    for i, text in enumerate(texts):
+        every = _enumerated_scores(model, tokenizer, text)
+        for k, size in enumerate(sizes[len(every)]):
+            exact[i, k] = every[size].mean()
+            variance[i, k] = every[size].var(unbiased=False) / num_masks
+    exact_se = variance.sum(0).sqrt() / 2
+    expected = exact.mean(0)
+    assert ((curve.scores - expected).abs() <= 4 * exact_se + 1e-6).all()
+    moving = exact_se > 0  # rate 1 has a single mask per sequence
+    torch.testing.assert_close(curve.stderr[moving], exact_se[moving], rtol=0.15, atol=0)
+    assert (curve.stderr[~moving] < 1e-6).all()
+    d = torch.tensor([3.0, 5.0]).unsqueeze(-1)
+    area = float((d * exact).mean(1).mean())
+    area_se = float(((d / 10).pow(2) * variance).sum().sqrt())
+    assert abs(curve.area - area) <= 4 * area_se
+    assert curve.area_stderr == pytest.approx(area_se, rel=0.15)
+    expected_fraction = (torch.tensor([sizes[3], sizes[5]]) / d).mean(0)
+    torch.testing.assert_close(curve.masked_fraction, expected_fraction)
 
 
 def test_rate_one_masks_everything_and_matches_a_hand_forward_pass(tokenizer):
     model = _bert(len(tokenizer), seed=1)
     texts = _texts(3, 5, 12, seed=1)
-    curve = mpt_curve(model, tokenizer, texts, rates=[1.0], num_masks=2, progress=False)
+    curve = mlm_mpt_curve(model, tokenizer, texts, rates=[1.0], num_masks=2, progress=False)
     for i, text in enumerate(texts):
         enc = tokenizer(text, return_tensors="pt")
         ids = enc["input_ids"].to(DEVICE)
@@ -88,17 +143,17 @@ def test_rate_one_masks_everything_and_matches_a_hand_forward_pass(tokenizer):
         with torch.no_grad():
             logp = model(input_ids=masked).logits[0].log_softmax(-1)
         expected = logp[inner, ids[0, inner]].mean()
-        torch.testing.assert_close(curve.sequence_scores[i, 0], expected.double().cpu())
+        torch.testing.assert_close(curve.observation_scores[i, 0], expected.double().cpu())
     # Both masks at rate 1 are the same: no Monte Carlo spread.
     assert float(curve.stderr[0]) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_a_sequence_scores_the_same_alone_or_padded_in_a_batch(tokenizer):
+def test_a_observation_scores_the_same_alone_or_padded_in_a_batch(tokenizer):
     model = _bert(len(tokenizer), seed=2)
     short, long = _texts(1, 4, 4, seed=2)[0], _texts(1, 30, 30, seed=3)[0]
-    alone = mpt_curve(model, tokenizer, [short], rates=[1.0], num_masks=1, progress=False)
-    both = mpt_curve(model, tokenizer, [long, short], rates=[1.0], num_masks=1, progress=False)
-    torch.testing.assert_close(both.sequence_scores[1], alone.sequence_scores[0])
+    alone = mlm_mpt_curve(model, tokenizer, [short], rates=[1.0], num_masks=1, progress=False)
+    both = mlm_mpt_curve(model, tokenizer, [long, short], rates=[1.0], num_masks=1, progress=False)
+    torch.testing.assert_close(both.observation_scores[1], alone.observation_scores[0])
 
 
 def test_single_token_masks_estimate_the_exact_leave_one_out_score(tokenizer):
@@ -113,7 +168,7 @@ def test_single_token_masks_estimate_the_exact_leave_one_out_score(tokenizer):
         with torch.no_grad():
             exact.append(model(input_ids=masked).logits[0, j].log_softmax(-1)[ids[0, j]])
     exact = float(torch.stack(exact).mean())
-    curve = mpt_curve(model, tokenizer, [text], rates=[0.1], num_masks=200, progress=False)
+    curve = mlm_mpt_curve(model, tokenizer, [text], rates=[0.1], num_masks=200, progress=False)
     assert curve.masked_fraction.tolist() == [0.1]
     assert abs(float(curve.scores[0]) - exact) < 4 * float(curve.stderr[0])
 
@@ -129,7 +184,7 @@ def test_each_row_masks_the_rate_s_share_of_non_special_tokens(tokenizer):
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        curve = mpt_curve(model, tokenizer, texts, rates=rates, num_masks=3, batch_size=7)
+        curve = mlm_mpt_curve(model, tokenizer, texts, rates=rates, num_masks=3, batch_size=7)
     finally:
         handle.remove()
     lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
@@ -166,16 +221,10 @@ def test_ids_and_strings_and_batch_sizes_give_the_same_curve(tokenizer):
     curves = []
     for inputs, batch in ((texts, 64), (ids, 3), ([torch.tensor(i) for i in ids], 1)):
         torch.manual_seed(7)
-        curves.append(mpt_curve(model, tokenizer, inputs, rates=[0.2, 0.6], batch_size=batch))
+        curves.append(mlm_mpt_curve(model, tokenizer, inputs, rates=[0.2, 0.6], batch_size=batch))
     for other in curves[1:]:
-        torch.testing.assert_close(other.sequence_scores, curves[0].sequence_scores)
+        torch.testing.assert_close(other.observation_scores, curves[0].observation_scores)
         assert other.area == pytest.approx(curves[0].area, rel=1e-10)
-
-
-def test_default_rates_are_the_paper_s_one_to_ninety_nine_percent():
-    rates = default_rates()
-    assert len(rates) == 99 and rates[0] == 0.01 and rates[-1] == 0.99
-    torch.testing.assert_close(rates[1:] - rates[:-1], torch.full((98,), 0.01, dtype=torch.float64))
 
 
 def test_bad_arguments_raise_clear_errors(tokenizer):
@@ -183,21 +232,21 @@ def test_bad_arguments_raise_clear_errors(tokenizer):
     texts = ["a b c", "d e"]
     no_mask = types.SimpleNamespace(mask_token_id=None)
     with pytest.raises(ValueError, match="has no mask token"):
-        mpt_curve(model, no_mask, texts)
+        mlm_mpt_curve(model, no_mask, texts)
     with pytest.raises(ValueError, match=r"rates must be a non-empty sequence .* in \(0, 1\]"):
-        mpt_curve(model, tokenizer, texts, rates=[0.5, 1.5])
+        mlm_mpt_curve(model, tokenizer, texts, rates=[0.5, 1.5])
     with pytest.raises(ValueError, match=r"rates must be a non-empty"):
-        mpt_curve(model, tokenizer, texts, rates=[])
+        mlm_mpt_curve(model, tokenizer, texts, rates=[])
     with pytest.raises(ValueError, match=r"texts\[1\] has no maskable token"):
-        mpt_curve(model, tokenizer, ["a b", ""])
+        mlm_mpt_curve(model, tokenizer, ["a b", ""])
     with pytest.raises(ValueError, match="texts must be a non-empty list"):
-        mpt_curve(model, tokenizer, "a b c")
+        mlm_mpt_curve(model, tokenizer, "a b c")
     with pytest.raises(TypeError, match=r"texts\[1\] must be a string or a list of token ids"):
-        mpt_curve(model, tokenizer, [[2, 5, 3], "a b"])
+        mlm_mpt_curve(model, tokenizer, [[2, 5, 3], "a b"])
     with pytest.raises(ValueError, match="num_masks must be at least 1, got 0"):
-        mpt_curve(model, tokenizer, texts, num_masks=0)
+        mlm_mpt_curve(model, tokenizer, texts, num_masks=0)
     with pytest.raises(TypeError, match="batch_size must be a positive int"):
-        mpt_curve(model, tokenizer, texts, batch_size=2.5)
+        mlm_mpt_curve(model, tokenizer, texts, batch_size=2.5)
 
 
 def test_half_precision_models_score_in_float32(tokenizer):
@@ -206,8 +255,10 @@ def test_half_precision_models_score_in_float32(tokenizer):
     model = _bert(len(tokenizer), seed=6)
     texts = _texts(3, 8, 16, seed=7)
     torch.manual_seed(8)
-    exact = mpt_curve(model, tokenizer, texts, rates=[0.3, 0.7], progress=False)
+    exact = mlm_mpt_curve(model, tokenizer, texts, rates=[0.3, 0.7], progress=False)
     torch.manual_seed(8)
-    half = mpt_curve(model.to(torch.bfloat16), tokenizer, texts, rates=[0.3, 0.7], progress=False)
+    half = mlm_mpt_curve(
+        model.to(torch.bfloat16), tokenizer, texts, rates=[0.3, 0.7], progress=False
+    )
     assert half.scores.dtype == torch.float64 and torch.isfinite(half.scores).all()
     torch.testing.assert_close(half.scores, exact.scores, atol=0.05, rtol=0)

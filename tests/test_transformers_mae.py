@@ -1,6 +1,7 @@
 """ViT-MAE: exact control of the masking, the Gaussian patch score, the curve and training
 with rate schedules, on tiny models built from configs."""
 
+import itertools
 import math
 import os
 
@@ -12,8 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import ViTMAEConfig  # noqa: E402
 
-from pyro_mpt.ops.masks import FixedRate, masks_of_sizes  # noqa: E402
-from pyro_mpt.transformers import mae_curve, mae_loss, train_mae  # noqa: E402
+from pyro_mpt.ops.masks import masks_of_sizes  # noqa: E402
+from pyro_mpt.transformers import mae_loss, mae_mpt_curve, train_mae  # noqa: E402
 from pyro_mpt.transformers.vit_mae import (  # noqa: E402
     mask_ratio,
     masked_forward,
@@ -96,7 +97,7 @@ def test_curve_scores_match_the_model_s_own_loss(norm_pix_loss):
     model = _mae(norm_pix_loss=norm_pix_loss, seed=1).eval()
     images = torch.rand(5, 1, 8, 8, device=DEVICE)
     torch.manual_seed(3)
-    curve = mae_curve(model, images, rates=[0.5], num_masks=1, scale=0.2, progress=False)
+    curve = mae_mpt_curve(model, images, rates=[0.5], num_masks=1, scale=0.2, progress=False)
     torch.manual_seed(3)
     masks = masks_of_sizes(torch.full((5,), 8, device=DEVICE), 16)
     with torch.no_grad():
@@ -109,22 +110,59 @@ def test_curve_scores_match_the_model_s_own_loss(norm_pix_loss):
         torch.testing.assert_close(target.mean(-1), torch.zeros(5, 16), atol=1e-6, rtol=0)
 
 
-def test_curve_masked_fraction_and_area():
+def _enumerated_scores(model, images, scale):
+    """Every mask of the ``L`` patches scored by its own forward pass, each masked patch by
+    a Gaussian density written out here: ``{M: (C(L, M), N)}`` for ``M = 1 ... L - 1``."""
+    total = num_patches(model)
+    target = reconstruction_targets(model, images)
+    out = {}
+    for size in range(1, total):
+        scores = []
+        for masked in itertools.combinations(range(total), size):
+            mask = torch.zeros(total, dtype=torch.bool, device=DEVICE)
+            mask[list(masked)] = True
+            with torch.no_grad():
+                prediction = masked_forward(model, images, mask.expand(len(images), -1)).logits
+            density = torch.distributions.Normal(prediction.double(), scale)
+            per_patch = density.log_prob(target.double()).sum(-1)
+            scores.append(per_patch[:, list(masked)].mean(-1))
+        out[size] = torch.stack(scores).cpu()
+    return out
+
+
+def test_curve_and_area_match_every_mask_enumerated():
+    """L = 4 patches: at each rate the score is within 4 exact standard errors of the mean
+    over all masks of that size, the standard errors match the exact ones (300 masks: about
+    6% sampling noise; allowed 20%), and the area, L times the mean score over rates, is
+    within 4 of its exact standard errors."""
+    model = _mae(image_size=4, patch_size=2, seed=2).eval()
+    images = torch.rand(3, 1, 4, 4, device=DEVICE)
+    rates = [0.25, 0.5, 0.75]
+    num_masks = 300
+    torch.manual_seed(4)
+    curve = mae_mpt_curve(
+        model, images, rates=rates, num_masks=num_masks, scale=0.3, progress=False
+    )
+    assert curve.sizes.tolist() == [[1, 2, 3]] * 3 and curve.num_features.tolist() == [4] * 3
+    torch.testing.assert_close(curve.masked_fraction, torch.tensor(rates))
+    every = _enumerated_scores(model, images, 0.3)
+    expected = torch.stack([every[m].mean() for m in (1, 2, 3)])
+    variance = torch.stack([every[m].var(0, unbiased=False) / num_masks for m in (1, 2, 3)])
+    exact_se = variance.sum(1).sqrt() / 3
+    assert ((curve.scores - expected).abs() <= 4 * exact_se).all()
+    torch.testing.assert_close(curve.stderr, exact_se, rtol=0.2, atol=0)
+    area_se = float(variance.sum().sqrt() * 4 / (3 * 3))
+    assert abs(curve.area - 4 * float(expected.mean())) <= 4 * area_se
+    assert curve.area_stderr == pytest.approx(area_se, rel=0.2)
+
+
+def test_curve_refuses_rates_that_hide_every_patch_and_non_image_batches():
     model = _mae(seed=2)
     images = torch.rand(4, 1, 8, 8, device=DEVICE)
-    rates = [0.05, 0.3, 0.5, 0.95]
-    curve = mae_curve(model, images, rates=rates, num_masks=3, progress=False)
-    zero = torch.zeros(1, dtype=torch.float64)
-    sizes = [int(FixedRate(r).sizes_from_quantiles(zero, 16)) for r in rates]
-    assert sizes == [1, 5, 8, 15]
-    torch.testing.assert_close(curve.masked_fraction, torch.tensor(sizes).double() / 16)
-    assert curve.num_features.tolist() == [16] * 4
-    assert curve.area == pytest.approx(16 * float(curve.sequence_scores.mean()), rel=1e-12)
-    assert torch.isfinite(curve.stderr).all()
     with pytest.raises(ValueError, match="mask all 16 patches at their largest"):
-        mae_curve(model, images, rates=[0.5, 1.0])
+        mae_mpt_curve(model, images, rates=[0.5, 1.0])
     with pytest.raises(ValueError, match="pixel_values must be a batch of images"):
-        mae_curve(model, images[0], rates=[0.5])
+        mae_mpt_curve(model, images[0], rates=[0.5])
 
 
 def test_mae_loss_draws_mask_sizes_from_the_schedule():
@@ -153,12 +191,12 @@ def test_training_lowers_the_loss_and_raises_the_curve():
         images[i, 0, r : r + 4, c : c + 4] = 1.0
     model = _mae(seed=4)
     torch.manual_seed(5)
-    before = mae_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
+    before = mae_mpt_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
     losses = train_mae(model, images, rate=(0.2, 0.8), epochs=30, batch_size=32, lr=3e-3)
     assert len(losses) == 60 and not model.training
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     torch.manual_seed(5)
-    after = mae_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
+    after = mae_mpt_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
     assert after.area > before.area
     with pytest.raises(ValueError, match="epochs must be at least 1"):
         train_mae(model, images, epochs=0)

@@ -1,10 +1,17 @@
-"""Reference evaluators and diagnostics: the exact LML and the MPT curve."""
+"""Reference evaluators and diagnostics: the exact LML, the MPT curve and chain mixing."""
 
-from pyro_mpt.diagnostics.curve import MPTCurve, mpt_curve
+from pyro_mpt.diagnostics.curve import MPTCurve, default_rates
 from pyro_mpt.diagnostics.log_marginal import log_marginal
+from pyro_mpt.diagnostics.mixing import Mixing, mixing_diagnostics
 from pyro_mpt.diagnostics.plotting import plot_mpt_curve
+from pyro_mpt.diagnostics.pyro_curve import mpt_curve
 
-__all__ = ["MPTCurve", "log_marginal", "mpt_curve", "plot_mpt_curve"]
-from pyro_mpt.diagnostics.mixing import Mixing, mixing_diagnostics  # noqa: E402
-
-__all__ += ["Mixing", "mixing_diagnostics"]
+__all__ = [
+    "MPTCurve",
+    "Mixing",
+    "default_rates",
+    "log_marginal",
+    "mixing_diagnostics",
+    "mpt_curve",
+    "plot_mpt_curve",
+]

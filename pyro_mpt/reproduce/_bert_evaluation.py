@@ -57,11 +57,11 @@ def _features(model, tokenizer, rows, device):
 def evaluate_masked_lm(model, data, cfg, seed, device):
     """The held-out area under the MPT curve, accuracy at 15% and topic probe of ``model``
     (see the ``bert-rates`` reproduction for the definitions)."""
-    from pyro_mpt.transformers import mpt_curve
+    from pyro_mpt.transformers import mlm_mpt_curve
 
     tokenizer = data["tokenizer"]
     seed_everything(derived_seed(seed, 5))  # the same held-out masks for every model
-    curve = mpt_curve(
+    curve = mlm_mpt_curve(
         model,
         tokenizer,
         data["held_out"],

@@ -12,7 +12,7 @@ with the PyPI package ``antiberty`` and load offline
 Data: the 32 variable domains (16 heavy, 16 light chains, 106-127 residues) of approved
 therapeutic antibodies in :data:`pyro_mpt.transformers.antiberty.ANTIBODY_SEQUENCES`.
 
-Curve: :func:`pyro_mpt.transformers.mpt_curve`; at rate ``r`` each sequence of ``D``
+Curve: :func:`pyro_mpt.transformers.mlm_mpt_curve`; at rate ``r`` each sequence of ``D``
 residues has ``max(1, round(r D))`` of them replaced by ``[MASK]`` (``[CLS]`` and ``[SEP]``
 are never masked), ``P`` random masks per sequence and rate; the score is the mean
 log-probability of a masked residue and the area ``D · mean_r S`` estimates ``log p(x)``
@@ -56,7 +56,7 @@ PAPER_TABLE2 = {
 
 
 def _config(smoke, full):
-    from pyro_mpt.transformers import default_rates
+    from pyro_mpt import default_rates
 
     if smoke:
         return dict(num_sequences=2, rates=[0.1, 0.5, 0.9], num_masks=1, batch_size=8)
@@ -80,7 +80,7 @@ def _sequences(num_sequences):
 
 def _chain_areas(curve, names):
     d = curve.num_features.double()
-    per_sequence = d * curve.sequence_scores.mean(1)
+    per_sequence = d * curve.observation_scores.mean(1)
     out = {}
     for chain in ("vh", "vl"):
         keep = torch.tensor([n.endswith(f"_{chain}") for n in names])
@@ -102,7 +102,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show progress bars.
     :returns: the results dict (also written as JSON).
     """
-    from pyro_mpt.transformers import mpt_curve
+    from pyro_mpt.transformers import mlm_mpt_curve
     from pyro_mpt.transformers.antiberty import load_antiberty, random_antiberty, spaced
 
     check_size(smoke, full)
@@ -121,7 +121,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     for key, (label, model) in enumerate(models.items()):
         seed_everything(derived_seed(seed, 2, key))
         with Stopwatch() as watch:
-            curves[label] = mpt_curve(
+            curves[label] = mlm_mpt_curve(
                 model.to(device),
                 tokenizer,
                 texts,

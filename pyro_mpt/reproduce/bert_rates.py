@@ -17,7 +17,7 @@ the MPT weights are the constant ``D/M``, so that run is BERT's objective.
 
 Evaluation on the held-out articles (the first sequence of each):
 
-* **area**: :func:`pyro_mpt.transformers.mpt_curve` at the midpoint rates 5%, 15%, ..., 95%,
+* **area**: :func:`pyro_mpt.transformers.mlm_mpt_curve` at the midpoint rates 5%, 15%, ..., 95%,
   ``D · mean_r S(r)``, the estimate of ``log p(x)`` per sequence (nats; higher is better);
 * **acc@15%**: the share of masked tokens predicted exactly (argmax) when 15% of the tokens
   are replaced by ``[MASK]`` (BERT's usual metric);

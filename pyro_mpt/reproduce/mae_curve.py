@@ -17,7 +17,7 @@ batches of 32, 12 epochs), one mask size per step drawn from the rate schedule:
 * ``uniform``: ``M ~ Uniform{1, ..., 48}`` (capped so one patch stays visible), the
   unbiased MPT objective.
 
-Curve: :func:`pyro_mpt.transformers.mae_curve` on held-out images at 5%, 10%, ..., 95%, a
+Curve: :func:`pyro_mpt.transformers.mae_mpt_curve` on held-out images at 5%, 10%, ..., 95%, a
 masked patch scored as a Gaussian with pixel standard deviation 0.1; area = ``49 · mean_r
 S`` (nats per image). Linear probe: multinomial logistic regression on the mean of the
 encoder's patch tokens with nothing masked, fitted on the training images and scored on the
@@ -122,11 +122,11 @@ def _data(cfg, seed, device):
 
 
 def _evaluate(model, data, cfg, seed, progress):
-    from pyro_mpt.transformers import mae_curve
+    from pyro_mpt.transformers import mae_mpt_curve
 
     x_train, x_test, y_train, y_test = data
     seed_everything(derived_seed(seed, 3))  # the same masks for every model
-    curve = mae_curve(
+    curve = mae_mpt_curve(
         model,
         x_test,
         rates=cfg["rates"],

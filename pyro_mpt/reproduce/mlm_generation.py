@@ -71,9 +71,9 @@ def _sequences(num_sequences, length):
 
 def _starts(tokenizer, ids, attention, mask_fraction, seed):
     """The fully masked and the half masked copies of the real sequences ``ids``."""
-    from pyro_mpt.transformers.generation import _content
+    from pyro_mpt.transformers.generation import content_positions
 
-    content = _content(ids, tokenizer, attention)
+    content = content_positions(ids, tokenizer, attention)
     fully = ids.masked_fill(content, tokenizer.mask_token_id)
     gen = torch.Generator().manual_seed(seed)
     keys = torch.rand(ids.shape, generator=gen).masked_fill(~content, 2.0)

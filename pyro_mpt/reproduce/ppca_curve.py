@@ -139,7 +139,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         panels=[
             dict(
                 {k: v for k, v in p.items() if k != "curve"},
-                sizes=p["curve"].sizes,
+                sizes=p["curve"].sizes[0],
                 rates=p["curve"].rates,
                 scores=p["curve"].scores,
                 stderr=p["curve"].stderr,

@@ -205,7 +205,7 @@ def _entry(point):
     curve = point["curve"]
     return dict(
         {k: v for k, v in point.items() if k not in ("curve", "epoch")},
-        sizes=curve.sizes,
+        sizes=curve.sizes[0],
         rates=curve.rates,
         scores=curve.scores,
         stderr=curve.stderr,

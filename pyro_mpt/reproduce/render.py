@@ -781,7 +781,8 @@ def _bench_transformers(ctx):
         cfg, r = curve["config"], curve["results"][0]
         parts.append(
             f"{ctx.code('bench_mlm_curve.py')}, same run: "
-            f"{ctx.code('pyro_mpt.transformers.mpt_curve')} takes {r['mpt_curve_ms']:.0f} ms for "
+            f"{ctx.code('pyro_mpt.transformers.mlm_mpt_curve')} takes "
+            f"{r['mpt_curve_ms']:.0f} ms for "
             f"{r['masked_sequences']} masked sequences of a {cfg['model']}, a plain loop of "
             f"forward passes over the same batches {r['plain_loop_ms']:.0f} ms: loop/curve = "
             f"{r['ratio_loop_over_curve']:.2f} (target ≥ {cfg['target_ratio']:g})."

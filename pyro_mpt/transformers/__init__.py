@@ -2,7 +2,8 @@
 
 The same rate schedules as :class:`pyro_mpt.MPTLoss` (``"uniform"``, a fixed rate, a
 ``(lo, hi)`` range) applied to masked language models (BERT, RoBERTa) and to ViT-MAE, with
-the MPT curve and its area as diagnostics. Needs the optional extra::
+their MPT curves (:func:`mlm_mpt_curve`, :func:`mae_mpt_curve`, each an
+:class:`~pyro_mpt.MPTCurve`) as diagnostics. Needs the optional extra::
 
     pip install "pyro-mpt[transformers]"
 
@@ -27,14 +28,14 @@ from pyro_mpt.transformers.trainer import MPTTrainer  # noqa: E402
 
 __all__ += ["MPTTrainer", "masked_token_log_probs", "mpt_mlm_loss", "mpt_sequence_estimates"]
 
-from pyro_mpt.transformers.curve import MaskedCurve, default_rates, mpt_curve  # noqa: E402
+from pyro_mpt.transformers.mlm_curve import mlm_mpt_curve  # noqa: E402
 
-__all__ += ["MaskedCurve", "default_rates", "mpt_curve"]
+__all__ += ["mlm_mpt_curve"]
 
-from pyro_mpt.transformers.mae_curve import mae_curve  # noqa: E402
 from pyro_mpt.transformers.mae_training import mae_loss, train_mae  # noqa: E402
+from pyro_mpt.transformers.vit_mae_curve import mae_mpt_curve  # noqa: E402
 
-__all__ += ["mae_curve", "mae_loss", "train_mae"]
+__all__ += ["mae_loss", "mae_mpt_curve", "train_mae"]
 
 from pyro_mpt.transformers.generation import (  # noqa: E402
     MLMSamples,

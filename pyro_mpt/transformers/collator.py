@@ -8,7 +8,7 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import as_rate_schedule
-from pyro_mpt.transformers import _mask_units
+from pyro_mpt.transformers import mask_units
 from pyro_mpt.transformers._padding import pad_examples
 
 __all__ = ["MPTDataCollator"]
@@ -178,7 +178,7 @@ class MPTDataCollator:
         maskable = maskable.bool()
         if continues_word is not None:
             continues_word = continues_word.bool()
-        units, counts = _mask_units.unit_index(maskable, continues_word)
+        units, counts = mask_units.unit_index(maskable, continues_word)
         empty = torch.nonzero(counts == 0).squeeze(-1)
         if empty.numel():
             raise ValueError(
@@ -186,14 +186,14 @@ class MPTDataCollator:
                 "is special or padding); drop empty texts before collating, e.g. filter on "
                 "len(input_ids) > 2 for BERT."
             )
-        sizes = _mask_units.sizes_for_rows(self.schedule, counts)
+        sizes = mask_units.sizes_for_rows(self.schedule, counts)
         width = int(counts.max())
         if self.span_masking:
-            chosen = _mask_units.geometric_spans(
+            chosen = mask_units.geometric_spans(
                 counts, sizes, width, self.span_geometric_p, self.max_span_length
             )
         else:
-            chosen = _mask_units.uniform_subsets(counts, sizes, width)
+            chosen = mask_units.uniform_subsets(counts, sizes, width)
         # One corruption draw per unit: 0 = mask token, 1 = random token, 2 = keep.
         draw = torch.rand(chosen.shape, device=chosen.device)
         action = (draw >= self.mask_replace_prob).long()

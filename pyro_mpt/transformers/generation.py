@@ -49,7 +49,7 @@ class MLMSamples(NamedTuple):
         return self.seconds / self.sequences.shape[0]
 
 
-def _check_model(model):
+def check_model(model):
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     names = set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
@@ -61,7 +61,7 @@ def _check_model(model):
         )
 
 
-def _check_mask_token(tokenizer):
+def check_mask_token(tokenizer):
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no mask token (mask_token_id is None); "
@@ -74,7 +74,7 @@ def _special_ids(tokenizer, device):
     return torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long, device=device)
 
 
-def _content(sequences, tokenizer, attention_mask=None):
+def content_positions(sequences, tokenizer, attention_mask=None):
     """Positions holding ordinary tokens: not special (mask included), not padding."""
     content = ~torch.isin(sequences, _special_ids(tokenizer, sequences.device))
     if attention_mask is not None:
@@ -82,7 +82,7 @@ def _content(sequences, tokenizer, attention_mask=None):
     return content
 
 
-def _default_attention(ids, tokenizer):
+def default_attention(ids, tokenizer):
     """1 except at the tokenizer's padding token."""
     pad_id = getattr(tokenizer, "pad_token_id", None)
     return torch.ones_like(ids) if pad_id is None else (ids != pad_id).long()
@@ -114,7 +114,7 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
             raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")
         ids = input_ids.long().reshape(-1, input_ids.shape[-1])
         if attention_mask is None:
-            attention_mask = _default_attention(ids, tokenizer)
+            attention_mask = default_attention(ids, tokenizer)
         attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
     else:
         padded = tokenizer.pad(
@@ -313,8 +313,8 @@ def sample_mlm(
         >>> out.sequences.shape, out.num_passes  # doctest: +SKIP
         (torch.Size([2, 22]), 20)
     """
-    _check_model(model)
-    mask_id = _check_mask_token(tokenizer)
+    check_model(model)
+    mask_id = check_mask_token(tokenizer)
     device = next(model.parameters()).device
     banned = _special_ids(tokenizer, device)
     num_steps = _check_settings(method, temperature, top_k, len(tokenizer) - len(banned), num_steps)
@@ -324,7 +324,7 @@ def sample_mlm(
     free = (
         masked
         if keep_unmasked or method == "mask-predict"
-        else masked | _content(ids, tokenizer, attention)
+        else masked | content_positions(ids, tokenizer, attention)
     )
     sequential = method == "sequential"
     if method == "mask-predict" and not masked.any():

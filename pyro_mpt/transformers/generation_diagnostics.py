@@ -11,10 +11,10 @@ from tqdm.auto import tqdm
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.transformers.generation import (
     MLMSamples,
-    _check_mask_token,
-    _check_model,
-    _content,
-    _default_attention,
+    check_mask_token,
+    check_model,
+    content_positions,
+    default_attention,
 )
 
 __all__ = [
@@ -68,7 +68,7 @@ def stutter_rate(sequences, tokenizer, attention_mask=None):
     :returns: float64 ``(B,)``, NaN for a sequence with fewer than two ordinary tokens.
     """
     ids, attention = _ids(sequences, attention_mask)
-    content = _content(ids, tokenizer, attention)
+    content = content_positions(ids, tokenizer, attention)
     pairs = content[:, 1:] & content[:, :-1]
     repeats = pairs & (ids[:, 1:] == ids[:, :-1])
     return repeats.sum(1).double() / pairs.sum(1).double()
@@ -96,14 +96,14 @@ def pseudo_log_likelihood(
     :param bool progress: show a progress bar over forward passes.
     :returns: float64 ``(B,)`` on the CPU.
     """
-    _check_model(model)
-    mask_id = _check_mask_token(tokenizer)
+    check_model(model)
+    mask_id = check_mask_token(tokenizer)
     batch_size = check_positive_int("batch_size", batch_size)
     ids, attention = _ids(sequences, attention_mask)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    attention = _default_attention(ids, tokenizer) if attention is None else attention.to(device)
-    rows, cols = _content(ids, tokenizer, attention).nonzero(as_tuple=True)
+    attention = default_attention(ids, tokenizer) if attention is None else attention.to(device)
+    rows, cols = content_positions(ids, tokenizer, attention).nonzero(as_tuple=True)
     total = torch.zeros(ids.shape[0], dtype=torch.float64)
     training = model.training
     model.eval()
@@ -125,10 +125,10 @@ def pseudo_log_likelihood(
 def _token_counts(sequences, tokenizer, attention_mask=None):
     if isinstance(sequences, (MLMSamples, torch.Tensor)):
         ids, attention = _ids(sequences, attention_mask)
-        tokens = ids[_content(ids, tokenizer, attention)].cpu()
+        tokens = ids[content_positions(ids, tokenizer, attention)].cpu()
     else:  # lists of token ids of any lengths
         flat = torch.tensor([int(t) for row in sequences for t in row], dtype=torch.long)
-        tokens = flat[_content(flat[None], tokenizer)[0]]
+        tokens = flat[content_positions(flat[None], tokenizer)[0]]
     if tokens.numel() == 0:
         raise ValueError("the sequences hold no ordinary (non-special) tokens to count.")
     return torch.bincount(tokens, minlength=len(tokenizer)).double()
@@ -171,7 +171,7 @@ def generation_diagnostics(model, tokenizer, samples, reference=None, batch_size
         pseudo_log_likelihood=pseudo_log_likelihood(
             model, tokenizer, ids, attention, batch_size=batch_size
         ),
-        num_tokens=_content(ids, tokenizer, attention).sum(1).cpu(),
+        num_tokens=content_positions(ids, tokenizer, attention).sum(1).cpu(),
         token_distance=distance,
         seconds_per_sequence=samples.seconds_per_sequence if timed else math.nan,
         num_passes=samples.num_passes if timed else -1,

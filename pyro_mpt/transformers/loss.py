@@ -4,9 +4,23 @@ the per-sequence weights ``D_i / M_i``."""
 import torch
 import torch.nn.functional as F
 
-__all__ = ["count_items", "masked_token_log_probs", "mpt_sequence_estimates", "mpt_mlm_loss"]
+__all__ = [
+    "check_normalize",
+    "count_items",
+    "masked_token_log_probs",
+    "mpt_sequence_estimates",
+    "mpt_mlm_loss",
+]
 
-_NORMALIZE = ("sequences", "tokens")
+
+def check_normalize(normalize):
+    """``normalize`` after checking that it is ``"sequences"`` or ``"tokens"``."""
+    if normalize not in ("sequences", "tokens"):
+        raise ValueError(
+            f"normalize must be 'sequences' or 'tokens', got {normalize!r}: the loss is per "
+            "sequence (an estimate of -log p(x)) or per maskable token."
+        )
+    return normalize
 
 
 def _check_shapes(logits, labels, weights=None):
@@ -23,7 +37,8 @@ def _check_shapes(logits, labels, weights=None):
 
 
 def masked_token_log_probs(logits, labels):
-    """``log q(x_j | x̃)`` of every scored token, with the sequence it belongs to.
+    """``log q(x_j | x̃)`` of every scored token, with the sequence it belongs to: the one
+    masked-token scorer of the MPT loss and of :func:`~pyro_mpt.transformers.mlm_mpt_curve`.
 
     Only the scored rows of the logits (``labels != -100``) go through ``log_softmax``, in
     float32 or wider, so half-precision logits of a large vocabulary cost little memory.
@@ -101,11 +116,7 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences")
         >>> round(mpt_mlm_loss(logits, labels, weights).item(), 4)   # log(10) * 2
         4.6052
     """
-    if normalize not in _NORMALIZE:
-        raise ValueError(
-            f"normalize must be 'sequences' or 'tokens', got {normalize!r}: the loss is per "
-            "sequence (an estimate of -log p(x)) or per maskable token."
-        )
+    check_normalize(normalize)
     estimates = mpt_sequence_estimates(logits, labels, weights)
     if num_items is None:
         num_items = count_items(labels, weights, normalize)

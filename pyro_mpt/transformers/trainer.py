@@ -3,7 +3,7 @@ MPT objective."""
 
 from transformers import Trainer
 
-from pyro_mpt.transformers.loss import _NORMALIZE, count_items, mpt_mlm_loss
+from pyro_mpt.transformers.loss import check_normalize, count_items, mpt_mlm_loss
 
 __all__ = ["MPTTrainer"]
 
@@ -65,12 +65,7 @@ class MPTTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, normalize="sequences", **kwargs):
-        if normalize not in _NORMALIZE:
-            raise ValueError(
-                f"normalize must be 'sequences' or 'tokens', got {normalize!r}: the loss is per "
-                "sequence (an estimate of -log p(x)) or per maskable token."
-            )
-        self.normalize = normalize
+        self.normalize = check_normalize(normalize)
         super().__init__(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):

@@ -6,14 +6,9 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.transformers.curve import (
-    _check_rates,
-    _rate_sizes,
-    _summarise,
-    default_rates,
-)
 from pyro_mpt.transformers.vit_mae import (
     masked_forward,
     num_patches,
@@ -21,14 +16,14 @@ from pyro_mpt.transformers.vit_mae import (
     reconstruction_targets,
 )
 
-__all__ = ["mae_curve"]
+__all__ = ["mae_mpt_curve"]
 
 #: The pixel standard deviation used when none is given: suits pixels scaled to [0, 1].
 DEFAULT_SCALE = 0.1
 
 
 @torch.no_grad()
-def mae_curve(
+def mae_mpt_curve(
     model,
     pixel_values,
     rates=None,
@@ -64,7 +59,7 @@ def mae_curve(
     :param int batch_size: masked images per forward pass.
     :param float scale: the pixel standard deviation ``sigma`` of the Gaussian.
     :param bool progress: show a progress bar over forward passes.
-    :returns: a :class:`~pyro_mpt.transformers.MaskedCurve` whose features are patches.
+    :returns: an :class:`~pyro_mpt.MPTCurve` whose features are patches.
 
     Example::
 
@@ -73,16 +68,16 @@ def mae_curve(
         ...     num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         ...     decoder_hidden_size=16, decoder_num_hidden_layers=1,
         ...     decoder_num_attention_heads=2, decoder_intermediate_size=32)
-        >>> curve = mae_curve(ViTMAEForPreTraining(config), torch.rand(3, 1, 8, 8),
+        >>> curve = mae_mpt_curve(ViTMAEForPreTraining(config), torch.rand(3, 1, 8, 8),
         ...                   rates=[0.25, 0.5], progress=False)
         >>> curve.masked_fraction.tolist()
         [0.25, 0.5]
     """
-    rates = _check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
+    rates = check_rates(default_rates(0.05, 0.95, 0.05) if rates is None else rates)
     num_masks = check_positive_int("num_masks", num_masks)
     batch_size = check_positive_int("batch_size", batch_size)
     total = num_patches(model)
-    sizes = _rate_sizes(rates, total)
+    sizes = rate_sizes(rates, total)
     if int(sizes.max()) >= total:
         raise ValueError(
             f"rates {rates.tolist()} mask all {total} patches at their largest; ViT-MAE needs one "
@@ -112,4 +107,4 @@ def mae_curve(
                 scores[index // num_masks, k, index % num_masks] = row.double().cpu()
                 bar.update()
     features = torch.full((num_images,), total)
-    return _summarise(rates, scores, features, sizes.expand(num_images, -1))
+    return MPTCurve.from_scores(scores, rates, sizes.expand(num_images, -1), features)

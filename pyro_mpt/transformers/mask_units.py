@@ -10,7 +10,7 @@ import torch
 
 from pyro_mpt.ops.masks import _sort_rows
 
-__all__ = []
+__all__ = ["geometric_spans", "sizes_for_rows", "uniform_subsets", "unit_index"]
 
 
 def unit_index(maskable, continues_word=None):

@@ -3,70 +3,16 @@ masked tokens at each masking rate, and its area, an estimate of log p(x)."""
 
 import math
 import numbers
-from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
+from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
-from pyro_mpt.ops.masks import FixedRate, masks_of_sizes
+from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.transformers.loss import masked_token_log_probs
 
-__all__ = ["MaskedCurve", "mpt_curve", "default_rates"]
-
-
-class MaskedCurve(NamedTuple):
-    """The MPT curve of a transformer on a set of sequences (or images).
-
-    Mirrors :class:`pyro_mpt.MPTCurve` for observations of different sizes: at rate ``r``
-    sequence ``i`` has ``M_i = max(1, round(r D_i))`` of its ``D_i`` maskable tokens masked
-    (the sizes of :class:`~pyro_mpt.ops.masks.FixedRate`).
-
-    :ivar torch.Tensor rates: the masking rates, shape ``(R,)``.
-    :ivar torch.Tensor scores: ``S(r)``, the mean log-probability of a masked token, averaged
-        over masks and then over sequences, shape ``(R,)``.
-    :ivar torch.Tensor stderr: Monte Carlo standard errors of ``scores`` over the random masks,
-        for these sequences (NaN when ``num_masks`` is 1).
-    :ivar float area: the mean over sequences of ``D_i`` times the mean over rates of the
-        sequence's scores; with rates evenly covering ``(0, 1]`` it estimates the mean
-        ``log p(x)`` per sequence (paper Table 2).
-    :ivar torch.Tensor num_features: ``D_i``, the maskable tokens of each sequence, ``(N,)``.
-    :ivar torch.Tensor masked_fraction: the mean over sequences of ``M_i / D_i``, ``(R,)``.
-    :ivar torch.Tensor sequence_scores: per-sequence scores averaged over masks, ``(N, R)``.
-    """
-
-    rates: torch.Tensor
-    scores: torch.Tensor
-    stderr: torch.Tensor
-    area: float
-    num_features: torch.Tensor
-    masked_fraction: torch.Tensor
-    sequence_scores: torch.Tensor
-
-
-def default_rates(low=0.01, high=0.99, step=0.01):
-    """Evenly spaced masking rates ``low, low + step, ..., high`` (the paper's 1%...99%)."""
-    count = int(round((high - low) / step)) + 1
-    return torch.tensor([round(low + k * step, 10) for k in range(count)], dtype=torch.float64)
-
-
-def _check_rates(rates, name="rates"):
-    """``rates`` as a float64 tensor of values in ``(0, 1]``, or a ValueError naming it."""
-    try:
-        values = torch.as_tensor(rates, dtype=torch.float64).reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"{name} must be a sequence of floats in (0, 1], got {rates!r}.") from error
-    if values.numel() == 0 or not bool(((values > 0) & (values <= 1)).all()):
-        raise ValueError(
-            f"{name} must be a non-empty sequence of masking rates in (0, 1], got "
-            f"{values.tolist()}; e.g. pyro_mpt.transformers.default_rates() for 1%...99%."
-        )
-    return values
-
-
-def _rate_sizes(rates, num_features):
-    """Mask sizes ``max(1, round(r D))`` of each rate, by :class:`FixedRate`, shape ``(R,)``."""
-    zero = torch.zeros(1, dtype=torch.float64)
-    return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])
+__all__ = ["mlm_mpt_curve"]
 
 
 def _encode(tokenizer, texts, max_length):
@@ -107,7 +53,7 @@ class _Plan:
         pad_id = tokenizer.pad_token_id
         self.mask_id = mask_id
         self.pad_id = pad_id if pad_id is not None else mask_id
-        self.rates = _check_rates(rates)
+        self.rates = check_rates(rates)
         self.num_masks = check_positive_int("num_masks", num_masks)
         special = set(tokenizer.all_special_ids)
         self.ids = _encode(tokenizer, texts, max_length)
@@ -123,7 +69,7 @@ class _Plan:
         self.num_features = torch.tensor([len(p) for p in self.positions])
         cache = {}
         self.sizes = torch.stack(
-            [cache.setdefault(d, _rate_sizes(self.rates, d)) for d in self.num_features.tolist()]
+            [cache.setdefault(d, rate_sizes(self.rates, d)) for d in self.num_features.tolist()]
         )
         # Longest first, so padding within a batch is small and memory peaks early.
         self.order = sorted(range(len(self.ids)), key=lambda i: -len(self.ids[i]))
@@ -145,7 +91,7 @@ class _Plan:
         return ids.to(device), masked.to(device)
 
     def batches(self, batch_size, device):
-        """Yields ``(input_ids, attention_mask, masked, labels, owners)`` for consecutive rows
+        """Yields ``(input_ids, attention_mask, targets, owners)`` for consecutive rows
         of the sequences (longest first): ``owners`` holds each row's (sequence, row)."""
         pending, count = [], 0
         for index in self.order:
@@ -177,7 +123,8 @@ class _Plan:
             owners.append(torch.stack([torch.full((n,), index), torch.arange(start, start + n)]))
             at += n
         input_ids = labels.masked_fill(masked, self.mask_id)
-        return input_ids, attention, masked, labels, torch.cat(owners, 1).T
+        targets = labels.masked_fill(~masked, -100)
+        return input_ids, attention, targets, torch.cat(owners, 1).T
 
 
 def _model_device(model):
@@ -187,52 +134,15 @@ def _model_device(model):
         return torch.device("cpu")
 
 
-def _masked_token_scores(logits, masked, labels):
-    """Mean log-probability of the masked tokens of each row.
-
-    :param torch.Tensor logits: ``(B, L, V)`` in any float dtype (softmax runs in float32 or
-        wider).
-    :param torch.Tensor masked: ``(B, L)`` bool, at least one True per row.
-    :param torch.Tensor labels: ``(B, L)`` token ids.
-    :returns: float tensor ``(B,)``.
-    """
-    rows, cols = masked.nonzero(as_tuple=True)
-    picked = logits[rows, cols]
-    dtype = torch.promote_types(picked.dtype, torch.float32)
-    log_probs = picked.to(dtype).log_softmax(-1)
-    token = log_probs.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1)
-    totals = torch.zeros(masked.shape[0], dtype=dtype, device=logits.device)
-    totals.index_add_(0, rows, token)
-    return totals / masked.sum(1).to(dtype)
-
-
-def _summarise(rates, scores, num_features, sizes):
-    """Builds a :class:`MaskedCurve` from per-row scores ``(N, R, P)``, the sizes ``(N, R)``
-    and the features ``D_i``."""
-    num_masks = scores.shape[-1]
-    per_sequence = scores.mean(-1)
-    if num_masks > 1:
-        # Independent masks per sequence: the variances of the per-sequence means add.
-        variance = scores.var(-1) / num_masks
-        stderr = variance.sum(0).sqrt() / scores.shape[0]
-    else:
-        stderr = torch.full_like(rates, math.nan)
-    d = num_features.to(per_sequence.dtype)
-    area = float((d * per_sequence.mean(1)).mean())
-    fraction = (sizes.double() / num_features.double().unsqueeze(1)).mean(0)
-    return MaskedCurve(
-        rates=rates.to(per_sequence.dtype),
-        scores=per_sequence.mean(0),
-        stderr=stderr.to(per_sequence.dtype),
-        area=area,
-        num_features=num_features,
-        masked_fraction=fraction,
-        sequence_scores=per_sequence,
-    )
+def _mean_masked_log_probs(logits, targets):
+    """Mean log-probability of the scored tokens (``targets != -100``) of each row, ``(B,)``."""
+    log_probs, rows = masked_token_log_probs(logits, targets)
+    totals = log_probs.new_zeros(targets.shape[0]).index_add_(0, rows, log_probs)
+    return totals / (targets != -100).sum(1).to(totals.dtype)
 
 
 @torch.no_grad()
-def mpt_curve(
+def mlm_mpt_curve(
     model,
     tokenizer,
     texts,
@@ -270,14 +180,14 @@ def mpt_curve(
     :param int batch_size: masked sequences per forward pass.
     :param int max_length: truncate sequences to this many tokens.
     :param bool progress: show a progress bar over forward passes.
-    :returns: a :class:`MaskedCurve`.
+    :returns: an :class:`~pyro_mpt.MPTCurve`.
 
     Example::
 
         >>> from pyro_mpt.transformers.antiberty import load_antiberty, spaced
         >>> model, tokenizer = load_antiberty()
         >>> texts = [spaced("EVQLVESGGGLVQPGGSLRLSCAASGFNIKDTYIH")]
-        >>> curve = mpt_curve(model, tokenizer, texts, rates=[0.15, 0.5], progress=False)
+        >>> curve = mlm_mpt_curve(model, tokenizer, texts, rates=[0.15, 0.5], progress=False)
         >>> curve.scores.shape
         torch.Size([2])
     """
@@ -290,11 +200,11 @@ def mpt_curve(
     model.eval()
     scores = torch.zeros(len(plan.ids), plan.rows_per_sequence, dtype=torch.float64)
     total = math.ceil(plan.num_rows / batch_size)
-    for input_ids, attention, masked, labels, owners in tqdm(
+    for input_ids, attention, targets, owners in tqdm(
         plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
     ):
         logits = model(input_ids=input_ids, attention_mask=attention).logits
-        row_scores = _masked_token_scores(logits, masked, labels).double().cpu()
+        row_scores = _mean_masked_log_probs(logits, targets).double().cpu()
         scores[owners[:, 0], owners[:, 1]] = row_scores
     scores = scores.reshape(len(plan.ids), len(plan.rates), plan.num_masks)
-    return _summarise(plan.rates, scores, plan.num_features, plan.sizes)
+    return MPTCurve.from_scores(scores, plan.rates, plan.sizes, plan.num_features)

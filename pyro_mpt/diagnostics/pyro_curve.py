@@ -1,0 +1,123 @@
+"""The MPT curve of a Pyro model: the score ``S(x; M)`` of each mask size, from the model's
+conditionals, whose sum over ``M = 1 ... D`` is log p(x)."""
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
+from pyro_mpt.ops.estimators import mask_scores
+from pyro_mpt.ops.masks import masks_of_sizes
+
+__all__ = ["mpt_curve"]
+
+# Elements of the largest intermediate tensor per chunk of masks (about 160 MB in float64).
+_CHUNK_ELEMENTS = 2 * 10**7
+
+
+def _sizes_from(rates, sizes, num_features):
+    if sizes is not None and rates is not None:
+        raise ValueError(
+            f"mpt_curve got sizes={sizes!r} and rates={rates!r}; pass one of them, not both."
+        )
+    if sizes is None and rates is None:
+        return torch.arange(1, num_features + 1)
+    if sizes is None:
+        return rate_sizes(check_rates(rates), num_features)
+    sizes = torch.as_tensor(sizes, dtype=torch.long).reshape(-1)
+    if sizes.numel() == 0 or (sizes < 1).any() or (sizes > num_features).any():
+        raise ValueError(
+            f"sizes must be a non-empty list of mask sizes in 1..{num_features}, got {sizes}."
+        )
+    return sizes
+
+
+@torch.no_grad()
+def mpt_curve(
+    model,
+    *args,
+    guide=None,
+    sizes=None,
+    rates=None,
+    num_masks=10,
+    conditionals="auto",
+    share_masks=False,
+    progress=False,
+    max_plate_nesting=math.inf,
+    **kwargs,
+):
+    """The MPT curve ``M -> S(x; M)`` of a Pyro ``model`` on the data in ``args``.
+
+    .. math::
+
+        \\mathcal{S}(x; M) = \\mathbb{E}_{|\\mathcal{M}| = M}\\Big[\\frac{1}{M}
+            \\sum_{j \\in \\mathcal{M}} \\log p(x_j \\mid x_\\mathcal{R})\\Big],
+        \\qquad \\log p(x) = \\sum_{M=1}^{D} \\mathcal{S}(x; M).
+
+    :param callable model: the Pyro model.
+    :param args: the model's arguments.
+    :param callable guide: the guide, for strategies that need one.
+    :param sizes: mask sizes to evaluate (default: every size ``1 ... D``).
+    :param rates: masking rates in ``(0, 1]`` instead of sizes (``M = max(1, round(r D))``).
+    :param int num_masks: random masks per observation and size.
+    :param conditionals: the conditional strategy, as in :class:`~pyro_mpt.MPTLoss`.
+    :param bool share_masks: use each mask for every observation (the paper's convention).
+    :param bool progress: show a progress bar over mask sizes.
+    :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
+
+    Example::
+
+        >>> from pyro_mpt.models import PPCA
+        >>> ppca = PPCA(num_features=8, latent_dim=2)
+        >>> curve = mpt_curve(ppca.model, ppca.sample(50), num_masks=4)
+        >>> curve.scores.shape
+        torch.Size([8])
+    """
+    strategy = as_conditionals(conditionals)
+    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    if prepared.observed.entries is not None:
+        raise ValueError(
+            f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "
+            f"scores masks of each size among all D features, so it needs complete "
+            f"observations. Drop the incomplete ones, or use MPTLoss.estimate, which scores "
+            f"each observation's observed entries."
+        )
+    num_features = prepared.num_features
+    sizes = _sizes_from(rates, sizes, num_features)
+    batch_shape = prepared.batch_shape
+    mask_batch = torch.Size() if share_masks else batch_shape
+    value = prepared.observed.value
+    per_mask = max(1, value.numel() * max(1, _latent_width(prepared)))
+    chunk = max(1, _CHUNK_ELEMENTS // per_mask)
+
+    per_size = []
+    for size in tqdm(sizes.tolist(), desc="MPT curve", disable=not progress):
+        scores = []
+        for start in range(0, num_masks, chunk):
+            count = min(chunk, num_masks - start)
+            size_tensor = torch.full((count,) + mask_batch, size, device=value.device)
+            masks = masks_of_sizes(size_tensor, num_features)
+            if share_masks:
+                masks = masks.reshape((count,) + (1,) * len(batch_shape) + (num_features,))
+            scores.append(mask_scores(prepared.log_prob(masks), masks))
+        per_size.append(torch.cat(scores).expand((num_masks,) + batch_shape).reshape(num_masks, -1))
+    scores = torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)
+    num_obs = scores.shape[0]
+    return MPTCurve.from_scores(
+        scores,
+        rates=sizes.double() / num_features,
+        sizes=sizes.expand(num_obs, -1),
+        num_features=torch.full((num_obs,), num_features),
+        share_masks=share_masks,
+    )
+
+
+def _latent_width(prepared):
+    form = getattr(prepared, "form", None)
+    if form is None:
+        return 1
+    if form.weight is not None:
+        return form.weight.shape[-1]
+    return form.covariance.shape[-1]
