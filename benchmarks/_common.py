@@ -5,6 +5,7 @@ repeats of :func:`time.perf_counter` intervals, with the device synchronised aro
 interval when it is a GPU.
 """
 
+import argparse
 import contextlib
 import json
 import platform
@@ -170,3 +171,31 @@ def write_json(path, payload):
         json.dump(payload, f, indent=2, sort_keys=True)
         f.write("\n")
     print(f"figures written to {path}")
+
+
+def benchmark_main(doc, argv, run, print_report, steps=None, repeats=None, options=()):
+    """The command line of a benchmark: parses the common options and ``options``, runs
+    ``run(device, steps=..., repeats=..., **those options)``, prints the report and writes
+    it as JSON when ``--json`` is given.
+
+    :param str doc: the module docstring; its first paragraph describes the command.
+    :param options: ``(flag, add_argument kwargs)`` pairs, e.g.
+        ``("--batch", {"type": int, "default": 32, "help": "..."})``; each reaches ``run``
+        as the keyword of its ``dest``.
+    :returns: the report.
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_common_args(parser, steps, repeats)
+    dests = [parser.add_argument(flag, **kwargs).dest for flag, kwargs in options]
+    args = parser.parse_args(argv)
+    device = configure(args.device, args.threads)
+    kwargs = {dest: getattr(args, dest) for dest in dests}
+    if steps is not None:
+        kwargs["steps"] = args.steps
+    if repeats is not None:
+        kwargs["repeats"] = args.repeats
+    report = run(device, **kwargs)
+    print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    return report

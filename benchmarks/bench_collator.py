@@ -15,13 +15,12 @@ Usage::
     python benchmarks/bench_collator.py [--batch 32] [--steps 20] [--repeats 7] [--json out.json]
 """
 
-import argparse
 import os
 import random
 import tempfile
 import warnings
 
-from _common import add_common_args, configure, environment, format_table, time_calls, write_json
+from _common import benchmark_main, environment, format_table, time_calls
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -149,16 +148,8 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=20, repeats=7)
-    parser.add_argument("--batch", type=int, default=32, help="examples per batch")
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, args.batch, args.steps, args.repeats)
-    print_report(report)
-    if args.json:
-        write_json(args.json, report)
-    return report
+    batch = ("--batch", {"type": int, "default": 32, "help": "examples per batch"})
+    return benchmark_main(__doc__, argv, run, print_report, steps=20, repeats=7, options=[batch])
 
 
 if __name__ == "__main__":

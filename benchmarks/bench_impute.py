@@ -19,11 +19,9 @@ Usage::
     python benchmarks/bench_impute.py [--device cpu] [--steps 10] [--repeats 5]
 """
 
-import argparse
-
 import pyro
 import torch
-from _common import add_common_args, configure, environment, median_ms, time_calls, write_json
+from _common import benchmark_main, environment, median_ms, time_calls
 
 from pyro_mpt import impute
 from pyro_mpt.conditionals import Exact
@@ -48,7 +46,13 @@ def closed_form_impute(x, missing, weight, loc, noise_var):
 
 
 def run(device="cpu", steps=10, repeats=5, seed=0):
-    device = torch.device(device)
+    """Times both ways; returns ``{"config", "environment", "results"}``. The caller's
+    random state is left as it was."""
+    with torch.random.fork_rng():
+        return _run(torch.device(device), steps, repeats, seed)
+
+
+def _run(device, steps, repeats, seed):
     pyro.set_rng_seed(seed)
     with torch.no_grad():
         ppca = PPCA(NUM_FEATURES, LATENT_DIM, init_scale=1.0, noise_scale=0.5).to(device)
@@ -83,15 +87,7 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(parser, steps=10, repeats=5)
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    with torch.random.fork_rng():
-        report = run(device, args.steps, args.repeats)
-    print_report(report)
-    if args.json:
-        write_json(args.json, report)
+    return benchmark_main(__doc__, argv, run, print_report, steps=10, repeats=5)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,17 @@ Usage::
     python benchmarks/bench_svi_step.py [--device cuda] [--steps 20] [--json out.json]
 """
 
-import argparse
-
 import pyro
 import torch
 from _common import (
     DTYPES,
-    add_common_args,
-    configure,
+    benchmark_main,
     environment,
     format_table,
     forward_backward_ms,
     median_ms,
     set_default_dtype,
     time_calls,
-    write_json,
 )
 from pyro.infer import SVI, Trace_ELBO
 
@@ -152,16 +148,8 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=20, repeats=5)
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, args.steps, args.repeats, args.warmup)
-    print_report(report)
-    if args.json:
-        write_json(args.json, report)
-    return report
+    warmup = ("--warmup", {"type": int, "default": 5, "help": "untimed steps first"})
+    return benchmark_main(__doc__, argv, run, print_report, steps=20, repeats=5, options=[warmup])
 
 
 if __name__ == "__main__":

@@ -20,19 +20,15 @@ Usage::
     python benchmarks/bench_woodbury.py [--device cuda] [--steps 10] [--json out.json]
 """
 
-import argparse
-
 import torch
 from _common import (
     DTYPES,
-    add_common_args,
-    configure,
+    benchmark_main,
     environment,
     format_table,
     median_ms,
     set_default_dtype,
     time_calls,
-    write_json,
 )
 
 from pyro_mpt.ops.gaussian import dense_gaussian_conditionals, latent_gaussian_conditionals
@@ -206,16 +202,11 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=10, repeats=5)
-    parser.add_argument("--no-loop", action="store_true", help="skip the per-mask Python loop")
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, args.steps, args.repeats, loop=not args.no_loop)
-    print_report(report)
-    if args.json:
-        write_json(args.json, report)
-    return report
+    no_loop = (
+        "--no-loop",
+        {"dest": "loop", "action": "store_false", "help": "skip the per-mask Python loop"},
+    )
+    return benchmark_main(__doc__, argv, run, print_report, steps=10, repeats=5, options=[no_loop])
 
 
 if __name__ == "__main__":
