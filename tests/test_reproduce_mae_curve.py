@@ -1,8 +1,10 @@
-"""``pyro-mpt reproduce mae-curve`` at smoke size, and its linear probe."""
+"""``pyro-mpt reproduce mae-curve`` at smoke size, its seeds and their spread, and its
+linear probe."""
 
 import json
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -24,19 +26,41 @@ def test_mae_curve_smoke(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mae-curve.json", "mae-curve.png"]
     assert (tmp_path / "mae-curve.png").read_bytes()[:4] == b"\x89PNG"
     res = json.loads((tmp_path / "mae-curve.json").read_text())
+    assert res["config"]["seeds"] == 1  # the smoke size stays small
     assert set(res["summary"]) == {"random init."} | set(RATES)
-    assert set(res["train_losses"]) == set(RATES)
-    random_area = res["summary"]["random init."]["area"]
+    assert set(res["runs"]) == {"random init."} | set(RATES)
+    (random_run,) = res["runs"]["random init."]
     for name, summary in res["summary"].items():
-        curve = res["curves"][name]
-        assert curve["rates"] == [0.25, 0.5, 0.75]
-        assert all(math.isfinite(s) for s in curve["scores"])
-        assert 0.0 <= summary["probe_accuracy"] <= 1.0
+        (rep,) = res["runs"][name]
+        assert rep["rates"] == res["curves"][name]["rates"] == [0.25, 0.5, 0.75]
+        assert all(math.isfinite(s) for s in rep["scores"])
+        assert 0.0 <= rep["probe_accuracy"] <= 1.0
+        assert summary["area"] == [rep["area"], 0.0]
         if name in RATES:
-            losses = res["train_losses"][name]
+            losses = rep["train_loss"]
             assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
             # Even one epoch on 96 images moves the decoder towards the mean image.
-            assert summary["area"] > random_area
+            assert rep["area"] > random_run["area"]
+
+
+def test_seeds_option_gives_that_many_runs_and_their_spread(tmp_path):
+    argv = ["reproduce", "mae-curve", "--smoke", "--no-progress", "--seeds", "3"]
+    assert main(argv + ["--out", str(tmp_path), "--device", DEVICE]) == 0
+    res = json.loads((tmp_path / "mae-curve.json").read_text())
+    assert res["config"]["seeds"] == 3
+    assert len(set(res["config"]["run_seeds"])) == 3
+    for name, reps in res["runs"].items():
+        assert len(reps) == 3
+        areas = [rep["area"] for rep in reps]
+        assert len(set(areas)) == 3  # distinct seeds: distinct data, weights and masks
+        assert res["summary"][name]["area"][0] == pytest.approx(statistics.fmean(areas))
+        assert res["summary"][name]["area"][1] == pytest.approx(statistics.stdev(areas))
+        probes = [rep["probe_accuracy"] for rep in reps]
+        assert res["summary"][name]["probe_accuracy"][1] == pytest.approx(statistics.stdev(probes))
+        gaps = [a - ref["area"] for a, ref in zip(areas, res["runs"]["fixed 75%"])]
+        assert res["summary"][name]["area_minus_fixed"][0] == pytest.approx(statistics.fmean(gaps))
+        mean_curve = [statistics.fmean(v) for v in zip(*(rep["scores"] for rep in reps))]
+        assert res["curves"][name]["scores"] == pytest.approx(mean_curve)
 
 
 def test_linear_probe_separates_separable_classes_and_not_noise():

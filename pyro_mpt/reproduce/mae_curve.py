@@ -28,6 +28,8 @@ held-out ones.
     curves are comparable with each other only.
 """
 
+import statistics
+
 import torch
 
 from pyro_mpt.reproduce._common import (
@@ -36,7 +38,9 @@ from pyro_mpt.reproduce._common import (
     default_dtype,
     derived_seed,
     format_table,
+    mean_std,
     new_figure,
+    pm,
     progress_bar,
     resolve_device,
     save_outputs,
@@ -60,11 +64,11 @@ def _config(smoke, full):
     )
     if smoke:
         cfg.update(N=96, held_out=48, epochs=1, hidden=32, layers=1, decoder_layers=1)
-        cfg.update(rates=[0.25, 0.5, 0.75], num_masks=1, probe_iters=20)
+        cfg.update(rates=[0.25, 0.5, 0.75], num_masks=1, probe_iters=20, seeds=1)
     elif full:
-        cfg.update(N=4000, held_out=1000, epochs=100, rates=None, num_masks=4)
+        cfg.update(N=4000, held_out=1000, epochs=100, rates=None, num_masks=4, seeds=3)
     else:
-        cfg.update(N=4000, held_out=1000, epochs=12, rates=None)
+        cfg.update(N=4000, held_out=1000, epochs=12, rates=None, seeds=3)
     return cfg
 
 
@@ -145,90 +149,143 @@ def _evaluate(model, data, cfg, seed, progress):
     return curve, probe
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+def _check_seeds(seeds):
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds={seeds!r} must be a positive integer, e.g. seeds=3.")
+    return seeds
+
+
+def _one_seed(cfg, run_seed, device, progress, bar):
+    """Trains every rate from one seed (data split, initial weights, batch order, masks) and
+    evaluates them and the untrained model; returns ``{name: record}``."""
+    from pyro_mpt.transformers import train_mae
+
+    data = _data(cfg, run_seed, device)
+    models = {"random init.": _model(cfg, derived_seed(run_seed, 1)).to(device)}
+    losses, seconds = {}, {}
+    for key, (name, rate) in enumerate(RATES.items()):
+        model = _model(cfg, derived_seed(run_seed, 1)).to(device)
+        order = torch.Generator().manual_seed(derived_seed(run_seed, 2))
+        seed_everything(derived_seed(run_seed, 4, key))
+        with Stopwatch() as watch:
+            losses[name] = train_mae(
+                model,
+                data[0],
+                rate=rate,
+                epochs=cfg["epochs"],
+                batch_size=cfg["batch"],
+                lr=cfg["lr"],
+                generator=order,
+                progress=False,
+            )
+        seconds[name] = watch.seconds
+        models[name] = model
+        bar.update()
+    records = {}
+    for name, model in models.items():
+        curve, probe = _evaluate(model, data, cfg, run_seed, progress)
+        records[name] = dict(
+            rates=curve.rates.tolist(),
+            scores=curve.scores.tolist(),
+            stderr=curve.stderr.tolist(),
+            area=float(curve.area),
+            area_stderr=49 * float(curve.stderr.pow(2).sum().sqrt()) / len(curve.rates),
+            probe_accuracy=probe,
+            train_loss=losses.get(name),
+            train_seconds=seconds.get(name),
+        )
+    return records
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, seeds=None):
     """Reproduces Fig. 6 on MNIST; writes ``mae-curve.json`` and ``mae-curve.png``.
 
     :param str out_dir: output folder (created if needed).
     :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 96 training images, a one-layer model, one epoch; runs in seconds.
+    :param bool smoke: 96 training images, a one-layer model, one epoch, one seed; runs in
+        seconds.
     :param bool full: 100 epochs and 4 masks per image and rate (a GPU run); the default is
-        12 epochs on 4000 images (several minutes on two CPU cores).
-    :param int seed: base seed (data split, initial weights, masks).
+        12 epochs on 4000 images (several minutes per seed on one CPU core).
+    :param int seed: base seed; each of the ``seeds`` repetitions derives its own from it.
     :param bool progress: show progress bars.
+    :param int seeds: how many times to repeat everything (data split, initial weights, batch
+        order, masks) from seeds derived from ``seed``; the table gives mean ± sd over them.
+        Default: 1 at smoke size, 3 otherwise.
     :returns: the results dict (also written as JSON).
     """
-    from pyro_mpt.transformers import train_mae
-
     check_size(smoke, full)
     cfg = _config(smoke, full)
+    if seeds is not None:
+        cfg["seeds"] = _check_seeds(seeds)
+    cfg["run_seeds"] = [derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
     device = resolve_device(device)
     total = Stopwatch()
-    with default_dtype(torch.float32):
-        data = _data(cfg, seed, device)
-        models = {"random init.": _model(cfg, derived_seed(seed, 1)).to(device)}
-        losses, seconds = {}, {}
-        with progress_bar(total=len(RATES), enabled=progress, desc=NAME, unit="model") as bar:
-            for key, (name, rate) in enumerate(RATES.items()):
-                model = _model(cfg, derived_seed(seed, 1)).to(device)
-                order = torch.Generator().manual_seed(derived_seed(seed, 2))
-                seed_everything(derived_seed(seed, 4, key))
-                with Stopwatch() as watch:
-                    losses[name] = train_mae(
-                        model,
-                        data[0],
-                        rate=rate,
-                        epochs=cfg["epochs"],
-                        batch_size=cfg["batch"],
-                        lr=cfg["lr"],
-                        generator=order,
-                        progress=False,
-                    )
-                seconds[name] = watch.seconds
-                models[name] = model
-                bar.update()
-        results = {name: _evaluate(m, data, cfg, seed, progress) for name, m in models.items()}
+    runs = {name: [] for name in ("random init.", *RATES)}
+    work = cfg["seeds"] * len(RATES)
+    with (
+        default_dtype(torch.float32),
+        progress_bar(total=work, enabled=progress, desc=NAME, unit="model") as bar,
+    ):
+        for run_seed in cfg["run_seeds"]:
+            for name, record in _one_seed(cfg, run_seed, device, progress, bar).items():
+                runs[name].append(record)
 
+    rates = runs["random init."][0]["rates"]
+    at75 = min(range(len(rates)), key=lambda k: abs(rates[k] - 0.75))
     summary, rows = {}, []
-    for name, (curve, probe) in results.items():
-        rates = curve.rates.tolist()
-        at75 = min(range(len(rates)), key=lambda k: abs(rates[k] - 0.75))
+    for name, reps in runs.items():
+        trained = reps[0]["train_loss"] is not None
         summary[name] = dict(
-            area=curve.area,
-            area_stderr=49 * float(curve.stderr.pow(2).sum().sqrt()) / len(rates),
-            score_lowest_rate=float(curve.scores[0]),
-            score_75=float(curve.scores[at75]),
-            score_highest_rate=float(curve.scores[-1]),
-            probe_accuracy=probe,
-            final_train_loss=(
-                sum(losses[name][-10:]) / len(losses[name][-10:]) if name in losses else None
+            area=mean_std([r["area"] for r in reps]),
+            # Paired by seed: the models of one seed share data, initial weights and batches.
+            area_minus_fixed=mean_std(
+                [r["area"] - f["area"] for r, f in zip(reps, runs["fixed 75%"])]
             ),
-            train_seconds=seconds.get(name),
+            area_stderr=statistics.fmean(r["area_stderr"] for r in reps),
+            score_lowest_rate=mean_std([r["scores"][0] for r in reps]),
+            score_75=mean_std([r["scores"][at75] for r in reps]),
+            score_highest_rate=mean_std([r["scores"][-1] for r in reps]),
+            probe_accuracy=mean_std([r["probe_accuracy"] for r in reps]),
+            final_train_loss=(
+                statistics.fmean(statistics.fmean(r["train_loss"][-10:]) for r in reps)
+                if trained
+                else None
+            ),
+            train_seconds=statistics.fmean(r["train_seconds"] for r in reps) if trained else None,
         )
         s = summary[name]
+
+        def cell(pair, digits, scale=1.0):
+            mean, std = scale * pair[0], scale * pair[1]
+            return pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
+
         rows.append(
             [
                 name,
-                f"{s['area']:.0f} ± {s['area_stderr']:.0f}",
-                f"{s['score_lowest_rate']:.2f}",
-                f"{s['score_75']:.2f}",
-                f"{s['score_highest_rate']:.2f}",
-                f"{100 * probe:.1f}",
+                cell(s["area"], 0),
+                cell(s["area_minus_fixed"], 0),
+                cell(s["score_lowest_rate"], 2),
+                cell(s["score_75"], 2),
+                cell(s["score_highest_rate"], 2),
+                cell(s["probe_accuracy"], 1, 100),
                 "-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}",
             ]
         )
-    first = results["random init."][0].rates
+    spread = f"{cfg['seeds']} seeds, mean ± sd" if cfg["seeds"] > 1 else "one seed"
     title = (
         f"Fig. 6 analogue: ViT-MAE (49 patches of 4x4, width {cfg['hidden']}, "
         f"{cfg['layers']}+{cfg['decoder_layers']} layers) trained on {cfg['N']} MNIST images "
         f"for {cfg['epochs']} epochs; curves on {cfg['held_out']} held-out images, "
-        f"{len(first)} rates {100 * float(first[0]):.0f}%...{100 * float(first[-1]):.0f}%, "
+        f"{len(rates)} rates {100 * rates[0]:.0f}%...{100 * rates[-1]:.0f}%, "
         f"{cfg['num_masks']} mask(s) each; patch log-likelihood with pixel sd {SCALE}; "
-        "area = 49 * mean_r S (nats per image)"
+        f"area = 49 * mean_r S (nats per image); {spread}; - fixed 75%: area minus the fixed "
+        "75% model's area of the same seed"
     )
-    r0, r1 = 100 * float(first[0]), 100 * float(first[-1])
+    r0, r1 = 100 * rates[0], 100 * rates[-1]
     headers = [
         "model",
         "area",
+        "- fixed 75%",
         f"S({r0:.0f}%)",
         "S(75%)",
         f"S({r1:.0f}%)",
@@ -237,7 +294,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     ]
     print(format_table(headers, rows, title=title))
 
-    fig = _figure(results, losses)
+    fig = _figure(runs)
     out = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 6; R2MAE random ratio",
@@ -253,30 +310,39 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             threads=torch.get_num_threads(),
         ),
         summary=summary,
+        # Per model: the mean curve over the seeds.
         curves={
-            name: dict(rates=c.rates, scores=c.scores, stderr=c.stderr)
-            for name, (c, _) in results.items()
+            name: dict(
+                rates=rates,
+                scores=[statistics.fmean(v) for v in zip(*(r["scores"] for r in reps))],
+            )
+            for name, reps in runs.items()
         },
-        train_losses=losses,
+        runs=runs,
         wall_seconds=total.elapsed,
     )
     return save_outputs(out_dir, NAME, out, fig)
 
 
-def _figure(results, losses):
-    from pyro_mpt import plot_mpt_curve
-
+def _figure(runs):
+    """Left: each model's MPT curve, mean over the seeds (one line per seed, faint). Right:
+    the training loss of the first seed."""
     fig, (left, right) = new_figure(2, width=5.5)
-    for name, (curve, _) in results.items():
-        plot_mpt_curve(curve, ax=left, label=name, color=COLORS[name], marker=".")
+    for name, reps in runs.items():
+        rates = [100 * r for r in reps[0]["rates"]]
+        for rep in reps:
+            left.plot(rates, rep["scores"], color=COLORS[name], lw=0.8, alpha=0.3)
+        mean = [statistics.fmean(v) for v in zip(*(r["scores"] for r in reps))]
+        left.plot(rates, mean, ".-", color=COLORS[name], label=name)
+        if reps[0]["train_loss"] is not None:
+            right.plot(reps[0]["train_loss"], color=COLORS[name], label=name, lw=1)
     left.set_xlabel("masked patches (%)")
     left.set_ylabel("mean log-likelihood of a masked patch")
     left.set_title("ViT-MAE on MNIST: MPT curves (held-out)")
-    for name, values in losses.items():
-        right.plot(values, color=COLORS[name], label=name, lw=1)
+    left.legend(fontsize="small")
     right.set_xlabel("step")
     right.set_ylabel("MAE loss (masked-patch MSE)")
     right.set_yscale("log")
-    right.set_title("training loss at each run's own mask sizes")
+    right.set_title("training loss at each run's own mask sizes (first seed)")
     right.legend(fontsize="small")
     return fig

@@ -185,7 +185,6 @@ def rerun(names=None, root=None, size=None, log=print):
         raise ValueError(f"unknown result source(s) {unknown}; choose from {list(SOURCES)}.")
     results_dir = root / RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
-    manifest = read_manifest(root)
     for name in names:
         source = SOURCES[name]
         run_size = source["size"] if size is None or source["kind"] != "reproduce" else size
@@ -207,6 +206,9 @@ def rerun(names=None, root=None, size=None, log=print):
                 text = text.replace(str(out_dir), RESULTS_DIR.as_posix())
                 _write_text(results_dir / file_name, text)
         log(f"[{name}] {seconds:.0f} s; wrote {', '.join(source['files'])}", flush=True)
+        # Read just before writing, so that reruns of other sources running meanwhile keep
+        # their entries.
+        manifest = read_manifest(root)
         manifest[name] = dict(
             command=shlex.join(shown),
             size=run_size,
