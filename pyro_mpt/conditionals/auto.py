@@ -11,7 +11,8 @@ from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
-from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature, QuadratureSelfPredictive
+from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
+from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.remembered_structure import call_signature
 

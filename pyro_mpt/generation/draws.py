@@ -12,10 +12,11 @@ import torch
 from pyro_mpt.conditionals.encode_decode import EncodeDecodeSelfPredictive
 from pyro_mpt.conditionals.exact import GaussianSelfPredictive
 from pyro_mpt.conditionals.importance import ImportanceSelfPredictive
-from pyro_mpt.conditionals.quadrature import QuadratureRuleSelfPredictive
+from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureRuleSelfPredictive
+from pyro_mpt.infer.factors import check_factors
 from pyro_mpt.infer.guided_model import observed_tensor, run_guided, sites_log_density
 from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, unwrap_independent
-from pyro_mpt.infer.whitened_latents import check_factors, run_at_points
+from pyro_mpt.infer.whitened_latents import run_at_points
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,

@@ -24,7 +24,8 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
-from pyro_mpt.infer.model_structure import observed_in_run, scale_mismatch
+from pyro_mpt.infer.model_structure import observed_in_run
+from pyro_mpt.infer.structure_checks import scale_mismatch
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "points_plate",
     "run_at_points",
     "whiten",
-    "whitened_guide",
 ]
 
 _POINTS_PLATE = "_mpt_points"
@@ -269,49 +269,3 @@ def _narrow_broadcast_dims_upto(tensor, num_dims):
         if tensor.stride(dim) == 0 and tensor.shape[dim] > 1:
             tensor = tensor.narrow(dim, 0, 1)
     return tensor
-
-
-class _LatentsAtGuideMeans(Messenger):
-    """Sets each local latent to the guide's mean and records the guide's mean and scale in
-    the whitened coordinates of the prior the site has at that point."""
-
-    def __init__(self, structure, guide_trace):
-        super().__init__()
-        self.structure = structure
-        self.guide_trace = guide_trace
-        self.centers, self.scales = [], []
-
-    def _pyro_sample(self, msg):
-        structure, name = self.structure, msg["name"]
-        if name not in structure.latent_names:
-            return
-        prior = unwrap_independent(msg["fn"])
-        site = self.guide_trace.nodes.get(name)
-        q = unwrap_independent(site["fn"]) if site is not None else None
-        if not isinstance(prior, torch.distributions.Normal) or not isinstance(
-            q, torch.distributions.Normal
-        ):
-            raise NotApplicableError(
-                f"quadrature with center='guide' needs a Normal prior and a Normal guide "
-                f"distribution for latent site {name!r}; use center='prior'."
-            )
-        full = msg["fn"].batch_shape + msg["fn"].event_shape
-        loc = q.loc.expand(full)
-        batch = structure.observed.batch_shape
-        self.centers.append(((loc - prior.loc) / prior.scale).reshape(batch + (-1,)))
-        self.scales.append((q.scale / prior.scale).expand(full).reshape(batch + (-1,)))
-        msg["value"] = loc
-        msg["done"] = True
-
-
-def whitened_guide(model, guide, args, kwargs, structure):
-    """The guide's mean and scale of every local latent in the whitened coordinates of its
-    prior, ``batch + (K,)`` each, detached: the prior of each latent is read at the guide's
-    means of its parents."""
-    with torch.no_grad(), pyro.validation_enabled(False), poutine.block():
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        at_means = _LatentsAtGuideMeans(structure, guide_trace)
-        at_means(model)(*args, **kwargs)
-    if len(at_means.centers) != len(structure.latents):
-        raise NotApplicableError("quadrature with center='guide' found no guide latents.")
-    return torch.cat(at_means.centers, -1), torch.cat(at_means.scales, -1)
