@@ -1,22 +1,7 @@
-"""Gaussian conditionals through an active set: only the context block is ever factorised.
-
-For a Gaussian vector ``x ~ N(mu, Sigma)`` of ``N`` tokens (features of an observation, or the
-data points of one output dimension of a Gaussian process) and a mask that hides the targets
-``T`` and keeps the context (active set) ``R``, every masked token has the predictive
-
-.. math::
-
-    p(x_j \\mid x_R) = \\mathcal{N}\\big(x_j \\mid \\mu_j + \\Sigma_{jR}\\Sigma_{RR}^{-1}
-        (x_R - \\mu_R),\\; \\Sigma_{jj} - \\Sigma_{jR}\\Sigma_{RR}^{-1}\\Sigma_{Rj}\\big).
-
-The cost is one ``|R| x |R|`` Cholesky factor, an ``|T| x |R|`` triangular solve and the
-``|T|`` diagonal entries of ``Sigma_TT``: neither an ``N x N`` factor nor the joint
-covariance of the targets is formed. Masks of different sizes in one batch are padded to the
-largest context and target sets; padded context slots hold an identity block and a zero
-residual, so they change nothing.
-
-The helpers are split so that callers with a lazily evaluated covariance (a kernel matrix)
-can gather the three blocks themselves and share :func:`active_set_predictive`.
+"""Gaussian conditionals through an active set: only the context block is ever factorised,
+and masks of different sizes share one padded batch (:ref:`theory-active-set`). The helpers
+are split so that callers with a lazily evaluated covariance (a kernel matrix) can gather
+the blocks themselves and share :func:`active_set_predictive`.
 
 This module is pure tensor code: no Pyro effects.
 """

@@ -1,23 +1,10 @@
-"""Draws from the conditionals ``p(x_S | x_R)`` of latent-variable models.
-
-Three families, each with a *joint* draw of all the hidden features of an observation and a
-*product* draw of each hidden feature from its own conditional ``p(x_j | x_R)``:
-
-* **latent linear-Gaussian** ``u ~ N(0, I_K)``, ``x = W u + b + eps``,
-  ``eps ~ N(0, diag(psi))``: a joint draw takes ``u ~ p(u | x_R)``, Gaussian with precision
-  ``I + W_R^T Psi_R^{-1} W_R``, then ``x_S ~ p(x_S | u)``; ``O(D K^2 + K^3)`` per observation
-  and never a ``D x D`` matrix.
-* **dense multivariate normal** ``N(mu, Sigma)``: a joint draw moves an unconditional draw
-  ``y`` by the kriging correction ``Sigma_{SR} Sigma_{RR}^{-1} (x_R - y_R)`` (exact for
-  Gaussians), one ``D x D`` Cholesky per observation.
-* **finite mixtures** (quadrature nodes, importance samples): a component ``g`` with
-  probability ``pi_g``, then ``x_S ~ p(x_S | z_g)``; a product draw takes an independent
-  component per feature.
+"""Draws from the conditionals ``p(x_S | x_R)`` of latent-variable models: latent
+linear-Gaussian, dense multivariate normal and finite mixtures, each jointly over the hidden
+features or feature by feature (:ref:`theory-sampling`).
 
 Context weights ``c`` (True at features in ``R``) have shape ``batch + (D,)``; draws have a
-leading dim of size ``num_samples``. Every function returns draws of *all* features;
-callers keep the observed values where ``c`` is True (see
-:func:`~pyro_mpt.ops.masks.select_masked`).
+leading dim of size ``num_samples`` and cover *all* features: callers keep the observed
+values where ``c`` is True (:func:`~pyro_mpt.ops.masks.select_masked`).
 
 This module is pure tensor code: no Pyro effects.
 """

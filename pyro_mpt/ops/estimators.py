@@ -1,14 +1,5 @@
-"""The masked pre-training estimator of log p(x), from per-feature conditionals.
-
-For one observation with ``D`` features and a mask ``M`` (a set of features),
-
-.. math::
-
-    \\widehat{\\log p}(x) = \\frac{D}{|M|} \\sum_{j \\in M} \\log p(x_j \\mid x_{R}),
-    \\qquad R = \\{1..D\\} \\setminus M,
-
-and ``log p(x) = sum_{M=1..D} S(x; M)`` with ``S(x; M)`` the expectation of
-``(1/M) sum_{j in mask} log p(x_j | x_R)`` over masks of size ``M``.
+"""The masked pre-training estimator of ``log p(x)``, ``(D / M) sum_{j in mask}
+log p(x_j | x_R)``, from per-feature conditionals (:ref:`theory-estimator`).
 
 This module is pure tensor code: no Pyro effects.
 """

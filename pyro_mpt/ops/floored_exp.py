@@ -1,14 +1,6 @@
-"""Exponentials floored above the subnormal numbers, for sums over nodes or samples taken
-as matrix products.
-
-Sums over quadrature nodes or importance samples are matrix products of exponentials
-shifted by their maxima. Products of two tiny factors would be subnormal numbers, which slow
-matrix products on CPUs many times over (3x for a float32 step of the linear VAE), so
-weights below ``s = sqrt(tiny)`` (``1e-19`` in float32, ``1e-154`` in float64) of the
-largest are dropped and likelihood factors are floored at ``s``. A sum is then exact to a
-relative ``G s`` unless it is below ``s`` times its largest term, where it is floored: at
-``e^-43.7`` (float32) or ``e^-354`` (float64) of it, far below anything a trained model
-predicts for an observed value.
+"""Exponentials floored above the subnormal numbers, which would slow the matrix products
+of sums over nodes or samples many times over on CPUs; the floors keep every sum exact to a
+relative ``G sqrt(tiny)`` (:ref:`theory-floors`).
 """
 
 import math

@@ -1,21 +1,10 @@
-"""Self-predictive conditionals of Gaussian models, in closed form.
+"""Self-predictive conditionals of Gaussian models in closed form: latent linear-Gaussian
+models through the ``K``-dimensional posterior (Woodbury), dense multivariate normals
+through their context blocks (:ref:`theory-gaussian`).
 
-Two model families:
-
-* **latent linear-Gaussian** (PPCA, factor analysis, low-rank multivariate normals):
-  ``u ~ N(0, I_K)``, ``x = W u + b + eps``, ``eps ~ N(0, diag(psi))``. Any Gaussian prior
-  ``z ~ N(m, L L^T)`` reduces to this form with ``W = A L`` and ``b = b_A + A m``.
-  Conditioning on the context ``x_R`` goes through the ``K``-dimensional posterior of ``u``
-  (Woodbury): ``O(D K^2 + K^3)`` per mask and never a ``D x D`` matrix.
-* **dense multivariate normal** ``x ~ N(mu, Sigma)``: one ``|R| x |R|`` Cholesky of the
-  context block per mask (:mod:`pyro_mpt.ops.active_set`), and only the diagonal of the
-  masked block. This is also the reference the latent path is tested against.
-
-Masks enter as 0/1 context weights, so a single batched computation serves every mask: the
-context ``c`` has shape ``batch + (D,)`` and broadcasts against the model parameters.
-Every function returns the conditional mean and variance of *each* feature given the
-context features, ``p(x_j | x_R)``; entries for features inside the context are not
-conditionals (their value there is unspecified but finite).
+Masks enter as 0/1 context weights ``batch + (D,)``, so one batched computation serves
+every mask. Every function returns the conditional mean and variance of *each* feature; the
+entries of features inside the context are not conditionals (unspecified but finite).
 
 This module is pure tensor code: no Pyro effects.
 """

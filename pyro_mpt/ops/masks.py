@@ -1,25 +1,5 @@
-"""Mask-size schedules and random masks.
-
-Every masked pre-training objective in :mod:`pyro_mpt` draws, for each observation, a mask
-size ``M`` from a *rate schedule* and then a mask of ``M`` features uniformly at random. The
-three schedules are:
-
-=================  ===================================================  ======================
-``rate``           mask size ``M`` out of ``D`` features                estimate of log p(x)
-=================  ===================================================  ======================
-``"uniform"``      ``M ~ Uniform{1, ..., D}``                           unbiased
-``0.15``           ``M = max(1, round(0.15 D))``                        biased (fixed bias)
-``(lo, hi)``       ``r ~ U[lo, hi)``, ``M = min(D, floor(r D) + 1)``    biased unless (0, 1)
-=================  ===================================================  ======================
-
-``M = floor(r D) + 1`` makes ``r ~ U[0, 1)`` *exactly* the uniform schedule, so the random-ratio
-schedule (R2MAE) contains the unbiased one as its widest range.
-
-When ``P`` masks are drawn per observation their sizes are *stratified*: the ``p``-th mask uses
-the quantile ``(p + u) / P`` of the schedule with one shared ``u ~ U[0, 1)``. Each mask's size
-then has the schedule's distribution on average over ``p``, so the average over the ``P``
-masks is unbiased, and for the uniform schedule with ``P = D`` every size ``1 ... D`` appears
-exactly once (the paper's cumulative sum over all mask sizes).
+"""Mask-size schedules (uniform, fixed rate, random ratio) and random masks of given sizes,
+stratified when several are drawn per observation (:ref:`theory-rates`).
 
 This module is pure tensor code: no Pyro effects.
 """

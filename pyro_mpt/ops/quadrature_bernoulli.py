@@ -1,32 +1,8 @@
 """Quadrature conditionals of binary data under ``Bernoulli(logits)`` shared by every
-observation: the likelihood of image models.
-
-This is :func:`~pyro_mpt.ops.quadrature_tabulated.tabulated_log_conditionals` with the table
-
-.. math::
-
-    L_{g1j} = \\log \\sigma(\\eta_{gj}), \\qquad L_{g0j} = \\log \\sigma(\\eta_{gj}) - \\eta_{gj},
-
-built inside from the logits ``eta`` ``(G, D)``, and with three of the table's five matrix
-products of size ``(R, 2D) x (2D, G)`` halved. Since ``p(0 | z) = 1 - p(1 | z)``, one
-product with the likelihood of one value per feature serves both values: with
-``F_gj = p(x_j = o_j | z_g)`` for the value ``o_j`` most rows observe at feature ``j``,
-
-.. math::
-
-    p(x_{rj} \\mid x_R) = \\sum_g \\pi_{rg} F_{gj} = T_{rj} \\quad (x_{rj} = o_j),
-    \\qquad 1 - T_{rj} \\quad (x_{rj} \\ne o_j),
-
-and likewise in the backward pass for ``sum_j h_rj p(x_rj | z_g)`` and for the gradient of
-the logits through ``p(x | z)``, ``(2x - 1) sigma(eta) sigma(-eta)``. ``1 - T`` loses
-accuracy as ``T`` nears one, so a conditional ``1 - T`` below ``1/64`` (a confidently
-mispredicted value: fewer than one entry in a thousand for a linear VAE trained on MNIST) is
-computed exactly instead, with its gradient, from the likelihoods of its feature at the
-nodes. Every conditional is then exact to a relative ``64 (G + 1)`` rounding errors at worst.
-Where more than one entry in 64 needs that, or a conditional is below the fourth root of the
-smallest normal number (``3e-10`` in float32, where the floors of
-:mod:`pyro_mpt.ops.floored_exp` start to matter), the two-value table of
-:mod:`pyro_mpt.ops.quadrature_tabulated` is used instead: exact, and slower.
+observation (image models): one product over the nodes serves both values of a pixel, and
+confidently mispredicted values are computed exactly. Falls back to the two-value table of
+:mod:`pyro_mpt.ops.quadrature_tabulated` where that would lose accuracy. The derivation is
+in :ref:`theory-quadrature`.
 
 This module is pure tensor code: no Pyro effects.
 """

@@ -1,23 +1,6 @@
-"""Self-predictive conditionals by numerical integration over a low-dimensional latent.
-
-With quadrature nodes ``u_g`` and weights ``w_g`` for a standard normal latent and the
-per-feature log-likelihoods ``l_gj = log p(x_j | z(u_g))`` of every node,
-
-.. math::
-
-    \\log p(x_j \\mid x_R) = \\operatorname{LSE}_g\\Big(\\log w_g + \\sum_{k \\in R} l_{gk}
-        + l_{gj}\\Big) - \\operatorname{LSE}_g\\Big(\\log w_g + \\sum_{k \\in R} l_{gk}\\Big).
-
-One evaluation of the likelihood at every node serves every mask.
-
-When the nodes and the likelihood's parameters are shared by every observation (nodes under
-the prior, a decoder that sees only ``z``) and the data take few distinct values ``v``
-(binary pixels, small counts), ``l_gnj = L_{v j g}`` at ``v = x_nj``: the sums over features
-and over nodes become matrix products with a table over the values, and no ``(G, N, D)``
-tensor is formed (:mod:`pyro_mpt.ops.quadrature_tabulated`).
-
-Sums over nodes are matrix products of exponentials floored as
-:mod:`pyro_mpt.ops.floored_exp` explains.
+"""Self-predictive conditionals by quadrature, from the per-feature log-likelihoods of every
+observation at every node: one evaluation of the likelihood serves every mask
+(:ref:`theory-quadrature`).
 
 This module is pure tensor code: no Pyro effects.
 """

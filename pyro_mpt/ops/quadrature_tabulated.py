@@ -1,22 +1,8 @@
-"""Quadrature conditionals from a likelihood table shared by every observation.
-
-When the quadrature nodes and the likelihood's parameters are the same for every
-observation (nodes under the prior, a decoder that sees only ``z``) and the data take few
-distinct values ``v`` (binary pixels, small counts), the log-likelihood of observation ``n``
-at node ``g`` is a table lookup, ``l_gnj = L_{g v j}`` at ``v = x_nj``, and
-
-.. math::
-
-    \\sum_{k \\in R} l_{gnk} = \\sum_{v, k} c_{nk} [x_{nk} = v] L_{gvk}, \\qquad
-    \\sum_g a_{ng} e^{l_{gnj}} = \\sum_v [x_{nj} = v] \\sum_g a_{ng} e^{L_{gvj}}:
-
-the sums over features and over nodes become matrix products with the table, and no
-``(G, N, D)`` tensor is formed, in time or in memory. The forward and backward passes are
-written by hand (:class:`torch.autograd.Function`), so that the only large temporaries are
-the table and its exponential. The floors of :mod:`pyro_mpt.ops.floored_exp` apply.
-
-Binary data under ``Bernoulli(logits)``, the likelihood of image models, take a faster
-path of their own (:mod:`pyro_mpt.ops.quadrature_bernoulli`).
+"""Quadrature conditionals from a likelihood table over the distinct observed values, for
+nodes and likelihood parameters shared by every observation (binary pixels, small counts):
+every sum is a matrix product with the table, and no ``(G, N, D)`` tensor is formed. The
+passes are written by hand so the only large temporaries are the table and its exponential
+(:ref:`theory-quadrature`).
 
 This module is pure tensor code: no Pyro effects.
 """

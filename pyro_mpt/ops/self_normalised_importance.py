@@ -1,17 +1,6 @@
-"""Self-predictive conditionals by self-normalised importance sampling.
-
-With ``S`` latent samples ``z_s`` drawn from a proposal ``q`` (the guide), their log-weights
-``log p(z_s) - log q(z_s)`` and the per-feature log-likelihoods ``l_sj = log p(x_j | z_s)``,
-
-.. math::
-
-    \\log p(x_j \\mid x_R) \\approx \\operatorname{LSE}_s\\Big(\\log w_s + l_{sj}\\Big)
-        - \\operatorname{LSE}_s\\big(\\log w_s\\big), \\qquad
-    \\log w_s = \\log p(z_s) + \\sum_{k \\in R} l_{sk} - \\log q(z_s),
-
-the ratio of two importance estimates of ``p(x_j, x_R)`` and ``p(x_R)``. It is consistent
-(exact as ``S`` grows) for any proposal whose support covers the posterior, and biased at
-finite ``S`` like every self-normalised estimate.
+"""Self-predictive conditionals by self-normalised importance sampling with the guide as
+proposal: consistent as the number of samples grows, biased at a finite number
+(:ref:`theory-importance`).
 
 This module is pure tensor code: no Pyro effects.
 """
