@@ -13,6 +13,7 @@ from pyro_mpt.ops.masks import (
     as_rate_schedule,
     masked_sum,
     masks_of_sizes,
+    plain_masks_of_sizes,
     sample_masks,
     select_masked,
 )
@@ -88,9 +89,11 @@ def test_random_rate_sizes_stay_in_range():
     assert sizes.min() >= 5 and sizes.max() <= 11
 
 
-def test_masks_have_the_requested_sizes_and_are_uniform():
+@pytest.mark.parametrize("draw", [masks_of_sizes, plain_masks_of_sizes])
+def test_masks_have_the_requested_sizes_and_are_uniform(draw):
+    """The fast masks (16-bit keys, NumPy sort) and the plain ones (float64 keys)."""
     sizes = torch.tensor([0, 1, 3, 6]).repeat(5000)
-    masks = masks_of_sizes(sizes, 6)
+    masks = draw(sizes, 6)
     assert torch.equal(masks.sum(-1), sizes)
     # Each feature is masked with probability M / D: check M = 3 within 5 standard errors.
     rows = masks[sizes == 3].double()

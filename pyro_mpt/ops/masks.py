@@ -21,6 +21,7 @@ __all__ = [
     "check_num_masks",
     "sample_masks",
     "masks_of_sizes",
+    "plain_masks_of_sizes",
     "masked_sum",
     "select_masked",
 ]
@@ -250,6 +251,17 @@ def masks_of_sizes(sizes, num_features, entries=None):
     if bool(tied.any()):
         masks[tied] = _masks_below_threshold(sizes[tied], num_features, torch.float64)[0]
     return masks
+
+
+def plain_masks_of_sizes(sizes, num_features):
+    """:func:`masks_of_sizes` the plain way, float64 keys sorted by ``torch.sort``: the
+    reference the fast version is tested against.
+
+    :returns: a boolean tensor of shape ``sizes.shape + (D,)``.
+    """
+    keys = torch.rand(sizes.shape + (num_features,), dtype=torch.float64, device=sizes.device)
+    threshold = keys.sort(-1).values.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+    return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
 
 
 #: The most features per row for which masks use 16-bit keys.

@@ -17,6 +17,7 @@ __all__ = [
     "fill_masked",
     "importance_log_conditionals",
     "importance_log_marginal",
+    "plain_importance_log_conditionals",
 ]
 
 FILLS = ("zeros", "mean")
@@ -134,6 +135,22 @@ def importance_log_conditionals(log_weights, log_likelihoods, context):
     ll = ll.reshape(num_samples, -1, num_features)
     out = _ImportanceConditionals.apply(log_weights, ll, context)
     return out.reshape(shape + (num_features,))
+
+
+def plain_importance_log_conditionals(log_weights, log_likelihoods, context):
+    """:func:`importance_log_conditionals` in plain tensor operations under autograd: the
+    reference its hand-written passes are tested against.
+
+    :param torch.Tensor log_weights: shape ``(S, P) + batch``.
+    :param torch.Tensor log_likelihoods: shape ``(S, P) + batch + (D,)``.
+    :param torch.Tensor context: 1/True at observed features, ``(P,) + batch + (D,)``.
+    :returns: a tensor of shape ``(P,) + batch + (D,)``.
+    """
+    context = context.to(torch.bool)
+    context_ll = torch.where(context, log_likelihoods, 0.0).sum(-1)  # (S, P) + batch
+    log_joint = log_weights + context_ll
+    log_posterior = log_joint - torch.logsumexp(log_joint, 0)
+    return torch.logsumexp(log_posterior.unsqueeze(-1) + log_likelihoods, 0)
 
 
 def importance_log_marginal(log_weights):

@@ -1,0 +1,176 @@
+"""Every hand-written fast path of :mod:`pyro_mpt.ops` against the plain version it
+replaces, forward and backward, at the sizes of the VAE benchmarks (float32).
+
+* ``bernoulli quadrature``: :func:`~pyro_mpt.ops.quadrature_bernoulli.bernoulli_log_conditionals`
+  (one product over the nodes per pixel value, hand-written backward) against
+  :func:`~pyro_mpt.ops.quadrature_tabulated.tabulated_log_conditionals` on the two-value
+  table, G=400 nodes, N=128 images, D=784 pixels;
+* ``tabulated quadrature``: ``tabulated_log_conditionals`` (matrix products with the table,
+  hand-written backward) against the plain
+  :func:`~pyro_mpt.ops.quadrature_conditionals.quadrature_log_conditionals` on the
+  ``(G, N, D)`` log-likelihoods, same sizes;
+* ``importance``: :func:`~pyro_mpt.ops.self_normalised_importance.importance_log_conditionals`
+  (one sample at a time, hand-written backward) against
+  :func:`~pyro_mpt.ops.self_normalised_importance.plain_importance_log_conditionals`
+  (``logsumexp`` under autograd), S=16 samples;
+* ``bernoulli log_prob``: :func:`~pyro_mpt.ops.bernoulli.bernoulli_log_prob` against
+  ``torch.distributions.Bernoulli(logits).log_prob``, S x N x D entries;
+* ``masks``: :func:`~pyro_mpt.ops.masks.masks_of_sizes` (16-bit keys sorted by NumPy)
+  against :func:`~pyro_mpt.ops.masks.plain_masks_of_sizes` (float64 keys, ``torch.sort``).
+
+A fast path earns its place at 1.3x or more; the script prints each ratio from one run, with
+the calls interleaved.
+
+Usage::
+
+    python benchmarks/bench_fast_paths.py [--threads 1] [--steps 5] [--repeats 5]
+"""
+
+import torch
+from _common import benchmark_main, environment, format_table, median_ms, time_calls
+
+from pyro_mpt.ops.bernoulli import bernoulli_log_prob
+from pyro_mpt.ops.masks import masks_of_sizes, plain_masks_of_sizes
+from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
+from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
+from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
+from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
+from pyro_mpt.ops.self_normalised_importance import (
+    importance_log_conditionals,
+    plain_importance_log_conditionals,
+)
+
+__all__ = ["main", "print_report", "run"]
+
+NUM_POINTS, NUM_IMAGES, NUM_PIXELS, NUM_SAMPLES = 20, 128, 784, 16
+TARGET = 1.3
+
+
+def _inputs(device, seed):
+    """A linear decoder's logits at a 20 x 20 Gauss-Hermite grid, binary images and one
+    uniform-size mask per image."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    nodes, log_weights = gauss_hermite_grid(NUM_POINTS, 2, torch.float32, device)
+    weight = torch.randn(NUM_PIXELS, 2, generator=generator).to(device)
+    logits = (nodes @ weight.T - 1.0).requires_grad_()
+    images = (torch.rand(NUM_IMAGES, NUM_PIXELS, generator=generator) < 0.2).float().to(device)
+    sizes = torch.randint(1, NUM_PIXELS + 1, (NUM_IMAGES,), generator=generator).to(device)
+    masks = masks_of_sizes(sizes, NUM_PIXELS)
+    return log_weights, logits, images, masks, sizes
+
+
+def _backward(out, masks, *leaves):
+    (out * masks).sum().backward()
+    for leaf in leaves:
+        leaf.grad = None
+
+
+def _cases(device, seed):
+    """name -> (fast call, plain call)."""
+    log_weights, logits, images, masks, sizes = _inputs(device, seed)
+    context = ~masks
+    indicators = value_indicators(images.new_tensor([0.0, 1.0]), images)
+
+    def bernoulli_fast():
+        out = bernoulli_log_conditionals(log_weights, logits, images, context.unsqueeze(0))
+        _backward(out, masks, logits)
+
+    def bernoulli_plain():
+        table = bernoulli_log_table(logits)  # (G, 2, D): values 0 and 1
+        out = tabulated_log_conditionals(log_weights, table, indicators, context.unsqueeze(0))
+        _backward(out, masks, logits)
+
+    def dense_log_likelihoods():
+        return torch.distributions.Bernoulli(logits=logits.unsqueeze(1)).log_prob(images)
+
+    def tabulated_fast():
+        table = bernoulli_log_table(logits)
+        out = tabulated_log_conditionals(log_weights, table, indicators, context.unsqueeze(0))
+        _backward(out, masks, logits)
+
+    def tabulated_plain():
+        out = quadrature_log_conditionals(log_weights, dense_log_likelihoods(), context)
+        _backward(out, masks, logits)
+
+    generator = torch.Generator(device="cpu").manual_seed(seed + 1)
+    sample_logits = torch.randn(NUM_SAMPLES, 1, NUM_IMAGES, NUM_PIXELS, generator=generator)
+    sample_logits = sample_logits.to(device).requires_grad_()
+    sample_weights = torch.randn(NUM_SAMPLES, 1, NUM_IMAGES, generator=generator).to(device)
+
+    def importance(fn):
+        ll = bernoulli_log_prob(sample_logits, images)
+        out = fn(sample_weights, ll, context.unsqueeze(0))
+        _backward(out, masks, sample_logits)
+
+    def log_prob_fast():
+        bernoulli_log_prob(sample_logits, images).sum().backward()
+        sample_logits.grad = None
+
+    def log_prob_plain():
+        torch.distributions.Bernoulli(logits=sample_logits).log_prob(images).sum().backward()
+        sample_logits.grad = None
+
+    return {
+        "bernoulli quadrature": (bernoulli_fast, bernoulli_plain),
+        "tabulated quadrature": (tabulated_fast, tabulated_plain),
+        "importance": (
+            lambda: importance(importance_log_conditionals),
+            lambda: importance(plain_importance_log_conditionals),
+        ),
+        "bernoulli log_prob": (log_prob_fast, log_prob_plain),
+        "masks": (
+            lambda: masks_of_sizes(sizes, NUM_PIXELS),
+            lambda: plain_masks_of_sizes(sizes, NUM_PIXELS),
+        ),
+    }
+
+
+def run(device="cpu", steps=5, repeats=5, seed=0):
+    """Times every fast path and its plain version; returns ``{"config", "environment",
+    "results"}``."""
+    device = torch.device(device)
+    results = []
+    for name, (fast, plain) in _cases(device, seed).items():
+        times = time_calls({"fast": fast, "plain": plain}, device, steps, repeats, warmup=1)
+        fast_ms, plain_ms = median_ms(times["fast"]), median_ms(times["plain"])
+        results.append(
+            {"path": name, "fast_ms": fast_ms, "plain_ms": plain_ms, "speedup": plain_ms / fast_ms}
+        )
+    config = {
+        "nodes": NUM_POINTS**2,
+        "images": NUM_IMAGES,
+        "pixels": NUM_PIXELS,
+        "samples": NUM_SAMPLES,
+        "steps": steps,
+        "repeats": repeats,
+        "target_speedup": TARGET,
+    }
+    return {"config": config, "environment": environment(device), "results": results}
+
+
+def print_report(report):
+    cfg, env = report["config"], report["environment"]
+    print(
+        f"Fast paths against their plain versions, forward and backward, float32 "
+        f"({env['device']}, {env['threads']} threads; G={cfg['nodes']} N={cfg['images']} "
+        f"D={cfg['pixels']} S={cfg['samples']}; median of {cfg['repeats']} x {cfg['steps']})"
+    )
+    rows = [
+        (
+            r["path"],
+            f"{r['fast_ms']:.2f}",
+            f"{r['plain_ms']:.2f}",
+            f"{r['speedup']:.2f}x",
+            "yes" if r["speedup"] >= cfg["target_speedup"] else "no",
+        )
+        for r in report["results"]
+    ]
+    print(format_table(["path", "fast ms", "plain ms", "speedup", ">= 1.3x"], rows))
+
+
+def main(argv=None):
+    return benchmark_main(__doc__, argv, run, print_report, steps=5, repeats=5)
+
+
+if __name__ == "__main__":
+    main()
