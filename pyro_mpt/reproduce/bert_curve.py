@@ -137,7 +137,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     for label, curve in curves.items():
         summary[label] = dict(
             area=curve.area,
-            area_stderr=mean_d * float(curve.stderr.pow(2).sum().sqrt()) / len(curve.rates),
+            area_stderr=curve.area_stderr,
             areas_by_chain=_chain_areas(curve, names),
             mean_score=float(curve.scores.mean()),
             score_first_rate=float(curve.scores[0]),

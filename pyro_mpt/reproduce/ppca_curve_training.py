@@ -61,12 +61,6 @@ def _no_guide(x):
     """MPTLoss integrates the latents out exactly, so no guide is needed."""
 
 
-def area_stderr(curve):
-    """The Monte Carlo standard error of the area ``Σ_M S(x; M)`` of a curve over every mask
-    size: the sizes' masks are independent, so their variances add."""
-    return float(curve.stderr.pow(2).sum().sqrt())
-
-
 def _curve(model, x, cfg, seed, *keys):
     """The model's MPT curve and exact LML, from random numbers of their own (the training
     stream is restored afterwards)."""
@@ -78,7 +72,7 @@ def _curve(model, x, cfg, seed, *keys):
             lml = float(log_marginal(model.model, x).mean())
     finally:
         set_rng_state(state)
-    se = area_stderr(curve)
+    se = curve.area_stderr
     return dict(
         curve=curve,
         area=curve.area,
