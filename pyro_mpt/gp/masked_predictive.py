@@ -4,7 +4,6 @@ import torch
 from gpytorch import settings
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.lazy import LazyEvaluatedKernelTensor
-from gpytorch.likelihoods import _GaussianLikelihoodBase
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 
@@ -76,7 +75,7 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     blocks a mask needs are read from the (lazy) kernel matrix.
 
     :param likelihood: a Gaussian likelihood (``gpytorch.likelihoods.GaussianLikelihood`` or
-        another ``_GaussianLikelihoodBase``).
+        another of GPyTorch's Gaussian likelihoods).
     :param model: the exact GP (``gpytorch.models.ExactGP``).
     :param rate: the mask-size schedule: ``"uniform"`` (unbiased), a float in ``(0, 1]`` (fixed
         rate; ``|R| = N - round(rate N)``) or a pair ``(lo, hi)``; see
@@ -114,16 +113,17 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     """
 
     def __init__(self, likelihood, model, rate="uniform", num_masks=1):
-        if not isinstance(likelihood, _GaussianLikelihoodBase):
+        schedule = as_rate_schedule(rate)
+        num_masks = check_num_masks(num_masks)
+        try:  # GPyTorch's exact objective accepts only its Gaussian likelihoods
+            super().__init__(likelihood, model)
+        except RuntimeError as error:
             raise TypeError(
                 f"likelihood must be a Gaussian likelihood (e.g. "
                 f"gpytorch.likelihoods.GaussianLikelihood), got {type(likelihood).__name__}. "
                 f"Exact predictive conditionals exist only for Gaussian noise; use "
                 f"gpytorch.mlls.VariationalELBO for other likelihoods."
-            )
-        schedule = as_rate_schedule(rate)
-        num_masks = check_num_masks(num_masks)
-        super().__init__(likelihood, model)
+            ) from error
         self.schedule = schedule
         self.num_masks = num_masks
 
