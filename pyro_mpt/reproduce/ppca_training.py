@@ -53,7 +53,7 @@ from pyro_mpt.reproduce._common import (
     seed_everything,
 )
 
-__all__ = ["NAME", "run"]
+__all__ = ["NAME", "maximum_log_marginal", "run", "standard_errors"]
 
 NAME = "ppca-training"
 
