@@ -36,11 +36,11 @@ scheme's area from the fixed 15% one (``--full``: a larger model, longer trainin
     sized so that this happens on one CPU core: a 300-piece vocabulary (words split into
     sub-word pieces whose neighbours are predictable), 16-token sequences, a 2-layer model of
     width 64, 6000 steps of 64 at a constant learning rate 1e-3 after 200 warm-up steps (about
-    six minutes per seed). Measured with seed 0, the random-ratio model left the plateau first (near
-    step 3000), the fixed-rate one near step 4000 and the uniform one near step 4500 (still
-    improving at the end), and the held-out metrics followed that order, so a single seed
-    mostly says when each scheme got past the plateau. Wider models, longer sequences
-    or larger vocabularies (2000 pieces, 64 tokens, width 128, 1000 steps) stayed on the
+    six minutes per seed). Measured with seed 0, the random-ratio model left the plateau
+    first (near step 3000), the fixed-rate one near step 4000 and the uniform one near step
+    4500 (still improving at the end), and the held-out metrics followed that order, so a
+    single seed mostly says when each scheme got past the plateau. Wider models, longer
+    sequences or larger vocabularies (2000 pieces, 64 tokens, width 128, 1000 steps) stayed on the
     plateau at this budget. The training loss falls below the unigram entropy even on the
     plateau, because it also scores the 10% of masked tokens that are left unchanged, which
     the model learns to copy.

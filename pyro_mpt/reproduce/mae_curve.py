@@ -23,6 +23,10 @@ S`` (nats per image). Linear probe: multinomial logistic regression on the mean 
 encoder's patch tokens with nothing masked, fitted on the training images and scored on the
 held-out ones.
 
+Seeds: three by default (``seeds``; one at smoke size), each drawing its own data split,
+initial weights, batch order and masks, shared by the schedules within it; the table gives
+mean ± sd over the seeds and each schedule's area minus the fixed-75% one of the same seed.
+
 .. note:: The paper's Fig. 6 shows a pre-trained ViT-MAE (ImageNet) on Fashion-MNIST,
     CIFAR-100 and Tiny-ImageNet; here every model is trained from scratch on MNIST, so the
     curves are comparable with each other only.
