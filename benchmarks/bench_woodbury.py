@@ -32,7 +32,8 @@ from _common import (
 )
 
 from pyro_mpt.ops.gaussian import dense_gaussian_conditionals, latent_gaussian_conditionals
-from pyro_mpt.ops.masks import UniformRate, sample_masks
+from pyro_mpt.ops.mask_rates import UniformRate
+from pyro_mpt.ops.masks import sample_masks
 
 __all__ = ["dense_loop_conditionals", "main", "print_report", "run"]
 

@@ -13,7 +13,8 @@ from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
-from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
+from pyro_mpt.ops.mask_rates import as_rate_schedule
+from pyro_mpt.ops.masks import check_num_masks, sample_masks
 
 __all__ = ["MPTLoss"]
 
@@ -42,7 +43,7 @@ class MPTLoss(ELBO):
 
     :param rate: the mask-size schedule: ``"uniform"``, a float in ``(0, 1]`` (fixed rate),
         or a pair ``(lo, hi)`` (a random rate per mask, as in R2MAE). See
-        :func:`pyro_mpt.ops.masks.as_rate_schedule`.
+        :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`.
     :param int num_masks: masks per observation and step, all scored in one vectorized
         pass. Their sizes are stratified, so ``num_masks=D`` with ``rate="uniform"`` sums
         over every mask size exactly once.

@@ -6,11 +6,8 @@ import pytest
 import torch
 
 from pyro_mpt.ops.estimators import mask_scores
+from pyro_mpt.ops.mask_rates import FixedRate, RandomRate, UniformRate, as_rate_schedule
 from pyro_mpt.ops.masks import (
-    FixedRate,
-    RandomRate,
-    UniformRate,
-    as_rate_schedule,
     masked_sum,
     masks_of_sizes,
     plain_masks_of_sizes,
@@ -109,10 +106,10 @@ def test_sample_masks_shapes_and_shared_masks():
 
 
 def test_numpy_and_torch_row_sorts_agree():
-    from pyro_mpt.ops.masks import _sort_rows
+    from pyro_mpt.ops.masks import sort_rows
 
     keys = torch.rand(7, 33)
-    assert torch.equal(_sort_rows(keys, use_numpy=True), _sort_rows(keys, use_numpy=False))
+    assert torch.equal(sort_rows(keys, use_numpy=True), sort_rows(keys, use_numpy=False))
 
 
 def test_select_masked_equals_where_on_finite_values():

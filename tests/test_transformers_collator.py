@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from pyro_mpt.ops.masks import as_rate_schedule  # noqa: E402
+from pyro_mpt.ops.mask_rates import as_rate_schedule  # noqa: E402
 from pyro_mpt.transformers import MPTDataCollator  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrst"

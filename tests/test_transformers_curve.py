@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer  # noqa: E402
 
 from pyro_mpt import MPTCurve, default_rates  # noqa: E402
-from pyro_mpt.ops.masks import FixedRate  # noqa: E402
+from pyro_mpt.ops.mask_rates import FixedRate  # noqa: E402
 from pyro_mpt.transformers import mlm_mpt_curve  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")

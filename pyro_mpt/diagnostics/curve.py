@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.ops.masks import FixedRate
+from pyro_mpt.ops.mask_rates import FixedRate
 
 __all__ = ["MPTCurve", "check_rates", "default_rates", "rate_sizes"]
 
@@ -110,6 +110,6 @@ def check_rates(rates, name="rates"):
 
 def rate_sizes(rates, num_features):
     """The mask sizes ``max(1, round(r D))`` of each rate for ``D = num_features``, as
-    :class:`~pyro_mpt.ops.masks.FixedRate` draws them, long ``(R,)``."""
+    :class:`~pyro_mpt.ops.mask_rates.FixedRate` draws them, long ``(R,)``."""
     zero = torch.zeros(1, dtype=torch.float64)
     return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from pyro_mpt.ops.masks import as_rate_schedule
+from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.reproduce._common import (
     Stopwatch,
     check_size,

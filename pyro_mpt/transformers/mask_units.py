@@ -8,7 +8,7 @@ on ragged rows: a row's units are the first ``U_i`` columns of a ``(B, U_max)`` 
 
 import torch
 
-from pyro_mpt.ops.masks import _sort_rows
+from pyro_mpt.ops.masks import sort_rows
 
 __all__ = ["geometric_spans", "sizes_for_rows", "uniform_subsets", "unit_index"]
 
@@ -60,7 +60,7 @@ def uniform_subsets(counts, sizes, width):
     valid = columns < counts.unsqueeze(-1)
     keys = torch.rand(counts.shape + (width,), device=counts.device)
     keys = keys.masked_fill(~valid, 2.0)  # never among the smallest ``sizes`` of a row
-    threshold = _sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
+    threshold = sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
     return (keys <= threshold) & valid & (sizes > 0).unsqueeze(-1)
 
 
