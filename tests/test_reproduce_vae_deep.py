@@ -165,6 +165,9 @@ def test_make_loss_builds_each_row():
     assert isinstance(loss, MPTLoss) and loss.guide_loss == "elbo"
     assert loss.conditionals.refill == "sample"
     assert loss.conditionals.num_iterations == cfg["iterations"]
+    assert loss.num_masks == 1
+    loss = vae_deep.make_loss(ALL_METHODS["Gaussian MPT 33%, encode-decode, 4 masks"], cfg)
+    assert loss.num_masks == 4 and loss.conditionals.refill == "sample"
     loss = vae_deep.make_loss(ALL_METHODS["MPT 33%"], cfg)
     assert loss.conditionals.refill == "mean"
     loss = vae_deep.make_loss(ALL_METHODS["Gaussian MPT 33%, importance"], cfg)

@@ -37,7 +37,7 @@ EXPERIMENTS = {
     ),
     "vae-deep": (
         "pyro_mpt.reproduce.vae_deep",
-        "Fig. 3 bottom: deep VAE on binarised MNIST, MPT (encode-decode, 33%/uniform) vs ELBO",
+        "Fig. 3 bottom: deep VAE on MNIST (Gaussian and Bernoulli), MPT vs ELBO, LML per epoch",
     ),
     "gp-decoder": (
         "pyro_mpt.reproduce.gp_decoder",
