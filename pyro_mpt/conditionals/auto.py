@@ -101,10 +101,11 @@ class Auto(Conditionals):
         if prepared is not None:
             return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
         rule = self._strategy("quadrature")
+        state = torch.get_rng_state()
         prepared = self._try(rule, *call)
         coarse = None
         if prepared is not None:
-            rule, prepared, gap = _converged_rule(rule, prepared, *call[:5])
+            rule, prepared, gap = _converged_rule(rule, prepared, *call[:5], state)
             if gap < CONVERGENCE_TOL:
                 reason = f"converged: 1.5 times its nodes change log p(x) by {gap:.1e} nats"
                 return self._choose(rule, key, model, reason, prepared)
@@ -143,10 +144,22 @@ class Auto(Conditionals):
         return prepared
 
 
-def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting):
+def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
     """Refines a quadrature rule by 1.5 times its nodes per dimension until two successive
     rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
-    budget: ``(rule, prepared, gap)`` of the coarser rule of the last pair compared."""
+    budget: ``(rule, prepared, gap)`` of the coarser rule of the last pair compared.
+
+    Every rule is prepared from the random ``state`` the first one was, so that a subsampled
+    model scores the same observations under each; the state after the first is restored.
+    """
+    after = torch.get_rng_state()
+    try:
+        return _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state)
+    finally:
+        torch.set_rng_state(after)
+
+
+def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
     dim = prepared.latent_dim
     # A rule that keeps every observation's likelihood at every node; tables keep one row.
     per_node = 1
@@ -161,6 +174,7 @@ def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nestin
         if num_points**dim > budget or num_points > MAX_POINTS:
             return rule, prepared, gap
         finer = Quadrature(num_points=num_points, max_latent_dim=rule.max_latent_dim)
+        torch.set_rng_state(state)
         finer_prepared = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
         with torch.no_grad():
             finer_log_marginal = finer_prepared.log_marginal()

@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
@@ -57,11 +59,17 @@ class ImportanceSelfPredictive(SelfPredictive):
         lower bound in expectation, the IWAE bound), shape ``batch_shape``."""
         entries = self.observed.entries
         value = self.observed.value
-        filled = value if entries is None else fill_masked(value, ~entries, self.fill)
-        log_w, ll = self._sample(filled.unsqueeze(0))
-        if entries is not None:
-            ll = ll * entries.to(ll.dtype)
-        return importance_log_marginal((log_w + ll.sum(-1))[:, 0])
+        if entries is None:
+            filled = value.unsqueeze(0)
+        else:  # one "mask": the missing entries
+            filled = fill_masked(value, (~entries).unsqueeze(0), self.fill)
+        log_w, ll = self._sample(filled)
+        if entries is None:
+            return importance_log_marginal((log_w + ll.sum(-1))[:, 0])
+        ll = ll * entries.to(ll.dtype)
+        result = importance_log_marginal((log_w + ll.sum(-1))[:, 0])
+        # An observation with no observed entry has log p = 0 exactly, not its estimate.
+        return torch.where(entries.any(-1), result, 0.0)
 
 
 class Importance(Conditionals):

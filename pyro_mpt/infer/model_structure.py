@@ -186,6 +186,23 @@ def _data_dims(trace, obs_name, latent_names):
     return sorted(dim for _, dim in common)
 
 
+def _check_feature_plates(trace, obs_name, data_dims):
+    """A plate of the observed site that no latent is in holds features: it must sit right
+    of the data plates, whose dims and those left of them index observations."""
+    frames = plate_frames(trace.nodes[obs_name])
+    data = sorted(name for name, dim in frames if dim in data_dims)
+    for name, dim in sorted(frames, key=lambda frame: frame[1]):
+        if data_dims and dim < max(data_dims) and dim not in data_dims:
+            raise ValueError(
+                f"Plate {name!r} (dim {dim}) of observed site {obs_name!r} holds no latent "
+                f"site and sits left of the data plate {data} (dim {max(data_dims)}). MPTLoss "
+                f"reads the dims from the data plate leftwards as indexing observations, so a "
+                f"plate over features must sit right of it: give the data plate a dim left of "
+                f"{name!r}'s (e.g. dim=-2 and dim=-1), or make the features an event with "
+                f".to_event(1)."
+            )
+
+
 def _observation_dims(site, data_dims):
     """How many leading dims of the site's batch and event shape index observations."""
     fn = site["fn"]
@@ -220,6 +237,7 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     for name in [obs_name, *latent_names]:
         check_plates_cover_batch(trace.nodes[name])
     data_dims = _data_dims(trace, obs_name, latent_names)
+    _check_feature_plates(trace, obs_name, data_dims)
     fn = obs_site["fn"]
     num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
     observed = read_observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)

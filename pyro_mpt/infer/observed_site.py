@@ -89,6 +89,16 @@ def read_observed_site(site, full_shape, num_batch):
     name, fn = site["name"], site["fn"]
     _check_dtype(name, site["value"], fn)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
+    shape = site["value"].shape
+    if len(shape) > len(full_shape) or any(
+        size not in (1, target) for size, target in zip(reversed(shape), reversed(full_shape))
+    ):
+        raise ValueError(
+            f"Observed site {name!r} has a value of shape {tuple(shape)} that "
+            f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
+            f"subsampled plate, observe the subsample: obs=pyro.subsample(x, event_dim=...) "
+            f"or x[ind] with the plate's indices."
+        )
     value = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
     dtype = _parameter_dtype(fn)
     if value.is_floating_point() and dtype is not None and dtype != value.dtype:

@@ -10,19 +10,35 @@ from pyro_mpt.infer.model_structure import read_structure
 __all__ = ["RememberedStructure", "call_signature"]
 
 
+class _Same:
+    """An object compared by identity, and kept alive, so that a signature holding it is
+    never equal to one of a later object that reuses its ``id``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+
 def call_signature(model, args, kwargs, max_plate_nesting):
     """What must not change for a model's structure to stand: the model (a function, or a
-    method and its object) and the shapes and dtypes of its tensor arguments. Only ``id`` s
-    of other objects are kept."""
+    method and its object) and the shapes and dtypes of its tensor arguments; other objects
+    by identity."""
 
     def describe(value):
         if torch.is_tensor(value):
             return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("object", id(value))
+        return ("object", _Same(value))
 
     return (
-        id(getattr(model, "__func__", model)),
-        id(getattr(model, "__self__", None)),
+        _Same(getattr(model, "__func__", model)),
+        _Same(getattr(model, "__self__", None)),
         tuple(describe(a) for a in args),
         tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
         max_plate_nesting,

@@ -87,7 +87,16 @@ def whiten(fn, u, name="latent"):
         tril = _narrow_broadcast_dims(base.scale_tril)
         return _narrow_broadcast_dims(base.loc) + (tril @ u.unsqueeze(-1)).squeeze(-1)
     if isinstance(base, torch.distributions.TransformedDistribution):
-        z = whiten(base.base_dist, u, name)
+        inner = base.base_dist
+        if inner.batch_shape + inner.event_shape != base.batch_shape + base.event_shape:
+            transforms = ", ".join(type(t).__name__ for t in base.transforms)
+            raise NotApplicableError(
+                f"Latent site {name!r} has a {type(base).__name__} prior whose transforms "
+                f"({transforms}) change the latent's shape; integrating the latents needs "
+                f"transforms that keep it. Sample the normal latent with pyro.sample and apply "
+                f"the transform in the model, or use conditionals='importance' with a guide."
+            )
+        z = whiten(inner, u, name)
         for transform in base.transforms:
             z = transform(z)
         return z
@@ -151,41 +160,104 @@ class _LatentsAtPoints(Messenger):
 
 def run_at_points(model, args, kwargs, structure, points):
     """Runs ``model`` with its local latents at whitened ``points``: ``(Q, K)`` shared by
-    every observation, or ``(Q,) + batch + (K,)``.
+    every observation, or ``(Q,) + batch + (K,)``. The first run of a structure checks the
+    model first (:func:`_check_model_at_points`).
 
     :returns: a :class:`PointsRun`.
     """
-    shared = points.dim() == 2 and _shares_points(model, args, kwargs, structure)
+    layout = structure.point_layout
+    if layout.shared is None:
+        layout.shared = _check_model_at_points(model, args, kwargs, structure)
+    shared = points.dim() == 2 and layout.shared
     return _run(model, args, kwargs, structure, points, compact=shared)
 
 
-#: Points of the one-time check that a compact run matches a full-size one.
-_NUM_LAYOUT_CHECKS = 2
+#: Random points of the checks of :func:`_check_model_at_points`; the first two are compared.
+_NUM_CHECK_POINTS = 5
 
 
-def _shares_points(model, args, kwargs, structure):
-    """Whether runs at points shared by every observation may keep the observations' dims
-    of size one, decided once per structure: the model must run so at two random points
-    and give the likelihood it gives with the points repeated for every observation. A
-    model that indexes, reshapes or concatenates its latents per observation fails the
-    check and runs at full size."""
-    layout = structure.point_layout
-    if layout.shared is None:
-        generator = torch.Generator().manual_seed(0)
-        first = structure.trace.nodes[structure.latents[0].name]["value"]
-        points = torch.randn(_NUM_LAYOUT_CHECKS, structure.latent_dim, generator=generator)
-        points = points.to(dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            full = _observed_log_prob(_run(model, args, kwargs, structure, points, False))
-            try:
-                compact = _observed_log_prob(_run(model, args, kwargs, structure, points, True))
-            except (RuntimeError, IndexError):  # shape errors of per-observation indexing
-                compact = None
-        tol = 10 * torch.finfo(full.dtype).eps ** 0.5
-        layout.shared = compact is not None and bool(
-            torch.allclose(compact.expand_as(full), full, rtol=tol, atol=tol, equal_nan=True)
+def _check_model_at_points(model, args, kwargs, structure):
+    """Checks, once per structure, that the model can be run at many latent values at once,
+    and returns whether points shared by every observation may keep the observations' dims
+    of size one (so a decoder runs once per point, not once per point and observation).
+
+    At two random points the model must run with an extra batch dim left of its plates, give
+    the same likelihood when run again (no randomness at fixed latents, such as dropout in
+    training mode) and when run among three more points (no statistics across the batch,
+    such as batch normalisation in training mode); otherwise a :class:`ValueError` says
+    what to change. The compact layout is used when the model runs so and gives the same
+    likelihood: a model that indexes, reshapes or concatenates its latents per observation
+    runs at full size. Nothing here touches the caller's random state.
+    """
+    generator = torch.Generator().manual_seed(0)
+    first = structure.trace.nodes[structure.latents[0].name]["value"]
+    points = torch.randn(_NUM_CHECK_POINTS, structure.latent_dim, generator=generator)
+    points = points.to(dtype=first.dtype, device=first.device)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        cpu_state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
+
+        def log_prob_at(points, compact, same_state=True):
+            # From one random state a subsampled plate draws the same subsample.
+            if same_state:
+                torch.set_rng_state(cpu_state)
+                for device, cuda_state in zip(devices, cuda_states):
+                    torch.cuda.set_rng_state(cuda_state, device)
+            return _observed_log_prob(_run(model, args, kwargs, structure, points, compact))
+
+        try:
+            full = log_prob_at(points[:2], False)
+        except (RuntimeError, IndexError) as error:
+            cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(
+                f"The model failed when run at several latent values at once ({cause}). "
+                f"MPTLoss integrates the latents out by running the model with an extra batch "
+                f"dim left of its plates, as Pyro's vectorized particles do, so the model must "
+                f"broadcast over leading dims: expand covariates to the latent's batch shape "
+                f"before concatenating (torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], "
+                f"-1)), and reshape with z.shape[:-1] rather than the data size."
+            ) from error
+        # From another random state: a model random at fixed latents (dropout) differs.
+        # With a subsampled plate, another subsample would differ as well: no check then.
+        again = full if _subsamples(structure) else log_prob_at(points[:2], False, False)
+        among = log_prob_at(points, False)[:2]
+        try:
+            compact = log_prob_at(points[:2], True)
+        except (RuntimeError, IndexError):  # shape errors of per-observation indexing
+            compact = None
+    observed = structure.observed.name
+    if not _same(again, full):
+        raise ValueError(
+            f"The likelihood of observed site {observed!r} changes between two runs at the same "
+            f"latent values: the model is random given its latents (dropout in training "
+            f"mode?). MPTLoss integrates the latents out of p(x | z), which must be a function "
+            f"of z: call .eval() on modules with dropout, or make the randomness a pyro.sample "
+            f"site."
         )
-    return layout.shared
+    if not _same(among, full):
+        raise ValueError(
+            f"The likelihood of observed site {observed!r} at one latent value changes when "
+            f"the model runs at other values too: the model mixes values across its batch "
+            f"(batch normalization in training mode?). MPTLoss needs p(x_i | z_i) of each "
+            f"observation and latent value alone: call .eval() on BatchNorm modules, or use a "
+            f"normalization without batch statistics (LayerNorm)."
+        )
+    return compact is not None and _same(compact.expand_as(full), full)
+
+
+def _subsamples(structure):
+    """Whether the model subsamples a plate (its observations then vary between runs)."""
+    return any(
+        site_is_subsample(site) and site["fn"].subsample_size not in (None, site["fn"].size)
+        for site in structure.trace.nodes.values()
+    )
+
+
+def _same(a, b):
+    """Whether two log-likelihoods agree to the rounding of a model run in their dtype."""
+    tol = 10 * torch.finfo(a.dtype).eps ** 0.5
+    return bool(torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True))
 
 
 def _observed_log_prob(run):

@@ -1,0 +1,195 @@
+"""Models that only looked right: each is scored against a closed form, or refused with an
+error that names the cause and the fix.
+
+Every model here is plain Pyro that ``Trace_ELBO`` accepts; what MPT must add is a check
+that integrating its latents out is meaningful.
+"""
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+
+from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from tests.zoo_references import grid_log_marginal_1d, mvn_log_prob, standard_normal_log_prob
+
+
+def _gaussian_marginal(weight, loc, noise, x):
+    """``log N(x; loc, W W^T + noise^2 I)`` per row."""
+    cov = weight @ weight.T + noise**2 * torch.eye(weight.shape[0])
+    return mvn_log_prob(x, loc, cov)
+
+
+def test_a_prior_whose_transform_changes_the_shape_is_refused():
+    """LogisticNormal maps one normal coordinate to a 2-simplex: integrating over two
+    coordinates would be silently wrong."""
+    x = torch.randn(8, 5)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            w = pyro.sample("w", dist.LogisticNormal(torch.zeros(1), torch.ones(1)))
+            loc = 3.0 * w[..., :1] - 1.5
+            pyro.sample("x", dist.Normal(loc.expand(loc.shape[:-1] + (5,)), 0.8).to_event(1), obs=x)
+
+    for conditionals in ["exact", Quadrature(20)]:
+        with pytest.raises(Exception, match=r"'w'.*LogisticNormal.*change the latent's shape"):
+            log_marginal(model, x, conditionals=conditionals)
+
+
+def test_batch_norm_in_training_mode_is_refused():
+    torch.manual_seed(0)
+    linear, norm = torch.nn.Linear(1, 4), torch.nn.BatchNorm1d(4)
+    x = torch.randn(20, 4)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            h = linear(z)
+            loc = norm(h.reshape(-1, 4)).reshape(h.shape)
+            pyro.sample("x", dist.Normal(loc, 0.7).to_event(1), obs=x)
+
+    for conditionals in ["exact", "auto", Quadrature(20)]:
+        with pytest.raises(ValueError, match=r"other values too.*BatchNorm"):
+            log_marginal(model, x, conditionals=conditionals)
+    # In eval mode the decoder is affine: exact, against the closed form.
+    norm.eval()
+    scale = (norm.weight / (norm.running_var + norm.eps).sqrt()).detach()
+    weight = (linear.weight * scale.unsqueeze(-1)).detach()
+    loc = ((linear.bias - norm.running_mean) * scale + norm.bias).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            log_marginal(model, x), _gaussian_marginal(weight, loc, 0.7, x), atol=1e-8, rtol=0
+        )
+
+
+def test_dropout_in_training_mode_is_refused():
+    torch.manual_seed(0)
+    decoder = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Dropout(0.5))
+    x = torch.randn(10, 4)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(decoder(z), 0.7).to_event(1), obs=x)
+
+    state = torch.get_rng_state()
+    for conditionals in ["exact", "auto", Quadrature(20)]:
+        with pytest.raises(ValueError, match=r"same latent values.*dropout"):
+            log_marginal(model, x, conditionals=conditionals)
+    assert torch.equal(torch.get_rng_state(), state)  # the checks leave the stream alone
+
+
+def test_a_model_that_does_not_broadcast_over_points_gets_the_fix():
+    covariate, weight = torch.randn(8, 1), torch.randn(4, 2)
+    x = torch.randn(8, 4)
+
+    def model(x):
+        with pyro.plate("data", 8):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            loc = torch.cat([z, covariate], -1) @ weight.T
+            pyro.sample("x", dist.Normal(loc, 0.6).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match=r"several latent values at once.*expand covariates"):
+        MPTLoss().loss(model, None, x)
+
+
+def test_a_feature_plate_left_of_the_data_plate_is_refused():
+    weight, x = torch.tensor([1.0, -0.5, 0.8]), torch.randn(3, 6)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-1], dim=-1):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("time", x.shape[-2], dim=-2):
+                pyro.sample("x", dist.Normal(weight[:, None] * z, 0.5), obs=x)
+
+    with pytest.raises(ValueError, match=r"Plate 'time' \(dim -2\).*left of the data plate"):
+        log_marginal(model, x)
+
+
+def test_the_full_data_observed_in_a_subsampled_plate_is_refused():
+    x = torch.randn(12, 4)
+
+    def model(x):
+        with pyro.plate("data", 12, subsample_size=4):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.unsqueeze(-1), 1.0).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match=r"'x' has a value of shape \(12, 4\).*pyro.subsample"):
+        MPTLoss().loss(model, None, x)
+
+
+def test_one_loss_scores_a_new_model_that_reuses_an_old_ones_id():
+    """Closures made and dropped in a loop reuse ids; each model gets its own structure."""
+    x = torch.randn(8, 4)
+    weights = {1: torch.randn(4, 1), 2: torch.randn(4, 2)}
+
+    def make(size):
+        weight = weights[size]
+
+        def model(x):
+            with pyro.plate("data", 8):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([size]).to_event(1))
+                pyro.sample("x", dist.Normal(z @ weight.T, 0.7).to_event(1), obs=x)
+
+        return model
+
+    shared = Exact()
+    for size in (1, 2, 1, 2):
+        with torch.no_grad():
+            value = log_marginal(make(size), x, conditionals=shared)
+        expected = _gaussian_marginal(weights[size], torch.zeros(4), 0.7, x)
+        torch.testing.assert_close(value, expected, atol=1e-8, rtol=0)
+
+
+def test_importance_log_marginal_of_masked_observations():
+    """Rows masked out count 0; the others match a grid within the importance error."""
+    keep = torch.tensor([True, False, True, True, True, False, True, True, False])
+    x = torch.bernoulli(torch.full((9, 6), 0.5), generator=torch.Generator().manual_seed(0))
+
+    def model(x):
+        with poutine.mask(mask=keep), pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            logits = z.unsqueeze(-1) * torch.ones(6)
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(0.0, 1.2))
+
+    def log_joint(t):  # (G, 1) -> (G, N)
+        likelihood = dist.Bernoulli(logits=t.unsqueeze(-1)).log_prob(x).sum(-1)
+        return likelihood + standard_normal_log_prob(t)
+
+    reference = grid_log_marginal_1d(log_joint)
+    pyro.set_rng_seed(0)
+    with torch.no_grad():
+        value = log_marginal(model, x, conditionals=Importance(20000), guide=guide)
+    assert torch.equal(value[~keep], torch.zeros(3))
+    # 20000 samples of a proposal close to the posterior: errors of a few hundredths.
+    assert (value[keep] - reference[keep]).abs().max() < 0.05
+
+
+def test_auto_compares_rules_on_one_subsample():
+    """Refining the rule on a subsampled plate must not compare different observations."""
+    generator = torch.Generator().manual_seed(0)
+    w = 0.5 * torch.randn(4, generator=generator)
+    b = 0.5 + 0.2 * torch.randn(4, generator=generator)
+    x = torch.poisson(torch.exp(torch.randn(12, 1, generator=generator) * w + b))
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2], subsample_size=4):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            rate = torch.exp(z.unsqueeze(-1) * w + b)
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=pyro.subsample(x, event_dim=1))
+
+    loss = MPTLoss()
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coarse" warning
+        loss.loss(model, None, x)
+    assert loss.conditionals.reason.startswith("converged")
+    assert loss.conditionals.chosen.num_points < 100
