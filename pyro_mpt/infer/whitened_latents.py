@@ -104,7 +104,11 @@ def whiten(fn, u, name="latent"):
         f"Latent site {name!r} has a {type(base).__name__} prior; integrating the latents "
         f"numerically or exactly needs Normal, MultivariateNormal or LogNormal-type "
         f"(transformed normal) priors. Use conditionals='importance' with a guide, or "
-        f"reparameterise the site as a transform of a Normal."
+        + (
+            "sum the discrete latent out in the model (e.g. a MixtureSameFamily likelihood)."
+            if base.support.is_discrete
+            else "reparameterise the site as a transform of a Normal."
+        )
     )
 
 
