@@ -40,7 +40,7 @@ EXPERIMENTS = {
         "Fig. 3 bottom: deep VAE on MNIST (Gaussian and Bernoulli), MPT vs ELBO, LML per epoch",
     ),
     "gp-decoder": (
-        "pyro_mpt.reproduce.gp_decoder",
+        "pyro_mpt.reproduce.gp_decoder_mnist",
         "GP decoders on MNIST: MPT active sets vs Bayesian GP-LVM (ELBO) vs exact LML, time vs N",
     ),
     "vae-compare": (

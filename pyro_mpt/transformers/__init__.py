@@ -19,7 +19,7 @@ from pyro_mpt.transformers.collator import MPTDataCollator  # noqa: E402
 __all__ = []
 __all__ += ["MPTDataCollator"]
 
-from pyro_mpt.transformers.loss import (  # noqa: E402
+from pyro_mpt.transformers.mlm_loss import (  # noqa: E402
     masked_token_log_probs,
     mpt_mlm_loss,
     mpt_sequence_estimates,

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.transformers.loss import masked_token_log_probs
+from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 
 __all__ = ["mlm_mpt_curve"]
 

@@ -3,7 +3,7 @@ MPT objective."""
 
 from transformers import Trainer
 
-from pyro_mpt.transformers.loss import check_normalize, count_items, mpt_mlm_loss
+from pyro_mpt.transformers.mlm_loss import check_normalize, count_items, mpt_mlm_loss
 
 __all__ = ["MPTTrainer"]
 
