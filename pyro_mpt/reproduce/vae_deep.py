@@ -308,7 +308,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         (``N = 1000``, 200 hidden units, 25 epochs, ``T = 3``, ``S = 64`` for the importance
         rows) takes about 10 minutes on one core.
     :param bool full: ``N = 4000``, 256 hidden units, 50 epochs, ``T = 5``, 500 importance
-        samples per epoch and 2000 at the end.
+        samples per epoch and 2000 at the end; a few hours on one core.
     :param int seed: base seed (data subset, initialisation, mini-batches).
     :param bool progress: show progress bars.
     :param methods: names of the rows to run, keys of :data:`METHODS` or
