@@ -14,10 +14,10 @@ import subprocess
 
 import pytest
 
-from pyro_mpt.reproduce import render
+from pyro_mpt.reproduce import render, results_sources
 
-ROOT = render.repository_root()
-RESULTS = ROOT / render.RESULTS_DIR
+ROOT = results_sources.repository_root()
+RESULTS = ROOT / results_sources.RESULTS_DIR
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / "README.md").exists() or not RESULTS.is_dir(),
@@ -75,15 +75,15 @@ def test_committed_figures_are_current(source, tmp_path):
     missing = [m for m in QUICK[source] if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{source} needs {', '.join(missing)}")
-    entry = render.read_manifest(ROOT).get(source)
+    entry = results_sources.read_manifest(ROOT).get(source)
     assert entry is not None, f"docs/results/manifest.json has no entry for {source}"
     if source != "ppca-table1" and entry["size"] != "smoke":
         pytest.skip(f"{source} is committed at {entry['size']} size, too slow to rerun here")
-    argv, shown = render._command(source, entry["size"], tmp_path)
+    argv, shown = results_sources.command(source, entry["size"], tmp_path)
     assert " ".join(shown) == entry["command"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for file_name in render.SOURCES[source]["files"]:
+    for file_name in results_sources.SOURCES[source]["files"]:
         fresh = json.loads((tmp_path / file_name).read_text(encoding="utf-8"))
         committed = json.loads((RESULTS / file_name).read_text(encoding="utf-8"))
         diff = differences(fresh, committed)
@@ -95,10 +95,10 @@ def test_committed_figures_are_current(source, tmp_path):
 
 
 def test_every_source_is_committed():
-    manifest = render.read_manifest(ROOT)
-    assert list(manifest) == list(render.SOURCES)
+    manifest = results_sources.read_manifest(ROOT)
+    assert list(manifest) == list(results_sources.SOURCES)
     for source, entry in manifest.items():
-        assert entry["files"] == render.SOURCES[source]["files"]
+        assert entry["files"] == results_sources.SOURCES[source]["files"]
         for file_name in entry["files"]:
             json.loads((RESULTS / file_name).read_text(encoding="utf-8"))
 

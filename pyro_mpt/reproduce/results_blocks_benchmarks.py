@@ -1,0 +1,151 @@
+"""The rendered result blocks of the benchmarks."""
+
+from pyro_mpt.reproduce.results_format import ratio, spread
+
+__all__ = [
+    "bench_gp_active_set_block",
+    "bench_transformers_block",
+    "bench_vae_step_block",
+    "benchmarks_block",
+]
+
+
+def _bench(ctx, key):
+    report = ctx.json("benchmarks.json")["reports"].get(key)
+    if report is None:
+        raise KeyError(f"docs/results/benchmarks.json has no {key!r} report; rerun benchmarks.")
+    return report
+
+
+def _by_dtype(results, key):
+    return {r["dtype"]: r[key] for r in results}
+
+
+UNIFORM_LOSS = 'MPTLoss(rate="uniform")'
+
+#: bench_vae_step loss name -> its row label.
+VAE_STEP_LOSSES = {
+    "quadrature": "Quadrature(20)",
+    "importance 4": "Importance(4)",
+    "importance 16": "Importance(16)",
+    "encode-decode": "EncodeDecode(3)",
+}
+
+
+def bench_vae_step_block(ctx):
+    report = _bench(ctx, "vae_step")
+    cfg = report["config"]
+    threads = ctx.json("benchmarks.json")["environment"]["threads"]
+    caption = (
+        f"{ctx.run_text('benchmarks')}, {ctx.code('bench_vae_step.py')}: one SVI step of "
+        f"{ctx.code(UNIFORM_LOSS)} with each conditional strategy as a ratio "
+        f"to a one-particle {ctx.code('Trace_ELBO')} step on the same model, float32 / "
+        f"float64, {'one thread' if threads == 1 else f'{threads} threads'}, batches of "
+        f"{cfg['subsample_size']} of "
+        f"N={cfg['num_data']} binarised MNIST images (D={cfg['num_features']}); median of "
+        f"{cfg['repeats']} repeats of {cfg['steps']} steps:"
+    )
+    cells = {}
+    for r in report["results"]:
+        cells.setdefault((r["model"], r["loss"]), {})[r["dtype"]] = r
+    rows = []
+    for loss, label in VAE_STEP_LOSSES.items():
+        if loss == "quadrature":
+            label += f" ({cfg['quadrature_nodes']} nodes)"
+        row, target = [label], None
+        for model in ("linear", "deep"):
+            entry = cells.get((model, loss))
+            if entry is None:
+                row.append("–")
+                continue
+            row.append(" / ".join(ratio(entry[d]["ratio_to_elbo"]) for d in sorted(entry)))
+            target = target or next(iter(entry.values()))["target_ratio"]
+        rows.append(row + ([f"≤ {target:g}×"] if target is not None else ["–"]))
+    headers = ["strategy", "linear VAE, K=2", "deep VAE, K=10", "target"]
+    memory = report["memory"]
+    note = (
+        "One step on the linear VAE raises the process's peak memory by "
+        + " / ".join(f"{m['quadrature_peak_delta_mib']:.0f}" for m in memory)
+        + " MiB with quadrature and by "
+        + " / ".join(f"{m['elbo_peak_delta_mib']:.0f}" for m in memory)
+        + f" MiB with the ELBO ({' / '.join(m['dtype'] for m in memory)})."
+    )
+    return "\n\n".join([caption, ctx.table(headers, rows), note])
+
+
+def benchmarks_block(ctx):
+    svi, woodbury = _bench(ctx, "svi_step"), _bench(ctx, "woodbury")
+    scfg, wcfg = svi["config"], woodbury["config"]
+    svi_ratio = _by_dtype(svi["results"], "ratio_mpt_over_elbo")
+    loop = [r["speedup_vs_dense_loop"] for r in woodbury["results"] if "speedup_vs_dense_loop" in r]
+    batched = [r["speedup_vs_dense_batched"] for r in woodbury["results"]]
+    text = (
+        f"One SVI step of {ctx.code('MPTLoss')} is "
+        + " and ".join(f"{ratio(v)} ({d})" for d, v in sorted(svi_ratio.items()))
+        + f" a {ctx.code('Trace_ELBO')} step with a mean-field guide on PPCA with "
+        f"D={scfg['num_features']}, K={scfg['latent_dim']}, batch {scfg['subsample_size']} "
+        f"(target ≤ {scfg['target_ratio']:g}×); the Woodbury conditionals are "
+        + (f"{spread(loop)}× faster than a per-mask dense Schur complement and " if loop else "")
+        + f"{spread(batched)}× faster than the batched dense path at D={wcfg['num_features']} "
+        f"(float32 and float64; target ≥ {wcfg['target_speedup']:g}×)."
+    )
+    table1 = ctx.json("benchmarks.json")["reports"].get("table1")
+    if table1:
+        text += (
+            f" {ctx.code('pyro-mpt reproduce ppca-table1')} took {table1['seconds']:.1f} s "
+            f"in the same process (target ≤ {table1['config']['target_seconds']:g} s)."
+        )
+    return "\n\n".join([bench_vae_step_block(ctx), text])
+
+
+def bench_gp_active_set_block(ctx):
+    report = _bench(ctx, "gp_active_set")
+    cfg = report["config"]
+    exact = {r["dtype"]: r["speedup"] for r in report["results"] if r["case"] == "exact GP"}
+    decoder = [r for r in report["results"] if r["case"] != "exact GP"]
+    text = (
+        f"{ctx.run_text('benchmarks')}, {ctx.code('bench_gp_active_set.py')}: on an exact GP "
+        f"with one output (N={cfg['num_data']}), a training step of "
+        f"{ctx.code('MaskedPredictiveLogLikelihood')} with |R|={cfg['context']} is "
+        + " and ".join(f"{v:.1f}× ({d})" for d, v in sorted(exact.items()))
+        + f" faster than one of {ctx.code('ExactMarginalLogLikelihood')} (target ≥ "
+        f"{cfg['target_speedup']:g}×)"
+    )
+    if decoder:
+        r = decoder[0]
+        text += (
+            f"; on {ctx.code('GPDecoder')} ({r['case']}, {r['dtype']}) the active set is "
+            f"{r['speedup']:.1f}× faster than the exact log marginal likelihood (no target: the "
+            "work in proportion to N D, which active sets do not remove, dominates both)"
+        )
+    return text + "."
+
+
+def bench_transformers_block(ctx):
+    reports = ctx.json("benchmarks.json")["reports"]
+    parts = []
+    collator = reports.get("collator")
+    if collator:
+        cfg = collator["config"]
+        parts.append(
+            f"{ctx.run_text('benchmarks')}, {ctx.code('bench_collator.py')}: "
+            f"{ctx.code('MPTDataCollator')} costs "
+            f"{spread([r['ratio'] for r in collator['results']], 2)}× the time per batch of "
+            f"{ctx.code('transformers.DataCollatorForLanguageModeling')} ({cfg['batch']} "
+            f"examples of {cfg['lengths'].replace('..', '–')} tokens; fixed, uniform and random "
+            f"rates, whole words, spans; target ≤ {cfg['target_ratio']:g}×)."
+        )
+    curve = reports.get("mlm_curve")
+    if curve:
+        cfg, r = curve["config"], curve["results"][0]
+        parts.append(
+            f"{ctx.code('bench_mlm_curve.py')}, same run: "
+            f"{ctx.code('pyro_mpt.transformers.mlm_mpt_curve')} takes "
+            f"{r['mpt_curve_ms']:.0f} ms for "
+            f"{r['masked_sequences']} masked sequences of a {cfg['model']}, a plain loop of "
+            f"forward passes over the same batches {r['plain_loop_ms']:.0f} ms: loop/curve = "
+            f"{r['ratio_loop_over_curve']:.2f} (target ≥ {cfg['target_ratio']:g})."
+        )
+    if not parts:
+        return "The transformers benchmarks did not run (the optional extra is not installed)."
+    return " ".join(parts)

@@ -1,0 +1,201 @@
+"""What writes each result file under ``docs/results/`` (:data:`SOURCES`), the manifest that
+records each run, and :func:`rerun`, which runs the sources again and writes both."""
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = [
+    "DOCUMENTS",
+    "MANIFEST",
+    "RESULTS_DIR",
+    "SIZE_FLAGS",
+    "SOURCES",
+    "command",
+    "read_manifest",
+    "repository_root",
+    "rerun",
+    "write_text",
+]
+
+RESULTS_DIR = Path("docs") / "results"
+MANIFEST = "manifest.json"
+#: Files whose tables are rendered: the README and every page of the docs.
+DOCUMENTS = ("README.md", "docs/*.rst")
+
+#: Source name -> what writes its files. ``kind`` is ``"reproduce"`` (``pyro-mpt reproduce
+#: NAME --threads 1 --no-progress``, plus ``--smoke`` or ``--full`` for those sizes) or
+#: ``"benchmarks"`` (``python benchmarks/run_all.py --threads 1 --json ...``); ``size`` is the
+#: size that ``--rerun`` uses, chosen so that a rerun of everything fits in about 20 minutes
+#: on two CPU cores; ``args`` further options of the command, if any; ``files`` the JSON
+#: files it writes.
+SOURCES = {
+    "ppca-table1": dict(kind="reproduce", size="default", files=["ppca-table1.json"]),
+    "ppca-training": dict(kind="reproduce", size="default", files=["ppca-training.json"]),
+    "ppca-curve-training": dict(
+        kind="reproduce", size="default", files=["ppca-curve-training.json"]
+    ),
+    # About 10 minutes on one core: 10 deep VAEs, LML per epoch on training and held-out images.
+    "vae-deep": dict(kind="reproduce", size="default", files=["vae-deep.json"]),
+    "vae-compare": dict(
+        kind="reproduce", size="default", files=["vae-compare.json", "vae-linear.json"]
+    ),
+    "gp-decoder": dict(kind="reproduce", size="default", files=["gp-decoder.json"]),
+    # The defaults of these three take 6-7 minutes (a seed) each on two CPU cores: smoke size
+    # here, with three seeds where the table gives the spread over seeds.
+    "bert-curve": dict(kind="reproduce", size="smoke", files=["bert-curve.json"]),
+    "mae-curve": dict(
+        kind="reproduce", size="smoke", args=["--seeds", "3"], files=["mae-curve.json"]
+    ),
+    "bert-rates": dict(
+        kind="reproduce", size="smoke", args=["--seeds", "3"], files=["bert-rates.json"]
+    ),
+    "benchmarks": dict(kind="benchmarks", size="default", files=["benchmarks.json"]),
+}
+
+SIZE_FLAGS = {"default": [], "smoke": ["--smoke"], "full": ["--full"]}
+
+
+def repository_root():
+    """The checkout this module lives in (the folder holding ``README.md`` and ``docs/``)."""
+    return Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Reruns
+
+
+def command(name, size, out_dir):
+    """``(argv to run, the command as documented)`` of source ``name``."""
+    source = SOURCES[name]
+    if source["kind"] == "benchmarks":
+        shown = ["python", "benchmarks/run_all.py", "--threads", "1"]
+        argv = [sys.executable, "benchmarks/run_all.py", "--threads", "1"]
+        json_path = str(Path(out_dir) / "benchmarks.json")
+        return argv + ["--json", json_path], shown
+    flags = ["--threads", "1", *SIZE_FLAGS[size], *source.get("args", [])]
+    shown = ["pyro-mpt", "reproduce", name, *flags]
+    argv = [sys.executable, "-m", "pyro_mpt.cli", "reproduce", name, *flags]
+    return argv + ["--no-progress", "--out", str(out_dir)], shown
+
+
+def _machine():
+    return dict(
+        python=platform.python_version(),
+        torch=_torch_version(),
+        machine=platform.machine(),
+        processor=_cpu_name(),
+        cpu_count=os.cpu_count(),
+    )
+
+
+def _commit(root):
+    """The checkout's commit (short hash), with ``-dirty`` when the package or the benchmarks
+    differ from it; ``None`` outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "pyro_mpt", "benchmarks"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def _torch_version():
+    import torch
+
+    return torch.__version__
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def read_manifest(root):
+    path = Path(root) / RESULTS_DIR / MANIFEST
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_text(path, text):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def rerun(names=None, root=None, size=None, log=print):
+    """Reruns the sources ``names`` (default: all) one after another and copies the JSON files
+    they write into ``docs/results/``, recording each command in the manifest.
+
+    :param list names: source names, keys of :data:`SOURCES`.
+    :param root: the repository checkout (default: the one this module lives in).
+    :param str size: ``"smoke"``, ``"default"`` or ``"full"`` for every reproduction named,
+        instead of each source's own size (the benchmarks have one size).
+    :returns: the manifest.
+    """
+    root = Path(root or repository_root())
+    names = list(SOURCES) if not names else list(names)
+    unknown = [n for n in names if n not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown result source(s) {unknown}; choose from {list(SOURCES)}.")
+    results_dir = root / RESULTS_DIR
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        source = SOURCES[name]
+        run_size = source["size"] if size is None or source["kind"] != "reproduce" else size
+        with tempfile.TemporaryDirectory(prefix=f"pyro-mpt-{name}-") as out_dir:
+            argv, shown = command(name, run_size, out_dir)
+            log(f"[{name}] {shlex.join(shown)}", flush=True)
+            start = time.perf_counter()
+            proc = subprocess.run(argv, cwd=root, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{shlex.join(shown)} failed with status {proc.returncode}:\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                )
+            for file_name in source["files"]:
+                text = (Path(out_dir) / file_name).read_text(encoding="utf-8")
+                # Paths of the temporary folder (vae-compare names its sources) read as
+                # the folder the files are committed to.
+                text = text.replace(str(out_dir), RESULTS_DIR.as_posix())
+                write_text(results_dir / file_name, text)
+        log(f"[{name}] {seconds:.0f} s; wrote {', '.join(source['files'])}", flush=True)
+        # Read just before writing, so that reruns of other sources running meanwhile keep
+        # their entries.
+        manifest = read_manifest(root)
+        manifest[name] = dict(
+            command=shlex.join(shown),
+            size=run_size,
+            files=source["files"],
+            seconds=round(seconds, 1),
+            date=datetime.date.today().isoformat(),
+            commit=_commit(root),
+            **_machine(),
+        )
+        ordered = {key: manifest[key] for key in SOURCES if key in manifest}
+        write_text(results_dir / MANIFEST, json.dumps(ordered, indent=2) + "\n")
+    return manifest
