@@ -7,8 +7,8 @@ import copy
 import torch
 
 from pyro_mpt.conditionals.base import SelfPredictive
+from pyro_mpt.infer.point_parameters import point_parameter
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.infer.whitened_latents import point_parameter
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators

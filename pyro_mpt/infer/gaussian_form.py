@@ -26,8 +26,9 @@ import torch
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.observed_site import ObservedSite
+from pyro_mpt.infer.point_parameters import point_parameter
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.infer.whitened_latents import point_parameter, run_at_points
+from pyro_mpt.infer.whitened_latents import run_at_points
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
 

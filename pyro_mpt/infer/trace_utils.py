@@ -11,6 +11,7 @@ __all__ = [
     "distribution_mask",
     "flatten_tail",
     "latent_sites",
+    "narrow_broadcast_dims",
     "param_store_rollback",
     "plate_frames",
     "unwrap_independent",
@@ -76,3 +77,12 @@ def flatten_tail(tensor, num_dims):
     if num_dims == 0:
         return tensor.unsqueeze(-1)
     return tensor.reshape(tensor.shape[: tensor.dim() - num_dims] + (-1,))
+
+
+def narrow_broadcast_dims(tensor, num_dims):
+    """``tensor`` with each broadcast (stride-0) dim among its first ``num_dims`` narrowed
+    to size one."""
+    for dim in range(num_dims):
+        if tensor.stride(dim) == 0 and tensor.shape[dim] > 1:
+            tensor = tensor.narrow(dim, 0, 1)
+    return tensor

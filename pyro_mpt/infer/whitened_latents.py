@@ -26,11 +26,10 @@ from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.model_structure import observed_in_run
 from pyro_mpt.infer.structure_checks import scale_mismatch
-from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.infer.trace_utils import narrow_broadcast_dims, unwrap_independent
 
 __all__ = [
     "PointsRun",
-    "point_parameter",
     "points_plate",
     "run_at_points",
     "whiten",
@@ -65,7 +64,7 @@ def points_plate(num_points, max_plate_nesting):
 def _narrow_broadcast_dims(tensor):
     """The tensor with every broadcast (stride-0) dim narrowed to size one: a prior shared by
     every observation stays one copy."""
-    return _narrow_broadcast_dims_upto(tensor, tensor.dim())
+    return narrow_broadcast_dims(tensor, tensor.dim())
 
 
 def whiten(fn, u, name="latent"):
@@ -296,52 +295,3 @@ def _run(model, args, kwargs, structure, points, compact):
     fn = trace.nodes[observed.name]["fn"]
     check_factors(structure, trace, "integrating the latents out")
     return PointsRun(fn, trace, observed, scale, factor_log_prob(structure, trace))
-
-
-def _unexpanded(tensor, num_dims):
-    """The tensor that ``tensor`` was broadcast from, when it is a plain ``expand`` view (as
-    plates make), left-padded to ``num_dims`` dims; else ``tensor``, padded.
-
-    Narrowing a broadcast view would make autograd allocate the full broadcast shape in the
-    backward pass; taking the view's base keeps the graph small.
-    """
-    base = tensor._base
-    if base is not None and base.dim() <= tensor.dim():
-        padded = base.reshape((1,) * (tensor.dim() - base.dim()) + base.shape)
-        try:
-            same = padded.expand(tensor.shape)
-        except RuntimeError:
-            same = None
-        if (
-            same is not None
-            and same.stride() == tensor.stride()
-            and same.data_ptr() == tensor.data_ptr()
-        ):
-            tensor = padded
-    return tensor.reshape((1,) * (num_dims - tensor.dim()) + tensor.shape)
-
-
-def point_parameter(param, fn, observed):
-    """A parameter of the observed distribution of a :func:`run_at_points` run as
-    ``(Q,) + batch + (D,)``, with dims of size 1 where it is the same for every point or
-    every observation.
-
-    :raises RuntimeError: if its shape does not broadcast to the observations.
-    """
-    full = fn.batch_shape + fn.event_shape
-    num_lead = len(full) - observed.num_feature_dims
-    param = _unexpanded(param, len(full))
-    param = param.expand(param.shape[:num_lead] + full[num_lead:])
-    param = _narrow_broadcast_dims_upto(param, num_lead)
-    param = flatten_tail(param, observed.num_feature_dims)
-    param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
-    target = (param.shape[0],) + observed.batch_shape + observed.value.shape[-1:]
-    torch.broadcast_shapes(param.shape, target)
-    return param
-
-
-def _narrow_broadcast_dims_upto(tensor, num_dims):
-    for dim in range(num_dims):
-        if tensor.stride(dim) == 0 and tensor.shape[dim] > 1:
-            tensor = tensor.narrow(dim, 0, 1)
-    return tensor
