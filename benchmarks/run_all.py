@@ -10,6 +10,7 @@ Usage::
 
 import argparse
 
+import bench_fast_paths
 import bench_gp_active_set
 import bench_svi_step
 import bench_table1
@@ -117,6 +118,18 @@ def summary_rows(reports):
                     _status(r["ratio"] <= target),
                 )
             )
+    fast_paths = reports.get("fast_paths")
+    if fast_paths is not None:
+        target = fast_paths["config"]["target_speedup"]
+        for r in fast_paths["results"]:
+            rows.append(
+                (
+                    f"fast path / plain version, {r['path']}",
+                    f"{r['speedup']:.2f}x",
+                    f">= {target}x",
+                    _status(r["speedup"] >= target),
+                )
+            )
     mlm_curve = reports.get("mlm_curve")
     if mlm_curve is not None:
         target = mlm_curve["config"]["target_ratio"]
@@ -160,6 +173,9 @@ def main(argv=None):
     print()
     reports["gp_active_set"] = bench_gp_active_set.run(device, repeats=args.repeats)
     bench_gp_active_set.print_report(reports["gp_active_set"])
+    print()
+    reports["fast_paths"] = bench_fast_paths.run(device, repeats=args.repeats)
+    bench_fast_paths.print_report(reports["fast_paths"])
 
     if bench_collator is not None:
         print()
