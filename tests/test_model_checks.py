@@ -96,6 +96,13 @@ def test_a_model_that_does_not_broadcast_over_points_gets_the_fix():
     with pytest.raises(ValueError, match=r"several latent values at once.*expand covariates"):
         MPTLoss().loss(model, None, x)
 
+    def guide(x):
+        with pyro.plate("data", 8):
+            pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    with pytest.raises(ValueError, match=r"guide's samples.*expand covariates"):
+        MPTLoss(conditionals=Importance(4)).loss(model, guide, x)
+
 
 def test_a_feature_plate_left_of_the_data_plate_is_refused():
     weight, x = torch.tensor([1.0, -0.5, 0.8]), torch.randn(3, 6)

@@ -181,9 +181,19 @@ def run_guided(guided, filled, num_samples, replay_model=True):
             ) from error
         model_trace = None
         if replay_model:
-            model_trace = poutine.trace(poutine.replay(guided.model, trace=guide_trace)).get_trace(
-                *guided.args, **guided.kwargs
-            )
+            replayed = poutine.trace(poutine.replay(guided.model, trace=guide_trace))
+            try:
+                model_trace = replayed.get_trace(*guided.args, **guided.kwargs)
+            except (RuntimeError, IndexError) as error:
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise ValueError(
+                    f"The model failed when run at the guide's samples ({reason}). Importance "
+                    f"sampling runs the model with extra batch dims left of its plates (samples "
+                    f"and masks), as Pyro's vectorized particles do, so the model must broadcast "
+                    f"over leading dims: expand covariates to the latent's batch shape before "
+                    f"concatenating (torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], -1)), "
+                    f"and reshape with z.shape[:-1] rather than the data size."
+                ) from error
     return guide_trace, model_trace
 
 
