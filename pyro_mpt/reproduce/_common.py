@@ -27,6 +27,7 @@ __all__ = [
     "pm",
     "progress_bar",
     "resolve_device",
+    "run_config",
     "save_outputs",
     "seed_everything",
 ]
@@ -38,6 +39,12 @@ def derived_seed(seed, *keys):
     random numbers whatever else runs before it."""
     state = np.random.SeedSequence([int(seed), *(int(k) for k in keys)]).generate_state(1)
     return int(state[0])
+
+
+def run_config(cfg, seed, smoke, full, device, **settings):
+    """The ``config`` entry of a result file: the experiment's sizes ``cfg``, its further
+    ``settings``, and the run's seed, size flags and device."""
+    return dict(cfg, **settings, seed=seed, smoke=smoke, full=full, device=str(device))
 
 
 def check_size(smoke, full):

@@ -38,6 +38,7 @@ from pyro_mpt.reproduce._common import (
     format_table,
     new_figure,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -182,17 +183,17 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (right) and Table 2",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             sequences=names,
             model="AntiBERTy_md_smooth (antiberty 0.1.3)",
             vocab_size=len(tokenizer),
             mean_num_features=mean_d,
             dtype="float32",
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             threads=torch.get_num_threads(),
         ),
         summary=summary,

@@ -62,6 +62,7 @@ from pyro_mpt.reproduce._common import (
     pm,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -368,13 +369,13 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
     results = dict(
         experiment=NAME,
         reference="R2MAE (Tian et al., 2025) and Moreno-Muñoz et al. (2023), Sec. 3.2",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             schemes={k: str(v) for k, v in SCHEMES.items()},
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             threads=torch.get_num_threads(),
             vocab_size=len(tokenizer),
             num_train_sequences=len(data["train"]),

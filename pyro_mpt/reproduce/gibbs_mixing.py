@@ -51,6 +51,7 @@ from pyro_mpt.reproduce._common import (
     pm,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -328,15 +329,15 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Li et al. (2024), Promises and pitfalls of generative MLMs",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             num_features=NUM_FEATURES,
             noise_var=NOISE_VAR,
             slope=SLOPE,
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
         ),  # fmt: skip
         mixing=ppca_rows + bimodal_rows,

@@ -47,6 +47,7 @@ from pyro_mpt.reproduce._common import (
     pm,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -302,15 +303,15 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     out = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 6; R2MAE random ratio",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             rates_by_run={k: str(v) for k, v in RATES.items()},
             pixel_scale=SCALE,
             dtype="float32",
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             threads=torch.get_num_threads(),
         ),
         summary=summary,

@@ -38,6 +38,7 @@ from pyro_mpt.reproduce._common import (
     format_table,
     new_figure,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -167,8 +168,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             "Li et al. (2024), Promises and pitfalls of generative masked language modeling; "
             "Ghazvininejad et al. (2019), Mask-predict"
         ),
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             sequences=names,
             model="AntiBERTy_md_smooth (antiberty 0.1.3)",
             methods=list(METHODS),
@@ -177,10 +182,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             masked_per_sequence={
                 k: (v == tokenizer.mask_token_id).sum(1) for k, v in starts.items()
             },
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             threads=torch.get_num_threads(),
         ),
         results=results,

@@ -30,6 +30,7 @@ from pyro_mpt.reproduce._common import (
     new_figure,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -176,14 +177,14 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 1",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             noise=noise,
             noise_var=0.2,
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
         ),
         panels=panels,

@@ -32,6 +32,7 @@ from pyro_mpt.reproduce._common import (
     new_figure,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -126,14 +127,14 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 4",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             noise_var=0.2,
             share_masks=True,
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
         ),
         panels=[

@@ -39,6 +39,7 @@ from pyro_mpt.reproduce._common import (
     new_figure,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -175,14 +176,14 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (left)",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             masks_per_step=1,
             curve_masks="per observation",
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
         ),
         ground_truth=_entry(reference),

@@ -43,6 +43,7 @@ from pyro_mpt.reproduce._common import (
     pm,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -182,15 +183,15 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Table 1",
         convention=CONVENTION,
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             noise_var=noise_var,
             noise=noise,
             noise_description=noise_text,
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
         ),
         paper=PAPER,

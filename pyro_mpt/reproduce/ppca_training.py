@@ -49,6 +49,7 @@ from pyro_mpt.reproduce._common import (
     pm,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -272,16 +273,16 @@ def run(
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 2",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             schedules={k: str(v) for k, v in SCHEDULES.items()},
             masks=list(masks),
             masks_per_step=1,
             shared_masks_per_step=cfg["D"],
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float64",
             final_window=window,
         ),

@@ -51,6 +51,7 @@ from pyro_mpt.reproduce._common import (
     num_threads,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -384,8 +385,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (bottom row)",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             methods={
                 name: dict(
                     ALL_METHODS[name],
@@ -396,10 +401,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
             },
             data=dict(bernoulli="binarised at 0.5", normal="grey, scaled to [0, 1]"),
             noise="one learned scale, initialised at noise_scale (Gaussian rows)",
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             dtype="float32",
         ),
         runs=runs,

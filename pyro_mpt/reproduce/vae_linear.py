@@ -50,6 +50,7 @@ from pyro_mpt.reproduce._common import (
     new_figure,
     progress_bar,
     resolve_device,
+    run_config,
     save_outputs,
     seed_everything,
 )
@@ -240,17 +241,17 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (top row, MNIST)",
-        config=dict(
+        config=run_config(
             cfg,
+            seed,
+            smoke,
+            full,
+            device,
             D=x_train.shape[1],
             objectives={k: str(v) for k, v in OBJECTIVES.items()},
             nodes_per_dim=dict(train=TRAIN_NODES, eval=EVAL_NODES, check=CHECK_NODES),
             num_eval_train=x_eval.shape[0],
             dtype=dict(train="float32", eval="float64"),
-            seed=seed,
-            smoke=smoke,
-            full=full,
-            device=str(device),
             threads=torch.get_num_threads(),
         ),
         summary=summary,
