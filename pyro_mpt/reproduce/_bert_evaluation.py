@@ -4,7 +4,7 @@ topic probe on mean final hidden states."""
 
 import torch
 
-from pyro_mpt.reproduce._common import derived_seed, seed_everything
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
 __all__ = ["evaluate_masked_lm"]
@@ -25,7 +25,7 @@ def _accuracy_at_15(model, tokenizer, rows, device, seed, repeats=4):
     from pyro_mpt.transformers import MPTDataCollator
 
     collator = MPTDataCollator(tokenizer, rate=0.15, mask_replace_prob=1.0, random_replace_prob=0)
-    seed_everything(derived_seed(seed, 4))
+    common.seed_everything(common.derived_seed(seed, 4))
     model.eval()
     hits = total = 0
     for _ in range(repeats):
@@ -60,7 +60,7 @@ def evaluate_masked_lm(model, data, cfg, seed, device):
     from pyro_mpt.transformers import mlm_mpt_curve
 
     tokenizer = data["tokenizer"]
-    seed_everything(derived_seed(seed, 5))  # the same held-out masks for every model
+    common.seed_everything(common.derived_seed(seed, 5))  # the same held-out masks for every model
     curve = mlm_mpt_curve(
         model,
         tokenizer,

@@ -3,7 +3,7 @@ label (a topic, a digit)."""
 
 import torch
 
-from pyro_mpt.reproduce._common import float64
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["linear_probe_accuracy"]
 
@@ -22,7 +22,7 @@ def linear_probe_accuracy(x_train, y_train, x_test, y_test, l2=1e-3, max_iter=20
     :param int max_iter: L-BFGS iterations.
     :returns: the share of ``x_test`` rows whose predicted label equals ``y_test``.
     """
-    with float64(), torch.enable_grad():
+    with common.float64(), torch.enable_grad():
         x_train, x_test = x_train.double(), x_test.double()
         mean, std = x_train.mean(0), x_train.std(0).clamp(min=1e-8)
         a, b = (x_train - mean) / std, (x_test - mean) / std

@@ -30,18 +30,7 @@ import math
 
 import torch
 
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    new_figure,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "run"]
 
@@ -106,22 +95,22 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     from pyro_mpt.transformers import mlm_mpt_curve
     from pyro_mpt.transformers.antiberty import load_antiberty, random_antiberty, spaced
 
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    device = resolve_device(device)
-    total = Stopwatch()
+    device = common.resolve_device(device)
+    total = common.Stopwatch()
     names, sequences = _sequences(cfg["num_sequences"])
     texts = [spaced(s) for s in sequences]
-    with default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
+    with common.default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
         pretrained, tokenizer = load_antiberty()
         models = {
-            "random init.": random_antiberty(derived_seed(seed, 1)),
+            "random init.": random_antiberty(common.derived_seed(seed, 1)),
             "pre-trained": pretrained,
         }
     curves, seconds = {}, {}
     for key, (label, model) in enumerate(models.items()):
-        seed_everything(derived_seed(seed, 2, key))
-        with Stopwatch() as watch:
+        common.seed_everything(common.derived_seed(seed, 2, key))
+        with common.Stopwatch() as watch:
             curves[label] = mlm_mpt_curve(
                 model.to(device),
                 tokenizer,
@@ -177,13 +166,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         + ", ".join(f"{k} {v[1]:.0f}" for k, v in PAPER_TABLE2.items())
         + ".",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
 
     fig = _figure(curves, mean_d, log_v)
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (right) and Table 2",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -211,13 +200,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         },
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(curves, mean_d, log_v):
     from pyro_mpt import plot_mpt_curve
 
-    fig, (ax,) = new_figure(1, width=6.0)
+    fig, (ax,) = common.new_figure(1, width=6.0)
     for (label, curve), color in zip(curves.items(), ("C3", "C0")):
         plot_mpt_curve(curve, ax=ax, label=label, color=color, marker=".")
     ax.axhline(-log_v, color="gray", ls=":", lw=1, label="uniform over 25 tokens")

@@ -50,22 +50,8 @@ import tempfile
 
 import torch
 
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    mean_std,
-    new_figure,
-    pm,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
 
 __all__ = ["NAME", "SCHEMES", "run", "stable_token_ids"]
 
@@ -204,7 +190,9 @@ def _model(cfg, tokenizer, seed):
         max_position_embeddings=cfg["length"],
         pad_token_id=tokenizer.pad_token_id,
     )
-    seed_everything(derived_seed(seed, 1))  # the same initial weights for every scheme
+    common.seed_everything(
+        common.derived_seed(seed, 1)
+    )  # the same initial weights for every scheme
     return transformers.BertForMaskedLM(config)
 
 
@@ -241,8 +229,8 @@ def _train(model, data, cfg, rate, seed, device, bar):
             save_strategy="no",
             report_to="none",
             disable_tqdm=True,
-            seed=derived_seed(seed, 2),
-            data_seed=derived_seed(seed, 3),
+            seed=common.derived_seed(seed, 2),
+            data_seed=common.derived_seed(seed, 3),
             use_cpu=device.type == "cpu",
             dataloader_num_workers=0,
         )
@@ -255,7 +243,7 @@ def _train(model, data, cfg, rate, seed, device, bar):
             callbacks=[_Tick()],
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             trainer.train()
     history = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
     return dict(
@@ -283,21 +271,21 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
         them. Default: 1 at smoke size, 3 otherwise.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
     if seeds is not None:
         cfg["seeds"] = _check_seeds(seeds)
-    device = resolve_device(device)
-    total = Stopwatch()
+    device = common.resolve_device(device)
+    total = common.Stopwatch()
     runs = {name: [] for name in ("random init", *SCHEMES)}
     seeds_used = []
     work = cfg["seeds"] * len(SCHEMES) * cfg["steps"]
     with (
-        progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
-        default_dtype(torch.float32),
+        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
+        common.default_dtype(torch.float32),
     ):
         for rep in range(cfg["seeds"]):
-            run_seed = derived_seed(seed, 10, rep)
+            run_seed = common.derived_seed(seed, 10, rep)
             seeds_used.append(run_seed)
             data = _data(cfg, run_seed)
             model = _model(cfg, data["tokenizer"], run_seed).to(device)
@@ -316,18 +304,18 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
     keys = ("area", "area_per_token", "acc15", "probe")
     summary, rows = {}, []
     for name, reps in runs.items():
-        summary[name] = {k: mean_std([r[k] for r in reps]) for k in keys}
+        summary[name] = {k: common.mean_std([r[k] for r in reps]) for k in keys}
         seconds = [r["train_seconds"] for r in reps if "train_seconds" in r]
         summary[name]["train_seconds"] = sum(seconds) / len(seconds) if seconds else None
         # Paired by seed: the schemes of one seed share data, initial weights and batches.
-        summary[name]["area_minus_fixed"] = mean_std(
+        summary[name]["area_minus_fixed"] = common.mean_std(
             [r["area"] - f["area"] for r, f in zip(reps, runs["fixed 15%"])]
         )
         s = summary[name]
 
         def cell(key, digits, scale=1.0, s=s):
             mean, std = scale * s[key][0], scale * s[key][1]
-            return pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
+            return common.pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
 
         rows.append(
             [
@@ -364,12 +352,12 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
         "probe (%)",
         "train s",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
     fig = _figure(runs, cfg)
     results = dict(
         experiment=NAME,
         reference="R2MAE (Tian et al., 2025) and Moreno-Muñoz et al. (2023), Sec. 3.2",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -384,11 +372,11 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(runs, cfg):
-    fig, (curves, losses) = new_figure(2, width=5.5)
+    fig, (curves, losses) = common.new_figure(2, width=5.5)
     for name, reps in runs.items():
         scores = torch.tensor([r["scores"] for r in reps]).mean(0)
         curves.plot(

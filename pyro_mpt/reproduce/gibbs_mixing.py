@@ -39,22 +39,7 @@ from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.diagnostics.mixing import mixing_diagnostics
 from pyro_mpt.models import PPCA
 from pyro_mpt.ops.conditional_sampling import block_gibbs_covariance
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    mean_std,
-    new_figure,
-    num_threads,
-    pm,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "run"]
 
@@ -108,7 +93,7 @@ def _bimodal_agreement(device):
 def _mixing(model, x, cfg, k, joint, conditionals, statistic):
     """Runs the chains and returns ``(chain, diagnostics, seconds)``; the first state (the
     model draws) is dropped."""
-    with Stopwatch() as watch:
+    with common.Stopwatch() as watch:
         chain = gibbs(
             model,
             x,
@@ -130,7 +115,7 @@ def _ppca_rows(cfg, seed, device, bar):
     rows = []
     for k in cfg["sizes"]:
         for joint in (True, False):
-            seed_everything(derived_seed(seed, 1, k, joint))
+            common.seed_everything(common.derived_seed(seed, 1, k, joint))
             x = truth.sample(cfg["chains"])
             chain, mixing, seconds = _mixing(
                 truth.model, x, cfg, k, joint, "exact", lambda c: (c - truth.loc) @ axis
@@ -164,7 +149,7 @@ def _bimodal_rows(cfg, seed, device, bar):
     rule = Quadrature(num_points=40)
     for k in cfg["sizes"]:
         for joint in (True, False):
-            seed_everything(derived_seed(seed, 2, k, joint))
+            common.seed_everything(common.derived_seed(seed, 2, k, joint))
             x = _bimodal_draws(cfg["chains"], device)
             chain, mixing, seconds = _mixing(
                 _bimodal_model, x, cfg, k, joint, rule, lambda c: c.mean(-1)
@@ -208,13 +193,13 @@ def _training_rows(cfg, seed, device, bar):
     rows = []
     data = []
     for rep in range(cfg["seeds"]):
-        seed_everything(derived_seed(seed, 3, rep))  # the same data for every k
+        common.seed_everything(common.derived_seed(seed, 3, rep))  # the same data for every k
         data.append(truth.sample(cfg["train_n"]))
     for k in _training_sizes(cfg):
         errors = []
         for rep, x in enumerate(data):
             pyro.clear_param_store()
-            seed_everything(derived_seed(seed, 4, rep))  # the same initial model too
+            common.seed_everything(common.derived_seed(seed, 4, rep))  # the same initial model too
             model = PPCA(NUM_FEATURES, 1, init_scale=0.5, noise_scale=1.0).to(device)
             loss = MPTLoss(rate=k / NUM_FEATURES, num_masks=NUM_FEATURES, conditionals="exact")
             decay = 0.01 ** (1.0 / cfg["epochs"])  # lr from 0.1 down to 0.001
@@ -224,10 +209,10 @@ def _training_rows(cfg, seed, device, bar):
                 svi.step(x)
             errors.append(_relative(model.covariance().detach(), cov))
             bar.update()
-        mean, std = mean_std(errors)
+        mean, std = common.mean_std(errors)
         rows.append(dict(k=k, errors=errors, mean=mean, std=std))
     errors = [_mle_error(x, cov) for x in data]
-    mean, std = mean_std(errors)
+    mean, std = common.mean_std(errors)
     rows.append(dict(k=None, errors=errors, mean=mean, std=std))
     pyro.clear_param_store()
     return rows
@@ -250,14 +235,14 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show a progress bar.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
+    total = common.Stopwatch()
     sizes = cfg["sizes"]
-    with float64(), num_threads(1):
-        device = resolve_device(device)
+    with common.float64(), common.num_threads(1):
+        device = common.resolve_device(device)
         work = 4 * len(sizes) + cfg["seeds"] * len(_training_sizes(cfg))
-        with progress_bar(total=work, enabled=progress, desc=NAME) as bar:
+        with common.progress_bar(total=work, enabled=progress, desc=NAME) as bar:
             ppca_rows = _ppca_rows(cfg, seed, device, bar)
             bimodal_rows, agreement = _bimodal_rows(cfg, seed, device, bar)
             training = _training_rows(cfg, seed, device, bar)
@@ -289,10 +274,10 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "closed-form stationary covariance of the chain);",
         f"bimodal, |P(all bits agree) - {agreement:.4f}| (grid integral).",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
-    train_table = format_table(
+    print(common.format_table(headers, rows, title=title, notes=notes))
+    train_table = common.format_table(
         ["k (mask size)", "rel. covariance error"],
-        [[t["k"] or "MLE", pm(t["mean"], t["std"], 3)] for t in training],
+        [[t["k"] or "MLE", common.pm(t["mean"], t["std"], 3)] for t in training],
         title=(
             f"PPCA trained by MPTLoss(rate=k/D), N={cfg['train_n']}, {cfg['epochs']} full-batch "
             f"Adam steps (lr 0.1 decaying to 0.001), relative error of the covariance, mean ± std "
@@ -303,7 +288,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     )
     print(train_table)
 
-    fig, axes = new_figure(3, width=4.4)
+    fig, axes = common.new_figure(3, width=4.4)
     for model, marker in (("ppca", "o"), ("bimodal", "s")):
         for update, style in (("joint", "-"), ("product", "--")):
             sel = [
@@ -329,7 +314,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Li et al. (2024), Promises and pitfalls of generative MLMs",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -345,4 +330,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         training=training,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)

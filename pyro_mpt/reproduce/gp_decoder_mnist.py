@@ -37,18 +37,7 @@ from pyro.infer import SVI
 from pyro_mpt import MPTLoss
 from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import GPDecoder
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    new_figure,
-    progress_bar,
-    resolve_device,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "METHODS", "run"]
 
@@ -207,7 +196,7 @@ def _held_out_lpd(predictive, y_test, visible, init_codes, steps):
 def _train_and_score(method, data, cfg, bar):
     y, y_test, visible, init_codes, test_init = data
     step, predictive, lml = _make(method, y, cfg, init_codes)
-    watch = Stopwatch()
+    watch = common.Stopwatch()
     for _ in range(cfg["steps"]):
         step()
         bar.update()
@@ -249,30 +238,30 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show a progress bar.
     :returns: the results dict (also written as JSON), with ``"outputs"``.
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
-    device = resolve_device(device)
+    total = common.Stopwatch()
+    device = common.resolve_device(device)
     quality, timing = {}, {m: [] for m in METHODS}
     work = len(METHODS) * (cfg["steps"] + len(cfg["sizes"]))
     with (
-        default_dtype(torch.float32),
-        progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
+        common.default_dtype(torch.float32),
+        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
     ):
         y, y_test = _data(cfg, seed, device, cfg["N"])
         codes = _pca_codes(torch.cat([y, y_test]), cfg["Q"])
         init_codes, test_init = codes[: cfg["N"]], codes[cfg["N"] :]
-        generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, 1))
+        generator = torch.Generator(device="cpu").manual_seed(common.derived_seed(seed, 1))
         visible = (torch.rand(y_test.shape, generator=generator) < 0.5).to(device)
         data = (y, y_test, visible, init_codes, test_init)
         for index, method in enumerate(METHODS):
-            seed_everything(derived_seed(seed, 2, index))
+            common.seed_everything(common.derived_seed(seed, 2, index))
             quality[method] = _train_and_score(method, data, cfg, bar)
         for num_data in cfg["sizes"]:
             y_n, _ = _data(cfg, seed, device, num_data)
             codes_n = _pca_codes(y_n, cfg["Q"])
             for index, method in enumerate(METHODS):
-                seed_everything(derived_seed(seed, 3, index, num_data))
+                common.seed_everything(common.derived_seed(seed, 3, index, num_data))
                 timing[method].append(_time_per_epoch(method, y_n, cfg, codes_n))
                 bar.update()
 
@@ -296,14 +285,14 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "s/epoch N=...: fastest of a few full-batch steps on the first N images ('-': "
         "exact LML not run).",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
     fig = _figure(timing, cfg)
     results = dict(config=cfg, quality=quality, timing=timing, seconds=total.elapsed)
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(timing, cfg):
-    fig, (ax,) = new_figure(1, width=5.5)
+    fig, (ax,) = common.new_figure(1, width=5.5)
     for method, times in timing.items():
         points = [(n, t) for n, t in zip(cfg["sizes"], times) if t is not None]
         if points:

@@ -36,21 +36,7 @@ import statistics
 
 import torch
 
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    mean_std,
-    new_figure,
-    pm,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
 __all__ = ["NAME", "RATES", "run"]
@@ -97,7 +83,7 @@ def _model(cfg, seed):
         decoder_intermediate_size=2 * hidden,
         mask_ratio=0.75,
     )
-    seed_everything(seed)
+    common.seed_everything(seed)
     return vit_mae_from_config(config)
 
 
@@ -134,7 +120,7 @@ def _evaluate(model, data, cfg, seed, progress):
     from pyro_mpt.transformers import mae_mpt_curve
 
     x_train, x_test, y_train, y_test = data
-    seed_everything(derived_seed(seed, 3))  # the same masks for every model
+    common.seed_everything(common.derived_seed(seed, 3))  # the same masks for every model
     curve = mae_mpt_curve(
         model,
         x_test,
@@ -166,13 +152,13 @@ def _one_seed(cfg, run_seed, device, progress, bar):
     from pyro_mpt.transformers import train_mae
 
     data = _data(cfg, run_seed, device)
-    models = {"random init.": _model(cfg, derived_seed(run_seed, 1)).to(device)}
+    models = {"random init.": _model(cfg, common.derived_seed(run_seed, 1)).to(device)}
     losses, seconds = {}, {}
     for key, (name, rate) in enumerate(RATES.items()):
-        model = _model(cfg, derived_seed(run_seed, 1)).to(device)
-        order = torch.Generator().manual_seed(derived_seed(run_seed, 2))
-        seed_everything(derived_seed(run_seed, 4, key))
-        with Stopwatch() as watch:
+        model = _model(cfg, common.derived_seed(run_seed, 1)).to(device)
+        order = torch.Generator().manual_seed(common.derived_seed(run_seed, 2))
+        common.seed_everything(common.derived_seed(run_seed, 4, key))
+        with common.Stopwatch() as watch:
             losses[name] = train_mae(
                 model,
                 data[0],
@@ -218,18 +204,18 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
         Default: 1 at smoke size, 3 otherwise.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
     if seeds is not None:
         cfg["seeds"] = _check_seeds(seeds)
-    cfg["run_seeds"] = [derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
-    device = resolve_device(device)
-    total = Stopwatch()
+    cfg["run_seeds"] = [common.derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
+    device = common.resolve_device(device)
+    total = common.Stopwatch()
     runs = {name: [] for name in ("random init.", *RATES)}
     work = cfg["seeds"] * len(RATES)
     with (
-        default_dtype(torch.float32),
-        progress_bar(total=work, enabled=progress, desc=NAME, unit="model") as bar,
+        common.default_dtype(torch.float32),
+        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="model") as bar,
     ):
         for run_seed in cfg["run_seeds"]:
             for name, record in _one_seed(cfg, run_seed, device, progress, bar).items():
@@ -241,16 +227,16 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     for name, reps in runs.items():
         trained = reps[0]["train_loss"] is not None
         summary[name] = dict(
-            area=mean_std([r["area"] for r in reps]),
+            area=common.mean_std([r["area"] for r in reps]),
             # Paired by seed: the models of one seed share data, initial weights and batches.
-            area_minus_fixed=mean_std(
+            area_minus_fixed=common.mean_std(
                 [r["area"] - f["area"] for r, f in zip(reps, runs["fixed 75%"])]
             ),
             area_stderr=statistics.fmean(r["area_stderr"] for r in reps),
-            score_lowest_rate=mean_std([r["scores"][0] for r in reps]),
-            score_75=mean_std([r["scores"][at75] for r in reps]),
-            score_highest_rate=mean_std([r["scores"][-1] for r in reps]),
-            probe_accuracy=mean_std([r["probe_accuracy"] for r in reps]),
+            score_lowest_rate=common.mean_std([r["scores"][0] for r in reps]),
+            score_75=common.mean_std([r["scores"][at75] for r in reps]),
+            score_highest_rate=common.mean_std([r["scores"][-1] for r in reps]),
+            probe_accuracy=common.mean_std([r["probe_accuracy"] for r in reps]),
             final_train_loss=(
                 statistics.fmean(statistics.fmean(r["train_loss"][-10:]) for r in reps)
                 if trained
@@ -262,7 +248,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
 
         def cell(pair, digits, scale=1.0):
             mean, std = scale * pair[0], scale * pair[1]
-            return pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
+            return common.pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
 
         rows.append(
             [
@@ -297,13 +283,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
         "probe acc %",
         "train s",
     ]
-    print(format_table(headers, rows, title=title))
+    print(common.format_table(headers, rows, title=title))
 
     fig = _figure(runs)
     out = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 6; R2MAE random ratio",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -326,13 +312,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, out, fig)
+    return common.save_outputs(out_dir, NAME, out, fig)
 
 
 def _figure(runs):
     """Left: each model's MPT curve, mean over the seeds (one line per seed, faint). Right:
     the training loss of the first seed."""
-    fig, (left, right) = new_figure(2, width=5.5)
+    fig, (left, right) = common.new_figure(2, width=5.5)
     for name, reps in runs.items():
         rates = [100 * r for r in reps[0]["rates"]]
         for rep in reps:

@@ -30,18 +30,7 @@ per sequence. The real sequences are scored alike as a reference row.
 
 import torch
 
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    new_figure,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "run"]
 
@@ -122,12 +111,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     from pyro_mpt.transformers import generation_diagnostics, sample_mlm
     from pyro_mpt.transformers.antiberty import load_antiberty
 
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    device = resolve_device(device)
-    total = Stopwatch()
-    seed_everything(seed)
-    with default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
+    device = common.resolve_device(device)
+    total = common.Stopwatch()
+    common.seed_everything(seed)
+    with common.default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
         model, tokenizer = load_antiberty()
     model.to(device)
     names, all_sequences = _sequences(cfg["num_sequences"], cfg["length"])
@@ -144,7 +133,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     for i, start_name in enumerate(STARTS):
         results[start_name] = {}
         for j, method in enumerate(METHODS):
-            gen = torch.Generator(device=device).manual_seed(derived_seed(seed, i, j))
+            gen = torch.Generator(device=device).manual_seed(common.derived_seed(seed, i, j))
             samples = sample_mlm(
                 model,
                 tokenizer,
@@ -168,7 +157,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             "Li et al. (2024), Promises and pitfalls of generative masked language modeling; "
             "Ghazvininejad et al. (2019), Mask-predict"
         ),
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -188,7 +177,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         summary=summary,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, payload, _figure(results))
+    return common.save_outputs(out_dir, NAME, payload, _figure(results))
 
 
 def _print_table(results, cfg, names):
@@ -219,11 +208,11 @@ def _print_table(results, cfg, names):
         "stutter: adjacent residues that repeat; PLL: sum_i log p(x_i | x_-i) per residue "
         "(nats); TV: total variation of residue frequencies to the 32 reference sequences.",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
 
 
 def _figure(results):
-    fig, axes = new_figure(2, width=5.5)
+    fig, axes = common.new_figure(2, width=5.5)
     real = results["real sequences"]["real"]
     width = 0.38
     for ax, key, label in (

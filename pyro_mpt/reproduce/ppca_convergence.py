@@ -20,20 +20,7 @@ import math
 import torch
 
 from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    mean_std,
-    new_figure,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._ppca import NOISE_CHOICES, exact_log_marginal, ppca_data
 from pyro_mpt.reproduce._ppca import shared_mask_estimate as _estimate
 
@@ -73,9 +60,9 @@ def _limit(data, sizes, limit_masks, seed, panel, bar, batches=4):
     per_size = max(1, math.ceil(limit_masks / (batches * len(sizes))))
     values = []
     for batch in range(batches):
-        seed_everything(derived_seed(seed, panel, 10**6, batch))
+        common.seed_everything(common.derived_seed(seed, panel, 10**6, batch))
         values.append(_estimate(data, sizes, per_size, bar))
-    mean, std = mean_std(values)
+    mean, std = common.mean_std(values)
     return mean, std / math.sqrt(batches), per_size * batches
 
 
@@ -93,19 +80,19 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     """
     if noise not in NOISE_CHOICES:
         raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
+    total = common.Stopwatch()
     panels = []
-    with float64():
-        device = resolve_device(device)
+    with common.float64():
+        device = common.resolve_device(device)
         work = 0
         for num_features, rate in cfg["panels"]:
             count = len(_panel_sizes(num_features, rate))
             work += cfg["reps"] * count * sum(cfg["P"]) + cfg["limit_masks"] + 4 * count
-        with progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
+        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
             for index, (num_features, rate) in enumerate(cfg["panels"]):
-                seed_everything(derived_seed(seed, index, 0))
+                common.seed_everything(common.derived_seed(seed, index, 0))
                 data = ppca_data(cfg["N"], num_features, cfg["K"], 0.2, noise, device)
                 lml = exact_log_marginal(data)
                 sizes = _panel_sizes(num_features, rate)
@@ -113,7 +100,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
                 for num_masks in cfg["P"]:
                     rel = []
                     for rep in range(cfg["reps"]):
-                        seed_everything(derived_seed(seed, index, num_masks, rep))
+                        common.seed_everything(common.derived_seed(seed, index, num_masks, rep))
                         rel.append((_estimate(data, sizes, num_masks, bar) - lml) / abs(lml))
                     errors[num_masks] = rel
                 limit, limit_se, limit_p = _limit(data, sizes, cfg["limit_masks"], seed, index, bar)
@@ -136,7 +123,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     headers = ["P"] + [p["label"] for p in panels]
     rows = []
     for num_masks in cfg["P"]:
-        cells = [mean_std(p["relative_error"][num_masks]) for p in panels]
+        cells = [common.mean_std(p["relative_error"][num_masks]) for p in panels]
         rows.append([f"P={num_masks}"] + [f"{m:.2e} ± {s:.1e}" for m, s in cells])
     rows.append(
         ["limit"]
@@ -149,9 +136,9 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         "P = masks per mask size, each shared by all observations. 'limit': signed relative "
         "error of the estimate with many masks (± its standard error): the bias."
     )
-    print(format_table(headers, rows, title=title))
+    print(common.format_table(headers, rows, title=title))
 
-    fig, axes = new_figure(len(panels), width=4.6)
+    fig, axes = common.new_figure(len(panels), width=4.6)
     for ax, panel in zip(axes, panels):
         ps = list(cfg["P"])
         per_rep = list(zip(*(panel["relative_error"][p] for p in ps)))
@@ -159,7 +146,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
             ax.plot(
                 ps, values, color="C3", alpha=0.3, lw=1, label="repetitions" if not rep else None
             )
-        means = [mean_std(panel["relative_error"][p])[0] for p in ps]
+        means = [common.mean_std(panel["relative_error"][p])[0] for p in ps]
         ax.plot(ps, means, color="C3", lw=2.5, marker="o", label="mean")
         bias = abs(panel["limit_relative_error"])
         if panel["rate"] == "uniform":  # the Monte Carlo rate of an unbiased estimate
@@ -177,7 +164,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 1",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -190,4 +177,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         panels=panels,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)

@@ -23,19 +23,7 @@ import torch
 
 from pyro_mpt import log_marginal, mpt_curve, plot_mpt_curve
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    new_figure,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "run"]
 
@@ -54,13 +42,13 @@ def _curve(cfg, latent_dim, num_masks, seed, index, device, progress):
     """Samples data from a ground-truth PPCA and computes its MPT curve and exact LML."""
     pyro.clear_param_store()
     # The same ground truth and data for panels sharing K, whatever P.
-    seed_everything(derived_seed(seed, latent_dim))
+    common.seed_everything(common.derived_seed(seed, latent_dim))
     truth = PPCA(cfg["D"], latent_dim, init_scale=1.0, noise_scale=math.sqrt(0.2)).to(device)
     x = truth.sample(cfg["N"])
     with torch.no_grad():
         lml = float(log_marginal(truth.model, x).mean())
-    seed_everything(derived_seed(seed, latent_dim, num_masks, index))
-    with Stopwatch() as watch:
+    common.seed_everything(common.derived_seed(seed, latent_dim, num_masks, index))
+    with common.Stopwatch() as watch:
         curve = mpt_curve(truth.model, x, num_masks=num_masks, share_masks=True, progress=progress)
     pyro.clear_param_store()
     return curve, lml, watch.seconds
@@ -77,13 +65,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show progress bars.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
+    total = common.Stopwatch()
     panels = []
-    with float64():
-        device = resolve_device(device)
-        steps = progress_bar(list(enumerate(cfg["panels"])), enabled=progress, desc=NAME)
+    with common.float64():
+        device = common.resolve_device(device)
+        steps = common.progress_bar(list(enumerate(cfg["panels"])), enabled=progress, desc=NAME)
         for index, (latent_dim, num_masks) in steps:
             curve, lml, seconds = _curve(cfg, latent_dim, num_masks, seed, index, device, progress)
             panels.append(
@@ -117,9 +105,9 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "observation."
     )
     headers = ["curve", "area", "exact LML", "area - LML", "rel. diff", "s"]
-    print(format_table(headers, rows, title=title))
+    print(common.format_table(headers, rows, title=title))
 
-    fig, axes = new_figure(len(panels), width=4.8)
+    fig, axes = common.new_figure(len(panels), width=4.8)
     for ax, p in zip(axes, panels):
         plot_mpt_curve(p["curve"], ax=ax, label=p["label"], log_marginal=p["log_marginal"])
         ax.set_title(f"D={cfg['D']}, K={p['latent_dim']}, P={p['num_masks']}")
@@ -127,7 +115,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 4",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -149,4 +137,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         ],
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)

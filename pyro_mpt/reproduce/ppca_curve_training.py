@@ -30,19 +30,7 @@ from pyro.util import get_rng_state, set_rng_state
 
 from pyro_mpt import MPTLoss, log_marginal, mpt_curve
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    new_figure,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "run"]
 
@@ -67,8 +55,8 @@ def _curve(model, x, cfg, seed, *keys):
     stream is restored afterwards)."""
     state = get_rng_state()
     try:
-        seed_everything(derived_seed(seed, *keys))
-        with torch.no_grad(), Stopwatch() as watch:
+        common.seed_everything(common.derived_seed(seed, *keys))
+        with torch.no_grad(), common.Stopwatch() as watch:
             curve = mpt_curve(model.model, x, num_masks=cfg["P"])
             lml = float(log_marginal(model.model, x).mean())
     finally:
@@ -96,27 +84,29 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show progress bars.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
+    total = common.Stopwatch()
     checkpoints, lml_trace = [], []
-    with float64():
-        device = resolve_device(device)
+    with common.float64():
+        device = common.resolve_device(device)
         pyro.clear_param_store()
-        seed_everything(derived_seed(seed, 0))
+        common.seed_everything(common.derived_seed(seed, 0))
         truth = PPCA(cfg["D"], cfg["K"], init_scale=1.0, noise_scale=math.sqrt(cfg["noise_var"]))
         truth = truth.to(device)
         x = truth.sample(cfg["N"])
         reference = _curve(truth, x, cfg, seed, 3)
         pyro.clear_param_store()  # the trained model reuses the parameter names
 
-        seed_everything(derived_seed(seed, 1))
+        common.seed_everything(common.derived_seed(seed, 1))
         model = PPCA(cfg["D"], cfg["K"], init_scale=1.0).to(device)
         optim = pyro.optim.Adam({"lr": cfg["lr"]})
         svi = SVI(model.model, _no_guide, optim, loss=MPTLoss(rate=cfg["rate"]))
         with (
-            Stopwatch() as train_watch,
-            progress_bar(total=cfg["epochs"], enabled=progress, desc=NAME, unit="epoch") as bar,
+            common.Stopwatch() as train_watch,
+            common.progress_bar(
+                total=cfg["epochs"], enabled=progress, desc=NAME, unit="epoch"
+            ) as bar,
         ):
             for epoch in range(cfg["epochs"] + 1):
                 if epoch % cfg["every"] == 0:
@@ -162,7 +152,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     )
     headers = ["epoch", "area ± se", "exact LML", "z", "LML - GT LML"]
     print(
-        format_table(
+        common.format_table(
             headers,
             rows,
             title=title,
@@ -176,7 +166,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (left)",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -193,7 +183,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         curve_seconds=curve_seconds,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 def _entry(point):
@@ -211,7 +201,7 @@ def _figure(checkpoints, reference, lml_trace, cfg):
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
 
-    fig, (left, right) = new_figure(2, width=5.2)
+    fig, (left, right) = common.new_figure(2, width=5.2)
     cmap, norm = colormaps["viridis"], Normalize(0, cfg["epochs"])
     for c in checkpoints:
         rates = 100 * c["curve"].rates

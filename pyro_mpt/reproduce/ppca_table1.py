@@ -32,21 +32,7 @@ Five seeds; mean ± sample std across seeds, next to the paper's figures.
 
 import torch
 
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    mean_std,
-    new_figure,
-    pm,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._ppca import (
     NOISE_CHOICES,
     exact_log_marginal,
@@ -88,11 +74,11 @@ def _noise_text(noise, noise_var, num_features):
 
 def _estimates(estimate_fn, data, sizes, num_masks, seed, group, num_seeds, bar):
     values = []
-    with Stopwatch() as watch:
+    with common.Stopwatch() as watch:
         for rep in range(num_seeds):
-            seed_everything(derived_seed(seed, group, num_masks, rep))
+            common.seed_everything(common.derived_seed(seed, group, num_masks, rep))
             values.append(estimate_fn(data, sizes, num_masks, bar))
-    mean, std = mean_std(values)
+    mean, std = common.mean_std(values)
     return dict(estimates=values, mean=mean, std=std, seconds=watch.seconds)
 
 
@@ -110,19 +96,19 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     """
     if noise not in NOISE_CHOICES:
         raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
     noise_var = 0.2
-    total = Stopwatch()
-    with float64():
-        device = resolve_device(device)
-        seed_everything(derived_seed(seed, 0))
+    total = common.Stopwatch()
+    with common.float64():
+        device = common.resolve_device(device)
+        common.seed_everything(common.derived_seed(seed, 0))
         data = ppca_data(cfg["N"], cfg["D"], cfg["K"], noise_var, noise, device)
         true_lml = exact_log_marginal(data)
         sizes = torch.arange(1, cfg["D"] + 1)
         work = cfg["seeds"] * cfg["D"] * (sum(cfg["shared_P"]) + sum(cfg["per_obs_P"]))
         shared, per_obs = {}, {}
-        with progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
+        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
             for num_masks in cfg["shared_P"]:
                 shared[num_masks] = _estimates(
                     shared_mask_estimate, data, sizes, num_masks, seed, 1, cfg["seeds"], bar
@@ -136,10 +122,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     rows = [["true LML", f"{PAPER['true_lml']:.2f}", f"{true_lml:.2f}", "", f"{true_lml:.2f}", ""]]
     for num_masks in sorted(set(cfg["shared_P"]) | set(cfg["per_obs_P"])):
         paper = PAPER["mpt"].get(num_masks)
-        row = [f"P={num_masks}", pm(*paper) if paper else "-"]
+        row = [f"P={num_masks}", common.pm(*paper) if paper else "-"]
         for group in (shared, per_obs):
             res = group.get(num_masks)
-            row += [pm(res["mean"], res["std"]), f"{res['seconds']:.1f}"] if res else ["-", "-"]
+            row += (
+                [common.pm(res["mean"], res["std"]), f"{res['seconds']:.1f}"] if res else ["-", "-"]
+            )
         rows.append(row)
     largest = max(cfg["shared_P"])
     title = (
@@ -157,9 +145,9 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     if smoke:
         notes.append("smoke size: the paper's figures are for N=1000, D=200, K=5")
     headers = ["", "paper", "shared masks", "s", "per-obs masks", "s"]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
 
-    fig, (ax,) = new_figure(1, width=6.0, height=4.2)
+    fig, (ax,) = common.new_figure(1, width=6.0, height=4.2)
     for offset, (label, group) in zip(
         (0.97, 1.03), (("shared masks", shared), ("per-observation masks", per_obs))
     ):
@@ -183,7 +171,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Table 1",
         convention=CONVENTION,
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -201,4 +189,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         p100_seconds=shared[largest]["seconds"],
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)

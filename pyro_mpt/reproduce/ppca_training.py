@@ -39,20 +39,7 @@ from pyro.infer import SVI
 
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    float64,
-    format_table,
-    mean_std,
-    pm,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "maximum_log_marginal", "run", "standard_errors"]
 
@@ -123,7 +110,7 @@ def standard_errors(values, reference):
     """``(mean - reference) / (sd / sqrt(n))`` of ``values``: how many standard errors of the
     mean over the runs separate their mean from ``reference`` (``nan`` for fewer than two
     runs or identical values)."""
-    mean, std = mean_std(values)
+    mean, std = common.mean_std(values)
     if len(values) < 2 or std == 0:
         return math.nan
     return (mean - reference) / (std / math.sqrt(len(values)))
@@ -131,7 +118,7 @@ def standard_errors(values, reference):
 
 def _ground_truth(cfg, seed, device):
     pyro.clear_param_store()
-    seed_everything(derived_seed(seed, 0))
+    common.seed_everything(common.derived_seed(seed, 0))
     truth = PPCA(cfg["D"], cfg["K"], init_scale=1.0, noise_scale=math.sqrt(0.2)).to(device)
     x = truth.sample(cfg["N"])
     with torch.no_grad():
@@ -142,7 +129,7 @@ def _ground_truth(cfg, seed, device):
 
 def _train(x, cfg, loss, seed, bar):
     pyro.clear_param_store()
-    seed_everything(seed)
+    common.seed_everything(seed)
     model = PPCA(cfg["D"], cfg["K"], init_scale=1.0).to(x.device)
     svi = SVI(model.model, _no_guide, pyro.optim.Adam({"lr": cfg["lr"]}), loss=loss)
     objective, lml = [], []
@@ -181,20 +168,20 @@ def run(
         both): ``"per-observation"`` and ``"shared"`` (the paper's scripts).
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     masks = (masks,) if isinstance(masks, str) else tuple(masks)
     unknown = [m for m in masks if m not in CONVENTIONS]
     if unknown or not masks:
         raise ValueError(f"masks={masks!r}: choose one or more of {CONVENTIONS}.")
     cfg = _config(smoke)
-    total = Stopwatch()
+    total = common.Stopwatch()
     runs, settings = {}, {}
-    with float64():
-        device = resolve_device(device)
+    with common.float64():
+        device = common.resolve_device(device)
         x, truth_lml = _ground_truth(cfg, seed, device)
         max_lml = maximum_log_marginal(x, cfg["K"])
         work = len(masks) * len(SCHEDULES) * cfg["inits"] * cfg["epochs"]
-        with progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
+        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
             for convention in masks:
                 for schedule, rate in SCHEDULES.items():
                     name = run_name(schedule, convention)
@@ -208,8 +195,10 @@ def run(
                     runs[name] = []
                     for init in range(cfg["inits"]):
                         # The same initialisations for every schedule and convention.
-                        with Stopwatch() as watch:
-                            objective, lml = _train(x, cfg, loss, derived_seed(seed, 1, init), bar)
+                        with common.Stopwatch() as watch:
+                            objective, lml = _train(
+                                x, cfg, loss, common.derived_seed(seed, 1, init), bar
+                            )
                         runs[name].append(
                             dict(objective=objective, log_marginal=lml, seconds=watch.seconds)
                         )
@@ -222,13 +211,13 @@ def run(
         final_lml = [_tail_mean(r["log_marginal"], window) for r in results]
         bias = [o - lml for o, lml in zip(final_obj, final_lml)]
         summary[name] = dict(
-            final_objective=mean_std(final_obj),
-            final_log_marginal=mean_std(final_lml),
-            bias=mean_std(bias),
-            first_log_marginal=mean_std([r["log_marginal"][0] for r in results]),
-            distance_to_truth=mean_std([lml - truth_lml for lml in final_lml]),
+            final_objective=common.mean_std(final_obj),
+            final_log_marginal=common.mean_std(final_lml),
+            bias=common.mean_std(bias),
+            first_log_marginal=common.mean_std([r["log_marginal"][0] for r in results]),
+            distance_to_truth=common.mean_std([lml - truth_lml for lml in final_lml]),
             distance_to_truth_se=standard_errors(final_lml, truth_lml),
-            distance_to_maximum=mean_std([lml - max_lml for lml in final_lml]),
+            distance_to_maximum=common.mean_std([lml - max_lml for lml in final_lml]),
             seconds_per_epoch=sum(r["seconds"] for r in results) / (len(results) * cfg["epochs"]),
             **settings[name],
         )
@@ -236,13 +225,13 @@ def run(
         rows.append(
             [
                 name,
-                pm(*s["final_objective"], 3),
-                pm(*s["final_log_marginal"], 3),
+                common.pm(*s["final_objective"], 3),
+                common.pm(*s["final_log_marginal"], 3),
                 f"{truth_lml:.3f}",
-                pm(*s["distance_to_truth"], 3),
+                common.pm(*s["distance_to_truth"], 3),
                 f"{s['distance_to_truth_se']:+.1f}",
-                pm(*s["distance_to_maximum"], 3),
-                pm(*s["bias"], 3),
+                common.pm(*s["distance_to_maximum"], 3),
+                common.pm(*s["bias"], 3),
                 f"{1000 * s['seconds_per_epoch']:.1f}",
             ]
         )
@@ -267,13 +256,13 @@ def run(
         "bias",
         "ms/epoch",
     ]
-    print(format_table(headers, rows, title=title))
+    print(common.format_table(headers, rows, title=title))
 
     fig = _figure(runs, masks, cfg, truth_lml)
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 2",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -294,7 +283,7 @@ def run(
         shared_mask_runs={s: runs[n] for s in SCHEDULES if (n := run_name(s, "shared")) in runs},
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 def _figure(runs, masks, cfg, truth_lml):

@@ -8,8 +8,8 @@ reference evaluators of each reproduction (fine quadrature for the linear VAE, i
 sampling for the deep one), per image in nats.
 """
 
+from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce import vae_deep, vae_linear
-from pyro_mpt.reproduce._common import Stopwatch, format_table, new_figure, save_outputs
 
 __all__ = ["NAME", "comparison_rows", "run"]
 
@@ -45,7 +45,7 @@ def comparison_rows(linear, deep):
 
 
 def _figure(rows):
-    fig, axes = new_figure(2, width=5.5)
+    fig, axes = common.new_figure(2, width=5.5)
     labels = [f"{r['model'].split(' (')[0]}\n{r['objective']}" for r in rows]
     colors = ["C0" if r["model"].startswith("linear") else "C1" for r in rows]
     positions = range(len(rows))
@@ -75,7 +75,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show progress bars.
     :returns: the results dict (also written as JSON).
     """
-    total = Stopwatch()
+    total = common.Stopwatch()
     options = dict(device=device, smoke=smoke, full=full, seed=seed, progress=progress)
     linear = vae_linear.run(out_dir, **options)
     deep = vae_deep.run(out_dir, methods=list(vae_deep.METHODS), **options)  # Bernoulli rows
@@ -100,7 +100,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         f"(deep, S={deep['config']['eval_samples']}).",
         "Deep VAE MPT rows train the decoder by MPT and the encoder by the ELBO, except the last.",
     ]
-    print(format_table(headers, table, title=title, notes=notes))
+    print(common.format_table(headers, table, title=title, notes=notes))
     results = dict(
         experiment=NAME,
         config=dict(smoke=smoke, full=full, seed=seed, device=str(device)),
@@ -108,4 +108,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         sources=dict(linear=linear["outputs"], deep=deep["outputs"]),
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, _figure(rows))
+    return common.save_outputs(out_dir, NAME, results, _figure(rows))

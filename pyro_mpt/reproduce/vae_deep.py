@@ -42,19 +42,7 @@ from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import EncodeDecode, Importance
 from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import VAE
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    derived_seed,
-    format_table,
-    new_figure,
-    num_threads,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["ALL_METHODS", "GAUSSIAN_METHODS", "METHODS", "NAME", "figure", "make_loss", "run"]
 
@@ -204,7 +192,7 @@ def _train(name, data, cfg, seed, bar):
     method = ALL_METHODS[name]
     x, x_eval, x_test = data[method["likelihood"]]
     pyro.clear_param_store()
-    seed_everything(derived_seed(seed, 1))  # the same initialisation for every method
+    common.seed_everything(common.derived_seed(seed, 1))  # the same initialisation for every method
     vae = VAE(
         784,
         latent_dim=cfg["K"],
@@ -223,11 +211,11 @@ def _train(name, data, cfg, seed, bar):
         )
 
     initial, initial_test = evaluate()
-    seed_everything(derived_seed(seed, 2))  # the same mini-batches for every method
+    common.seed_everything(common.derived_seed(seed, 2))  # the same mini-batches for every method
     objective, lml, test_lml, seconds = [], [], [], []
     for _ in range(cfg["epochs"]):
         values = []
-        with Stopwatch() as clock:
+        with common.Stopwatch() as clock:
             for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"]):
                 optimizer.zero_grad()
                 loss = loss_fn.differentiable_loss(vae.model, vae.guide, x[idx]) / len(idx)
@@ -275,7 +263,7 @@ def figure(runs, cfg):
         for lik in ("bernoulli", "normal")
         if any(ALL_METHODS[n]["likelihood"] == lik for n in runs)
     ]
-    fig, axes = new_figure(len(likelihoods), width=5.5)
+    fig, axes = common.new_figure(len(likelihoods), width=5.5)
     epochs = list(range(cfg["epochs"] + 1))
     titles = {
         "bernoulli": "Bernoulli, binarised MNIST",
@@ -316,7 +304,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         :data:`GAUSSIAN_METHODS` (default: all of them).
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     names = list(ALL_METHODS) if methods is None else list(methods)
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown or not names:
@@ -325,10 +313,10 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
             f"{list(ALL_METHODS)}."
         )
     cfg = _config(smoke, full)
-    total = Stopwatch()
-    device = resolve_device(device)
+    total = common.Stopwatch()
+    device = common.resolve_device(device)
     # The same images twice: binarised for the Bernoulli rows, grey for the Gaussian ones.
-    size, subset_seed = cfg["N"] + cfg["N_test"], derived_seed(seed, 0)
+    size, subset_seed = cfg["N"] + cfg["N_test"], common.derived_seed(seed, 0)
     data = {}
     for likelihood, binarize in (("bernoulli", True), ("normal", False)):
         x_all, _ = load_mnist(size, binarize=binarize, seed=subset_seed, dtype=torch.float32)
@@ -336,8 +324,8 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         x, x_test = x_all[: cfg["N"]], x_all[cfg["N"] :]
         data[likelihood] = (x, x[: cfg["eval_size"]], x_test)
     runs = {}
-    with num_threads(1):
-        with progress_bar(
+    with common.num_threads(1):
+        with common.progress_bar(
             total=len(names) * cfg["epochs"], enabled=progress, desc=NAME, unit="epoch"
         ) as bar:
             for name in names:
@@ -380,12 +368,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         "learned noise scale on grey pixels.",
         "MPT rows train the decoder by MPT and the encoder by the ELBO, except 'encoder by MPT'.",
     ]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
 
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (bottom row)",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -407,4 +395,4 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         gaps={name: _gap(runs, name) for name in runs if ALL_METHODS[name]["rate"]},
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, figure(runs, cfg))
+    return common.save_outputs(out_dir, NAME, results, figure(runs, cfg))

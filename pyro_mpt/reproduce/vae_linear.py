@@ -41,19 +41,7 @@ from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.datasets import load_mnist, train_test_split
 from pyro_mpt.models import LinearVAE
 from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
-from pyro_mpt.reproduce._common import (
-    Stopwatch,
-    check_size,
-    default_dtype,
-    derived_seed,
-    format_table,
-    new_figure,
-    progress_bar,
-    resolve_device,
-    run_config,
-    save_outputs,
-    seed_everything,
-)
+from pyro_mpt.reproduce import _common as common
 
 __all__ = ["NAME", "gauss_hermite_log_marginal", "run"]
 
@@ -125,17 +113,19 @@ def _svi(vae, rate, lr):
 
 
 def _train(x_train, x_eval, x_test, cfg, rate, seed, bar):
-    seed_everything(derived_seed(seed, 1))  # the same initial model for every objective
+    common.seed_everything(
+        common.derived_seed(seed, 1)
+    )  # the same initial model for every objective
     vae = LinearVAE(x_train.shape[1], cfg["K"]).to(x_train.device)
     svi = _svi(vae, rate, cfg["lr"])
-    order = torch.Generator().manual_seed(derived_seed(seed, 2))  # the same minibatches
+    order = torch.Generator().manual_seed(common.derived_seed(seed, 2))  # the same minibatches
     lml_train = [float(gauss_hermite_log_marginal(vae, x_eval).mean())]
     lml_test = [float(gauss_hermite_log_marginal(vae, x_test).mean())]
     objective, seconds = [], []
     num_obs = x_train.shape[0]
     for _ in range(cfg["epochs"]):
         perm = torch.randperm(num_obs, generator=order).to(x_train.device)
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             loss = sum(svi.step(x_train[idx]) for idx in perm.split(cfg["batch"]))
         seconds.append(watch.seconds)
         objective.append(-loss / num_obs)
@@ -190,16 +180,16 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :param bool progress: show a progress bar.
     :returns: the results dict (also written as JSON).
     """
-    check_size(smoke, full)
+    common.check_size(smoke, full)
     cfg = _config(smoke, full)
-    total = Stopwatch()
-    device = resolve_device(device)
+    total = common.Stopwatch()
+    device = common.resolve_device(device)
     runs, checks = {}, {}
-    with default_dtype(torch.float32), pyro.settings.context(module_local_params=True):
+    with common.default_dtype(torch.float32), pyro.settings.context(module_local_params=True):
         x_train, x_test = _data(cfg, seed, device)
         x_eval = x_train[: cfg["eval_max"]]
         work = len(OBJECTIVES) * cfg["epochs"]
-        with progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
+        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
             for name, rate in OBJECTIVES.items():
                 vae, runs[name] = _train(x_train, x_eval, x_test, cfg, rate, seed, bar)
                 checks[name] = _checks(vae, x_eval, x_test, cfg)
@@ -235,13 +225,13 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         f"to {api_gap:.1e} nats."
     ]
     headers = ["objective", "final objective", "LML train", "LML held-out", "s/epoch"]
-    print(format_table(headers, rows, title=title, notes=notes))
+    print(common.format_table(headers, rows, title=title, notes=notes))
 
     fig = _figure(runs, cfg)
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (top row, MNIST)",
-        config=run_config(
+        config=common.run_config(
             cfg,
             seed,
             smoke,
@@ -259,7 +249,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         runs=runs,
         wall_seconds=total.elapsed,
     )
-    return save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, fig)
 
 
 #: Curve -> (its key in a run, line style): objectives light and thick, as in the paper.
@@ -271,7 +261,7 @@ CURVES = {
 
 
 def _figure(runs, cfg):
-    fig, axes = new_figure(2, width=5.5)
+    fig, axes = common.new_figure(2, width=5.5)
     epochs = cfg["epochs"]
     for ax, first in zip(axes, (0, epochs // 2)):
         for name, r in runs.items():
