@@ -13,19 +13,16 @@ Usage::
     python benchmarks/bench_mlm_generation.py [--device cuda] [--repeats 5] [--json out.json]
 """
 
-import argparse
 import os
 import tempfile
 
 import torch
 from _common import (
-    add_common_args,
-    configure,
+    benchmark_main,
     environment,
     format_table,
     median_ms,
     time_calls,
-    write_json,
 )
 
 __all__ = ["main", "print_report", "run"]
@@ -164,15 +161,7 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=3, repeats=5)
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, args.steps, args.repeats)
-    print_report(report)
-    if args.json:
-        write_json(args.json, report)
-    return report
+    return benchmark_main(__doc__, argv, run, print_report, steps=3, repeats=5)
 
 
 if __name__ == "__main__":
