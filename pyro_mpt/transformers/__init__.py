@@ -37,11 +37,7 @@ from pyro_mpt.transformers.vit_mae_curve import mae_mpt_curve  # noqa: E402
 
 __all__ += ["mae_loss", "mae_mpt_curve", "train_mae"]
 
-from pyro_mpt.transformers.generation import (  # noqa: E402
-    MLMSamples,
-    mask_predict_schedule,
-    sample_mlm,
-)
+from pyro_mpt.transformers.generation import MLMSamples, sample_mlm  # noqa: E402
 from pyro_mpt.transformers.generation_diagnostics import (  # noqa: E402
     GenerationDiagnostics,
     generation_diagnostics,
@@ -49,6 +45,7 @@ from pyro_mpt.transformers.generation_diagnostics import (  # noqa: E402
     stutter_rate,
     token_frequency_distance,
 )
+from pyro_mpt.transformers.mlm_sampling_steps import mask_predict_schedule  # noqa: E402
 
 __all__ += ["MLMSamples", "mask_predict_schedule", "sample_mlm"]
 __all__ += [
