@@ -80,28 +80,6 @@ def test_one_seed_reproduces_the_same_runs(tmp_path):
     assert one["summary"]["uniform"]["area"] == two["summary"]["uniform"]["area"]
 
 
-def test_stable_token_ids_number_the_same_pieces_the_same_way():
-    from pyro_mpt.datasets import load_bbc_news
-    from pyro_mpt.transformers.text_corpus import train_wordpiece_tokenizer
-
-    texts = load_bbc_news()[0][:60]
-    # Each training numbers pieces of equal frequency in its own hash order.
-    first, second = (train_wordpiece_tokenizer(texts, vocab_size=120) for _ in range(2))
-    stable = [bert_rates.stable_token_ids(t) for t in (first, second)]
-    assert stable[0].get_vocab() == stable[1].get_vocab()
-    assert len(stable[0]) == len(first)
-    # The special tokens keep their ids, the rest follow in sorted order, and every text is
-    # cut into the same pieces as before.
-    for token in first.all_special_tokens:
-        assert stable[0].convert_tokens_to_ids(token) == first.convert_tokens_to_ids(token)
-    ordinary = [t for t, _ in sorted(stable[0].get_vocab().items(), key=lambda kv: kv[1])]
-    ordinary = [t for t in ordinary if t not in first.all_special_tokens]
-    assert ordinary == sorted(ordinary)
-    for text in texts[:5]:
-        pieces = first.convert_ids_to_tokens(first(text)["input_ids"])
-        assert stable[0].convert_ids_to_tokens(stable[0](text)["input_ids"]) == pieces
-
-
 def test_seeds_must_be_positive():
     with pytest.raises(ValueError, match="seeds=0 must be a positive integer"):
         bert_rates.run("unused", smoke=True, progress=False, seeds=0)

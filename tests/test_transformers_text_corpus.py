@@ -77,3 +77,36 @@ def test_chunks_cover_each_document_in_order(tokenizer):
     assert owners == [0, 1, 2] and first[0] == sequences[0]
     with pytest.raises(ValueError, match="max_length must be at least 3"):
         chunk_documents(tokenizer, documents, max_length=2)
+
+
+def test_training_twice_gives_the_same_ids_and_the_trainers_pieces():
+    """The trainer numbers pieces of equal frequency in a hash order of its own; the
+    tokenizer renumbers them in sorted order without changing how texts are cut."""
+    import tokenizers
+
+    texts = [
+        "the cat sat on the mat",
+        "a dog sat on a log",
+        "the bird sang in the tree",
+        "cats and dogs and birds",
+    ] * 5
+    first, second = (train_wordpiece_tokenizer(texts, vocab_size=60) for _ in range(2))
+    assert first.get_vocab() == second.get_vocab()
+    by_id = [t for t, _ in sorted(first.get_vocab().items(), key=lambda item: item[1])]
+    assert by_id[: len(BERT_SPECIAL_TOKENS)] == list(BERT_SPECIAL_TOKENS)
+    assert by_id[len(BERT_SPECIAL_TOKENS) :] == sorted(by_id[len(BERT_SPECIAL_TOKENS) :])
+    # The raw trainer's pieces, cut the same way.
+    raw = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    raw.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    trainer = tokenizers.trainers.WordPieceTrainer(
+        vocab_size=60,
+        min_frequency=2,
+        special_tokens=list(BERT_SPECIAL_TOKENS),
+        show_progress=False,
+    )
+    raw.train_from_iterator(texts, trainer=trainer)
+    assert set(raw.get_vocab()) == set(first.get_vocab())
+    for text in texts[:4]:
+        pieces = first.convert_ids_to_tokens(first(text)["input_ids"])[1:-1]
+        assert pieces == raw.encode(text).tokens

@@ -53,7 +53,7 @@ import torch
 from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
 
-__all__ = ["NAME", "SCHEMES", "run", "stable_token_ids"]
+__all__ = ["NAME", "SCHEMES", "run"]
 
 NAME = "bert-rates"
 
@@ -137,7 +137,7 @@ def _data(cfg, seed):
         )
     train, test, y_train, y_test = train_test_split(index, topics, cfg["held_out"], seed=seed)
     train_texts, test_texts = [texts[i] for i in train], [texts[i] for i in test]
-    tokenizer = stable_token_ids(train_wordpiece_tokenizer(train_texts, vocab_size=cfg["vocab"]))
+    tokenizer = train_wordpiece_tokenizer(train_texts, vocab_size=cfg["vocab"])
     sequences, _ = chunk_documents(tokenizer, train_texts, cfg["length"])
     sequences = [s for s in sequences if len(s) > 2]
     first_train, _ = chunk_documents(tokenizer, train_texts, cfg["length"], max_chunks=1)
@@ -148,33 +148,6 @@ def _data(cfg, seed):
         probe_train=(first_train, y_train),
         probe_test=(first_test, y_test),
         held_out=first_test[: cfg["eval"]],
-    )
-
-
-def stable_token_ids(tokenizer):
-    """``tokenizer`` with its non-special pieces renumbered in sorted order.
-
-    The ``tokenizers`` WordPiece trainer numbers pieces of equal frequency in the order of a
-    hash map whose seed differs between runs (and between calls in one process), so the same
-    pieces get different ids each time; with ids tied to embedding rows, one seed then gives
-    a different initial model and a different training run. Encoding depends only on the
-    set of pieces, so renumbering changes nothing else. Special tokens keep their ids.
-    """
-    import json
-
-    import tokenizers
-    import transformers
-
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
-    special = set(tokenizer.all_special_tokens)
-    fixed = {piece: index for piece, index in vocab.items() if piece in special}
-    free = sorted(set(range(len(vocab))) - set(fixed.values()))
-    pieces = sorted(piece for piece in vocab if piece not in special)
-    spec["model"]["vocab"] = {**fixed, **dict(zip(pieces, free))}
-    backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, **tokenizer.special_tokens_map
     )
 
 

@@ -1,6 +1,7 @@
 """Text corpora for small masked language models trained from scratch: a WordPiece tokenizer
 trained offline with ``tokenizers``, and fixed-length token sequences cut from documents."""
 
+import json
 import numbers
 
 from pyro_mpt.transformers._requirements import require
@@ -16,7 +17,8 @@ def train_wordpiece_tokenizer(texts, vocab_size=4000, min_frequency=2, lowercase
 
     Normalisation and pre-tokenisation are BERT's (``BertNormalizer``, ``BertPreTokenizer``);
     continuation pieces start with ``##``; encodings get ``[CLS] ... [SEP]``. The special
-    tokens take ids 0..4 (:data:`BERT_SPECIAL_TOKENS`).
+    tokens take ids 0..4 (:data:`BERT_SPECIAL_TOKENS`) and the other pieces follow in sorted
+    order, so training twice on the same texts gives the same ids.
 
     :param list texts: training documents (strings).
     :param int vocab_size: the vocabulary size, special tokens included.
@@ -53,6 +55,7 @@ def train_wordpiece_tokenizer(texts, vocab_size=4000, min_frequency=2, lowercase
         show_progress=False,
     )
     model.train_from_iterator(texts, trainer=trainer)
+    model = _sorted_vocabulary(model, tokenizers)
     cls_id, sep_id = model.token_to_id("[CLS]"), model.token_to_id("[SEP]")
     model.post_processor = tokenizers.processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -68,6 +71,23 @@ def train_wordpiece_tokenizer(texts, vocab_size=4000, min_frequency=2, lowercase
         sep_token="[SEP]",
         mask_token="[MASK]",
     )
+
+
+def _sorted_vocabulary(model, tokenizers):
+    """The trained ``model`` with its ordinary pieces numbered in sorted order.
+
+    The WordPiece trainer numbers pieces of equal frequency in the order of a hash map that
+    is seeded anew on every training, so the same pieces would get other ids each time and,
+    with ids tied to embedding rows, one seed would give other models. Encoding depends
+    only on the set of pieces. The special tokens keep their ids.
+    """
+    spec = json.loads(model.to_str())
+    vocab = spec["model"]["vocab"]
+    fixed = {piece: index for piece, index in vocab.items() if piece in BERT_SPECIAL_TOKENS}
+    free = sorted(set(range(len(vocab))) - set(fixed.values()))
+    pieces = sorted(piece for piece in vocab if piece not in fixed)
+    spec["model"]["vocab"] = {**fixed, **dict(zip(pieces, free))}
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
 
 
 def chunk_documents(tokenizer, texts, max_length=128, max_chunks=None):
