@@ -247,3 +247,37 @@ def test_errors_name_argument_value_and_fix():
         impute(ppca.model, x, missing=good, num_samples=0)
     with pytest.raises(ValueError, match="conditionals='nope' is not a known strategy"):
         impute(ppca.model, x, missing=good, conditionals="nope")
+
+
+@pytest.mark.parametrize("conditionals", ["exact", Quadrature(num_points=40)])
+def test_entries_the_model_masks_come_back_as_the_model_had_them(conditionals):
+    """Scoring fills the entries a model masks with stand-ins; generation must not return
+    them: what it does not draw comes back as the model observed it."""
+    import pyro.poutine as poutine
+
+    from pyro_mpt import gibbs
+
+    weight = torch.tensor([[1.0], [0.5], [-1.0]])
+    keep_rows = torch.tensor([True, True, False])
+
+    def model(x, observed):
+        with poutine.mask(mask=keep_rows.unsqueeze(-1)), pyro.plate("data", 3, dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            with pyro.plate("features", 3, dim=-1):
+                loc = (z @ weight.T).squeeze(-2)
+                pyro.sample("x", dist.Normal(loc, 0.5), obs=x, obs_mask=observed)
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [-7.0, 5.0, 6.0], [8.0, 9.0, 10.0]])
+    observed = torch.tensor([[True, True, True], [False, True, True], [True, True, True]])
+    missing = torch.zeros(3, 3, dtype=torch.bool)
+    missing[0, 1] = True
+    pyro.set_rng_seed(0)
+    draws = impute(model, x, observed, missing=missing, num_samples=50, conditionals=conditionals)
+    untouched = ~missing
+    assert torch.equal(draws[:, untouched], x[untouched].expand(50, -1))
+    assert draws[:, 0, 1].std() > 0.1  # the one selected entry is drawn
+    # A Gibbs step redraws one entry per observation; every other entry, the ones the model
+    # masks included, keeps its state.
+    chain = gibbs(model, x, observed, block_size=1, num_steps=20, conditionals=conditionals)
+    changed = (chain[1:] != chain[:-1]).sum(-1)  # (steps, observations)
+    assert changed.max() <= 1

@@ -49,9 +49,15 @@ def draw_hidden(prepared, call, hidden, num_samples, joint=True):
     """
     for cls, sampler in _SAMPLERS.items():
         if isinstance(prepared, cls):
-            x = prepared.observed.value
+            observed = prepared.observed
             draws = sampler(prepared, call, hidden, num_samples, joint)
-            return select_masked(hidden, draws.to(x.dtype), x)
+            result = select_masked(hidden, draws.to(observed.value.dtype), observed.value)
+            if observed.unfilled is None:
+                return result
+            # Entries the model masks and `hidden` leaves alone come back as the model had
+            # them, not as the stand-ins that scoring fills them with.
+            keep = ~observed.entries & ~hidden
+            return torch.where(keep, observed.unfilled.to(result.dtype), result)
     raise NotImplementedError(
         f"Drawing from {type(prepared).__name__} is not implemented; use conditionals='exact', "
         f"'quadrature', 'importance' or 'encode-decode'."

@@ -164,7 +164,8 @@ def _check_normal(fn, name):
     if not isinstance(base, torch.distributions.Normal):
         raise NotGaussianError(
             f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
-            f"conditionals need a Normal likelihood whose loc is affine in the latents."
+            f"conditionals need a Normal likelihood whose loc is affine in the latents. Use "
+            f"conditionals='auto', or 'quadrature' or 'importance'."
         )
     return base
 

@@ -23,6 +23,9 @@ class ObservedSite(NamedTuple):
     :ivar entries: boolean ``batch_shape + (D,)``, ``True`` at entries that count, or
         ``None`` when every entry does.
     :ivar torch.Size full_shape: the site distribution's batch and event shape.
+    :ivar unfilled: the value as the model gave it, missing entries included (NaN allowed),
+        or ``None`` when every entry counts: what generation returns at entries it does not
+        draw.
     """
 
     name: str
@@ -31,6 +34,7 @@ class ObservedSite(NamedTuple):
     num_feature_dims: int
     entries: torch.Tensor | None = None
     full_shape: torch.Size = torch.Size()
+    unfilled: torch.Tensor | None = None
 
     @property
     def num_features(self):
@@ -114,13 +118,16 @@ def read_observed_site(site, full_shape, num_batch):
                 f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
                 f"{value.numel()} among the entries that count. Mark missing entries with a "
                 f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
-                f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only."
+                f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only. To "
+                f"impute NaN entries of a model without such a mask, pass "
+                f"torch.nan_to_num(x) with missing=torch.isnan(x)."
             )
+    unfilled = None
     if entries is not None:
-        value = _fill_missing(value, entries)
+        unfilled, value = value, _fill_missing(value, entries)
     if is_validation_enabled():
         _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
-    return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape)
+    return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
 
 
 def _parameter_dtype(fn):
