@@ -38,6 +38,10 @@ def test_a_prior_whose_transform_changes_the_shape_is_refused():
     for conditionals in ["exact", Quadrature(20)]:
         with pytest.raises(Exception, match=r"'w'.*LogisticNormal.*change the latent's shape"):
             log_marginal(model, x, conditionals=conditionals)
+    # auto lists each strategy's reason without the trace table Pyro appends to errors.
+    with pytest.raises(Exception, match=r"quadrature: Latent site 'w'") as caught:
+        log_marginal(model, x, conditionals="auto")
+    assert "Trace Shapes" not in str(caught.value)
 
 
 def test_batch_norm_in_training_mode_is_refused():

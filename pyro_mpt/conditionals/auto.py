@@ -91,7 +91,9 @@ class Auto(Conditionals):
             return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         except NotApplicableError as error:
             torch.set_rng_state(state)
-            reasons.append(f"  {strategy.name}: {error}")
+            # Pyro appends the trace's shapes to errors raised inside a model run.
+            reason = str(error).split("\nTrace Shapes:")[0].rstrip()
+            reasons.append(f"  {strategy.name}: {reason}")
             return None
 
     def _search(self, model, guide, args, kwargs, max_plate_nesting, key):
