@@ -105,3 +105,21 @@ def test_likelihoods_below_the_floor_leave_the_one_product_path_exact(branches):
     logits[1::2, 0] = 3.0
     _compare(log_weights, logits, x, context, atol=1e-12)
     assert branches == [0]
+
+
+@pytest.mark.parametrize("scale, path", [(1.0, "one product"), (6.0, "table")])
+def test_features_every_row_agrees_at_skip_the_disagreement_product(branches, scale, path):
+    # Blank borders, as in images: features where every row takes the same value drop out
+    # of the product over the features some row disagrees at; each path must still match.
+    log_weights, logits, x, context = _decoder_case(logit_scale=scale, from_model=path == "table")
+    x[:, :10] = 0.0
+    x[:, 10:14] = 1.0
+    _compare(log_weights, logits, x, context, atol=1e-12)
+    assert (branches == [None]) == (path == "table")
+
+
+def test_identical_rows_leave_no_disagreement_product(branches):
+    log_weights, logits, x, context = _decoder_case(logit_scale=1.0)
+    x[:] = x[0]
+    _compare(log_weights, logits, x, context, atol=1e-12)
+    assert branches == [0]

@@ -84,9 +84,9 @@ class _Orientation(NamedTuple):
 
 
 def _orient(logits, ones):
-    """The :class:`_Orientation` of the rows, the log-likelihoods of ``o_j`` and of
-    ``1 - o_j`` at the nodes, ``(G, D)`` each, and whether some ``F`` may be below the floor
-    of :mod:`pyro_mpt.ops.floored_exp`."""
+    """The :class:`_Orientation` of the rows, the signed logits ``s = (2 o - 1) eta`` and
+    the log-likelihoods ``log p(o_j | z_g) = log sigmoid(s)`` at the nodes, ``(G, D)`` each,
+    and whether some ``F`` may be below the floor of :mod:`pyro_mpt.ops.floored_exp`."""
     signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     signed_logits = logits * signs
     likelihood = torch.sigmoid(signed_logits)
@@ -96,14 +96,13 @@ def _orient(logits, ones):
         log_agree = likelihood.log()
     else:
         log_agree = torch.nn.functional.logsigmoid(signed_logits)
-    log_disagree = log_agree - signed_logits  # log sigmoid(-s) = log sigmoid(s) - s
     # Arithmetic rather than boolean selections, which are slow on CPUs.
     agreement = torch.mul(ones, 2 * signs).sub_(signs)
     disagreement = torch.sub(1, agreement).mul_(0.5)
     orientation = _Orientation(signs, likelihood, agreement, disagreement)
     # sigmoid(l) >= exp(l) / 2: below the floor only where l < log(floor) + log(2).
     needs_floor = lowest < math.log(gemm_safe_floor(logits.dtype)) + 1
-    return orientation, log_agree, log_disagree, needs_floor
+    return orientation, signed_logits, log_agree, needs_floor
 
 
 class _OrientedSaved(NamedTuple):
@@ -181,58 +180,60 @@ def _oriented_backward(grad, posterior, orientation, saved):
     return node_grad, logits_grad
 
 
-def _add_table_grad_(logits_grad, grad_agree, grad_disagree, orientation):
-    """Adds to ``logits_grad`` the gradient of the logits from those of ``log p(o_j | z)``
-    and ``log p(1 - o_j | z)`` ``(G, D)`` divided by the signs ``s = 2 o - 1``,
-    ``1 - F`` and ``-F``, and multiplies the sum by ``s``; ``grad_agree`` is overwritten."""
-    logits_grad += grad_agree
-    total = grad_agree.add_(grad_disagree)
-    return logits_grad.addcmul_(total, orientation.likelihood, value=-1).mul_(orientation.signs)
+def _signed_table_grad(grad_agree, grad_disagree, orientation):
+    """The gradient of the signed logits ``s = (2 o - 1) eta`` from those of
+    ``log p(o_j | z) = log sigmoid(s)`` and ``log p(1 - o_j | z) = log sigmoid(s) - s``
+    ``(G, D)``: ``1 - F`` and ``-F``; ``grad_agree`` is overwritten."""
+    total = grad_agree + grad_disagree
+    return grad_agree.addcmul_(total, orientation.likelihood, value=-1)
 
 
 class _BernoulliConditionals(torch.autograd.Function):
     """:func:`bernoulli_log_conditionals` on rows, with hand-written backward passes.
 
     Everything runs in the layout of the :class:`_Orientation`: the table's two values are
-    ``o_j`` and ``1 - o_j``, with context weights ``c [x = o]`` and ``c [x != o]``."""
+    ``o_j`` and ``1 - o_j``. The log joint is ``a = log w + c L_o^T - (c [x != o]) s^T``
+    (as ``log p(1 - o | z) = log p(o | z) - s``), and the second product runs only over the
+    features where some row disagrees with ``o`` (image borders are blank in every row)."""
 
     @staticmethod
     def forward(ctx, log_weights, logits, ones, context):
-        orientation, log_agree, log_disagree, needs_floor = _orient(logits, ones)
+        orientation, signed_logits, log_agree, needs_floor = _orient(logits, ones)
         weight_disagree = context * orientation.disagreement
-        weight_agree = context - weight_disagree
-        # a_rg = log w_g + sum_j c_rj log p(x_rj | z_g)
-        log_joint = torch.addmm(log_weights, weight_agree, log_agree.T)
-        posterior = floored_node_posterior(log_joint.addmm_(weight_disagree, log_disagree.T))
+        active = weight_disagree.any(0).nonzero().squeeze(-1)  # features some row disagrees at
+        weight_disagree = weight_disagree.index_select(1, active)
+        log_joint = torch.addmm(log_weights, context, log_agree.T)
+        log_joint.addmm_(weight_disagree, signed_logits.index_select(1, active).T, alpha=-1)
+        posterior = floored_node_posterior(log_joint)
         result = _oriented_forward(logits, posterior, orientation, needs_floor)
         ctx.oriented = result is not None
         if not ctx.oriented:
-            table = torch.cat([log_agree, log_disagree], -1)  # (G, 2D)
+            table = torch.cat([log_agree, log_agree - signed_logits], -1)  # (G, 2D)
             disagreement = orientation.disagreement
             oriented_onehot = torch.stack([1 - disagreement, disagreement], 1)
             result = table_conditionals_forward(posterior, table, oriented_onehot, overwrite=True)
         out, saved = result
-        ctx.save_for_backward(weight_agree, weight_disagree, posterior, *orientation, *saved)
+        ctx.save_for_backward(context, weight_disagree, active, posterior, *orientation, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        weight_agree, weight_disagree, posterior, *saved = ctx.saved_tensors
+        context, weight_disagree, active, posterior, *saved = ctx.saved_tensors
         orientation, saved = _Orientation(*saved[:4]), saved[4:]
         if not ctx.oriented:
-            weighted = torch.cat([weight_agree, weight_disagree], -1)
+            disagree = context * orientation.disagreement
+            weighted = torch.cat([context - disagree, disagree], -1)
             table_grad = table_conditionals_backward(grad, weighted, posterior, *saved)
-            grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
-            logits_grad = torch.zeros_like(grad_agree)
+            signed_grad = _signed_table_grad(*table_grad.unflatten(-1, (2, -1)).unbind(-2), orientation)
         else:
             saved = _OrientedSaved(*saved)
-            node_grad, logits_grad = _oriented_backward(grad, posterior, orientation, saved)
-            # The context sums.
-            grad_agree = node_grad.T @ weight_agree
-            grad_disagree = node_grad.T @ weight_disagree
-        logits_grad = _add_table_grad_(logits_grad, grad_agree, grad_disagree, orientation)
-        return None, logits_grad, None, None
+            node_grad, signed_grad = _oriented_backward(grad, posterior, orientation, saved)
+            # The context sums: d a / d s = c (1 - F) - c [x != o].
+            context_grad = node_grad.T @ context
+            signed_grad.add_(context_grad).addcmul_(context_grad, orientation.likelihood, value=-1)
+            signed_grad.index_add_(1, active, node_grad.T @ weight_disagree, alpha=-1)
+        return None, signed_grad.mul_(orientation.signs), None, None
 
 
 def bernoulli_log_conditionals(log_weights, logits, data, context):
