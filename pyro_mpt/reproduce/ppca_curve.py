@@ -24,6 +24,7 @@ import torch
 from pyro_mpt import log_marginal, mpt_curve, plot_mpt_curve
 from pyro_mpt.models import PPCA
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -54,38 +55,27 @@ def _curve(cfg, latent_dim, num_masks, seed, index, device, progress):
     return curve, lml, watch.seconds
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Reproduces Fig. 4; writes ``ppca-curve.json`` and ``ppca-curve.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: ``D = 20``, ``N = 50``, ``K = 2`` and 8, few masks; runs in seconds.
-    :param bool full: ``N = 1000`` observations, as in the paper (default 200).
-    :param int seed: base seed.
-    :param bool progress: show progress bars.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
+def _measure(cfg, device, seed, progress):
+    """The panels: each one's curve, exact LML and seconds."""
     panels = []
-    with common.float64():
-        device = common.resolve_device(device)
-        steps = common.progress_bar(list(enumerate(cfg["panels"])), enabled=progress, desc=NAME)
-        for index, (latent_dim, num_masks) in steps:
-            curve, lml, seconds = _curve(cfg, latent_dim, num_masks, seed, index, device, progress)
-            panels.append(
-                dict(
-                    label=f"K={latent_dim}, P={num_masks}",
-                    latent_dim=latent_dim,
-                    num_masks=num_masks,
-                    curve=curve,
-                    log_marginal=lml,
-                    area=curve.area,
-                    seconds=seconds,
-                )
+    steps = common.progress_bar(list(enumerate(cfg["panels"])), enabled=progress, desc=NAME)
+    for index, (latent_dim, num_masks) in steps:
+        curve, lml, seconds = _curve(cfg, latent_dim, num_masks, seed, index, device, progress)
+        panels.append(
+            dict(
+                label=f"K={latent_dim}, P={num_masks}",
+                latent_dim=latent_dim,
+                num_masks=num_masks,
+                curve=curve,
+                log_marginal=lml,
+                area=curve.area,
+                seconds=seconds,
             )
+        )
+    return panels
 
+
+def _report(cfg, panels):
     rows = []
     for p in panels:
         diff = p["area"] - p["log_marginal"]
@@ -105,36 +95,42 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "observation."
     )
     headers = ["curve", "area", "exact LML", "area - LML", "rel. diff", "s"]
-    print(common.format_table(headers, rows, title=title))
-
     fig, axes = common.new_figure(len(panels), width=4.8)
     for ax, p in zip(axes, panels):
         plot_mpt_curve(p["curve"], ax=ax, label=p["label"], log_marginal=p["log_marginal"])
         ax.set_title(f"D={cfg['D']}, K={p['latent_dim']}, P={p['num_masks']}")
+    written = [
+        dict(
+            {k: v for k, v in p.items() if k != "curve"},
+            sizes=p["curve"].sizes[0],
+            rates=p["curve"].rates,
+            scores=p["curve"].scores,
+            stderr=p["curve"].stderr,
+        )
+        for p in panels
+    ]
+    return Report(common.format_table(headers, rows, title=title), fig, dict(panels=written))
 
-    results = dict(
-        experiment=NAME,
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Reproduces Fig. 4; writes ``ppca-curve.json`` and ``ppca-curve.png``.
+
+    ``smoke``: ``D = 20``, ``N = 50``, ``K = 2`` and 8, few masks (seconds); ``full``:
+    ``N = 1000`` observations, as in the paper (default 200). The other arguments are
+    those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        _measure,
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 4",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            noise_var=0.2,
-            share_masks=True,
-            dtype="float64",
-        ),
-        panels=[
-            dict(
-                {k: v for k, v in p.items() if k != "curve"},
-                sizes=p["curve"].sizes[0],
-                rates=p["curve"].rates,
-                scores=p["curve"].scores,
-                stderr=p["curve"].stderr,
-            )
-            for p in panels
-        ],
-        wall_seconds=total.elapsed,
+        settings=dict(noise_var=0.2, share_masks=True, dtype="float64"),
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
