@@ -105,12 +105,8 @@ class LinearVAE(_AutoEncoderModel):
     :math:`\\mathcal{N}(W z_n + b, \\sigma^2 I_D)` with a learnable scalar :math:`\\sigma`,
     which is :class:`~pyro_mpt.models.PPCA` with a mean-field amortized guide.
 
-    **Data conventions.** :meth:`model` and :meth:`guide` take the data ``x`` of shape
-    ``(N, D)`` as their first argument; ``z`` is a local latent in
-    ``pyro.plate("data", N, dim=-1)`` and ``"x"`` is the observed site. The guide encodes the
-    ``x`` it is given, so a masked or filled ``x`` changes the proposal. Both broadcast over
-    leading batch dimensions: the model runs inside outer plates with ``z`` of shape
-    ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape ``(..., N, D)``.
+    The data layout (``x`` of shape ``(N, D)``, ``z`` local in ``pyro.plate("data")``,
+    broadcasting over outer plates) is in :mod:`pyro_mpt.models.vae`'s module notes.
 
     :param int num_features: ``D``.
     :param int latent_dim: ``K``.
@@ -185,12 +181,8 @@ class VAE(_AutoEncoderModel):
     \\mathrm{diag}(\\mathrm{softplus}(\\rho_\\phi(x_n)) + 10^{-4})^2)`. Decoder and encoder
     each have ``num_layers`` hidden layers of width ``hidden_dim``.
 
-    **Data conventions.** :meth:`model` and :meth:`guide` take the data ``x`` of shape
-    ``(N, D)`` as their first argument; ``z`` is a local latent in
-    ``pyro.plate("data", N, dim=-1)`` and ``"x"`` is the observed site. The guide encodes the
-    ``x`` it is given, so a masked or filled ``x`` changes the proposal. Both broadcast over
-    leading batch dimensions: the model runs inside outer plates with ``z`` of shape
-    ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape ``(..., N, D)``.
+    The data layout (``x`` of shape ``(N, D)``, ``z`` local in ``pyro.plate("data")``,
+    broadcasting over outer plates) is in :mod:`pyro_mpt.models.vae`'s module notes.
 
     :param int num_features: ``D``.
     :param int latent_dim: ``K``.
