@@ -42,6 +42,7 @@ from pyro_mpt.datasets import load_mnist, train_test_split
 from pyro_mpt.models import LinearVAE
 from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "gauss_hermite_log_marginal", "run"]
 
@@ -54,6 +55,9 @@ COLORS = {"ELBO": "C3", "MPT uniform": "C0", "MPT fixed 33%": "C2"}
 TRAIN_NODES = 20
 EVAL_NODES = 60
 CHECK_NODES = 100
+
+#: Pixels of an MNIST image (28 x 28), the features of the model.
+MNIST_PIXELS = 784
 
 
 def _config(smoke, full):
@@ -113,12 +117,11 @@ def _svi(vae, rate, lr):
 
 
 def _train(x_train, x_eval, x_test, cfg, rate, seed, bar):
-    common.seed_everything(
-        common.derived_seed(seed, 1)
-    )  # the same initial model for every objective
+    # The same initial model and minibatches for every objective.
+    common.seed_everything(common.derived_seed(seed, 1))
     vae = LinearVAE(x_train.shape[1], cfg["K"]).to(x_train.device)
     svi = _svi(vae, rate, cfg["lr"])
-    order = torch.Generator().manual_seed(common.derived_seed(seed, 2))  # the same minibatches
+    order = torch.Generator().manual_seed(common.derived_seed(seed, 2))
     lml_train = [float(gauss_hermite_log_marginal(vae, x_eval).mean())]
     lml_test = [float(gauss_hermite_log_marginal(vae, x_test).mean())]
     objective, seconds = [], []
@@ -167,25 +170,11 @@ def _checks(vae, x_eval, x_test, cfg):
     return out
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Reproduces Fig. 3 (top); writes ``vae-linear.json`` and ``vae-linear.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: ``N = 40``, 2 epochs; runs in seconds.
-    :param bool full: ``N = 2000``, 20 epochs (about 20 minutes on one core); the default
-        is ``N = 1000``, 6 epochs (a few minutes). Neither is the paper's size: its script
-        trains full batch for 800 epochs.
-    :param int seed: base seed (data subset, initialisation, minibatch order, masks).
-    :param bool progress: show a progress bar.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    device = common.resolve_device(device)
+def _measure(cfg, device, seed, progress):
+    """Trains the three objectives from one initialisation; per objective its curves
+    (:func:`_train`) and the checks of its final model (:func:`_checks`)."""
     runs, checks = {}, {}
-    with common.default_dtype(torch.float32), pyro.settings.context(module_local_params=True):
+    with pyro.settings.context(module_local_params=True):
         x_train, x_test = _data(cfg, seed, device)
         x_eval = x_train[: cfg["eval_max"]]
         work = len(OBJECTIVES) * cfg["epochs"]
@@ -194,19 +183,26 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 vae, runs[name] = _train(x_train, x_eval, x_test, cfg, rate, seed, bar)
                 checks[name] = _checks(vae, x_eval, x_test, cfg)
                 bar.set_postfix_str(f"{name}: LML {runs[name]['log_marginal_train'][-1]:.2f}")
+    return dict(runs=runs, checks=checks, num_eval=x_eval.shape[0], num_test=x_test.shape[0])
 
-    summary, rows = {}, []
-    for name, r in runs.items():
-        summary[name] = dict(
-            first_log_marginal_train=r["log_marginal_train"][0],
-            final_objective=r["objective"][-1],
-            final_log_marginal_train=r["log_marginal_train"][-1],
-            final_log_marginal_held_out=r["log_marginal_held_out"][-1],
-            seconds_per_epoch=sum(r["epoch_seconds"]) / len(r["epoch_seconds"]),
-        )
-        keys = ("final_objective", "final_log_marginal_train", "final_log_marginal_held_out")
-        keys += ("seconds_per_epoch",)
-        rows.append([name] + [f"{summary[name][k]:.2f}" for k in keys])
+
+def _summary(run):
+    """The first and final values of one objective's curves, and its training s/epoch."""
+    return dict(
+        first_log_marginal_train=run["log_marginal_train"][0],
+        final_objective=run["objective"][-1],
+        final_log_marginal_train=run["log_marginal_train"][-1],
+        final_log_marginal_held_out=run["log_marginal_held_out"][-1],
+        seconds_per_epoch=sum(run["epoch_seconds"]) / len(run["epoch_seconds"]),
+    )
+
+
+def _report(cfg, measured):
+    runs, checks = measured["runs"], measured["checks"]
+    summary = {name: _summary(r) for name, r in runs.items()}
+    shown = ("final_objective", "final_log_marginal_train", "final_log_marginal_held_out")
+    shown += ("seconds_per_epoch",)
+    rows = [[name] + [f"{s[k]:.2f}" for k in shown] for name, s in summary.items()]
     node_gap = max(
         abs(c[k]["mean_difference"]) for c in checks.values() for k in ("train", "held_out")
     )
@@ -216,8 +212,8 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         f"batch {cfg['batch']}, Adam lr {cfg['lr']}, {cfg['epochs']} epochs, float32; MPT "
         f"conditionals by {TRAIN_NODES}x{TRAIN_NODES} Gauss-Hermite nodes under the prior):\n"
         f"per observation; LML by {EVAL_NODES}x{EVAL_NODES} prior-centred nodes (float64) on "
-        f"{x_eval.shape[0]} training and {x_test.shape[0]} held-out images; s/epoch = training "
-        "only."
+        f"{measured['num_eval']} training and {measured['num_test']} held-out images; "
+        "s/epoch = training only."
     )
     notes = [
         f"LML convergence: |mean LML({CHECK_NODES}^2 nodes) - mean LML({EVAL_NODES}^2)| <= "
@@ -225,31 +221,43 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         f"to {api_gap:.1e} nats."
     ]
     headers = ["objective", "final objective", "LML train", "LML held-out", "s/epoch"]
-    print(common.format_table(headers, rows, title=title, notes=notes))
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, _figure(runs, cfg), dict(summary=summary, checks=checks, runs=runs))
 
-    fig = _figure(runs, cfg)
-    results = dict(
-        experiment=NAME,
-        paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (top row, MNIST)",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            D=x_train.shape[1],
-            objectives={k: str(v) for k, v in OBJECTIVES.items()},
-            nodes_per_dim=dict(train=TRAIN_NODES, eval=EVAL_NODES, check=CHECK_NODES),
-            num_eval_train=x_eval.shape[0],
-            dtype=dict(train="float32", eval="float64"),
-            threads=torch.get_num_threads(),
-        ),
-        summary=summary,
-        checks=checks,
-        runs=runs,
-        wall_seconds=total.elapsed,
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Reproduces Fig. 3 (top); writes ``vae-linear.json`` and ``vae-linear.png``.
+
+    ``smoke``: ``N = 40``, 2 epochs (seconds); ``full``: ``N = 2000``, 20 epochs (about 20
+    minutes on one core); the default is ``N = 1000``, 6 epochs (a few minutes). Neither is
+    the paper's size: its script trains full batch for 800 epochs. ``seed`` sets the data
+    subset, initialisation, minibatch order and masks; the other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    cfg = _config(smoke, full)
+    settings = dict(
+        D=MNIST_PIXELS,
+        objectives={k: str(v) for k, v in OBJECTIVES.items()},
+        nodes_per_dim=dict(train=TRAIN_NODES, eval=EVAL_NODES, check=CHECK_NODES),
+        num_eval_train=min(cfg["N"], cfg["eval_max"]),
+        dtype=dict(train="float32", eval="float64"),
+        threads=torch.get_num_threads(),
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        _measure,
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        dtype=torch.float32,
+        paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (top row, MNIST)",
+        settings=settings,
+    )
 
 
 #: Curve -> (its key in a run, line style): objectives light and thick, as in the paper.
