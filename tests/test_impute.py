@@ -281,3 +281,28 @@ def test_entries_the_model_masks_come_back_as_the_model_had_them(conditionals):
     chain = gibbs(model, x, observed, block_size=1, num_steps=20, conditionals=conditionals)
     changed = (chain[1:] != chain[:-1]).sum(-1)  # (steps, observations)
     assert changed.max() <= 1
+
+
+@pytest.mark.parametrize("conditionals", ["exact", Quadrature(num_points=20)])
+def test_float64_data_into_a_float32_model_come_back_unrounded(conditionals):
+    """Conditionals run in the model's dtype; what generation returns keeps the data's:
+    entries it does not draw are the data exactly, not rounded through float32."""
+    from pyro_mpt import gibbs
+
+    weight = torch.tensor([[1.0], [0.5], [-1.0], [0.25]])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 0.5).to_event(1), obs=x)
+
+    pyro.set_rng_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64) / 3  # not representable in float32
+    missing = torch.zeros(5, 4, dtype=torch.bool)
+    missing[:, 0] = True
+    draws = impute(model, x, missing=missing, num_samples=3, conditionals=conditionals)
+    assert draws.dtype == torch.float64
+    assert torch.equal(draws[:, ~missing], x[~missing].expand(3, -1))
+    chain = gibbs(model, x, block_size=1, num_steps=2, conditionals=conditionals, progress=False)
+    assert chain.dtype == torch.float64
+    assert ((chain[1:] != chain[:-1]).sum(-1) <= 1).all()

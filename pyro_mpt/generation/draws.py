@@ -44,20 +44,18 @@ def draw_hidden(prepared, call, hidden, num_samples, joint=True):
     :param torch.Tensor hidden: booleans ``batch + (D,)``, ``True`` at features to draw.
     :param int num_samples: draws per observation.
     :param bool joint: draw the hidden features jointly, or each from its own conditional.
-    :returns: a tensor ``(num_samples,) + batch + (D,)`` of the observations' dtype.
+    :returns: a tensor ``(num_samples,) + batch + (D,)`` in the dtype of the data the model
+        observed.
     :raises NotImplementedError: for conditionals that offer no draws.
     """
     for cls, sampler in _SAMPLERS.items():
         if isinstance(prepared, cls):
             observed = prepared.observed
             draws = sampler(prepared, call, hidden, num_samples, joint)
-            result = select_masked(hidden, draws.to(observed.value.dtype), observed.value)
-            if observed.unfilled is None:
-                return result
-            # Entries the model masks and `hidden` leaves alone come back as the model had
-            # them, not as the stand-ins that scoring fills them with.
-            keep = ~observed.entries & ~hidden
-            return torch.where(keep, observed.unfilled.to(result.dtype), result)
+            # The entries `hidden` leaves alone come back as the model had them: in the data's
+            # dtype, and where the model masks them, not as the stand-ins scoring fills in.
+            given = observed.value if observed.unfilled is None else observed.unfilled
+            return torch.where(hidden, draws.to(given.dtype), given)
     raise NotImplementedError(
         f"Drawing from {type(prepared).__name__} is not implemented; use conditionals='exact', "
         f"'quadrature', 'importance' or 'encode-decode'."

@@ -23,9 +23,9 @@ class ObservedSite(NamedTuple):
     :ivar entries: boolean ``batch_shape + (D,)``, ``True`` at entries that count, or
         ``None`` when every entry does.
     :ivar torch.Size full_shape: the site distribution's batch and event shape.
-    :ivar unfilled: the value as the model gave it, missing entries included (NaN allowed),
-        or ``None`` when every entry counts: what generation returns at entries it does not
-        draw.
+    :ivar unfilled: the value as the model gave it, in its own dtype and with missing
+        entries included (NaN allowed), or ``None`` where that is ``value``: what generation
+        returns at the entries it does not draw.
     """
 
     name: str
@@ -103,7 +103,7 @@ def read_observed_site(site, full_shape, num_batch):
             f"subsampled plate, observe the subsample: obs=pyro.subsample(x, event_dim=...) "
             f"or x[ind] with the plate's indices."
         )
-    value = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
+    value = given = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
     dtype = _parameter_dtype(fn)
     if value.is_floating_point() and dtype is not None and dtype != value.dtype:
         # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
@@ -122,9 +122,9 @@ def read_observed_site(site, full_shape, num_batch):
                 f"impute NaN entries of a model without such a mask, pass "
                 f"torch.nan_to_num(x) with missing=torch.isnan(x)."
             )
-    unfilled = None
     if entries is not None:
-        unfilled, value = value, _fill_missing(value, entries)
+        value = _fill_missing(value, entries)
+    unfilled = None if value is given else given
     if is_validation_enabled():
         _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
