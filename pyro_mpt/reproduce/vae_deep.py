@@ -34,214 +34,38 @@ the held-out LML is estimated once more with ``final_samples`` samples: the tabl
 The evaluation runs on its own random numbers, so it does not change the training.
 """
 
-import pyro
-import torch
-from pyro.infer import Trace_ELBO
+import functools
 
-from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import EncodeDecode, Importance
+import torch
+
 from pyro_mpt.datasets import load_mnist
-from pyro_mpt.models import VAE
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
+from pyro_mpt.reproduce._vae_deep_training import (
+    ALL_METHODS,
+    GAUSSIAN_METHODS,
+    METHODS,
+    make_loss,
+    train_row,
+)
 
 __all__ = ["ALL_METHODS", "GAUSSIAN_METHODS", "METHODS", "NAME", "figure", "make_loss", "run"]
 
 NAME = "vae-deep"
 
-#: Rows of the Bernoulli VAE on binarised pixels: name -> how it is trained. ``rate`` is the
-#: MPT rate (``None`` for the ELBO), ``conditionals`` one of ``"encode-decode"`` (refill with
-#: the decoder mean), ``"encode-decode-sample"`` (refill with a draw) or ``"importance"``,
-#: ``encoder`` what trains the encoder.
-METHODS = {
-    "ELBO": dict(likelihood="bernoulli", rate=None, conditionals=None, encoder="ELBO"),
-    "MPT 33%": dict(
-        likelihood="bernoulli", rate=0.33, conditionals="encode-decode", encoder="ELBO"
-    ),
-    "MPT uniform": dict(
-        likelihood="bernoulli", rate="uniform", conditionals="encode-decode", encoder="ELBO"
-    ),
-    "MPT 33%, encoder by MPT": dict(
-        likelihood="bernoulli", rate=0.33, conditionals="encode-decode", encoder="MPT"
-    ),
-}
 
-#: Rows of the Gaussian VAE on grey pixels (the paper's model), as :data:`METHODS`, with
-#: ``num_masks`` masks per observation and step where it is not 1.
-#: ``Gaussian MPT 33%, encode-decode`` is the paper's configuration.
-GAUSSIAN_METHODS = {
-    "Gaussian ELBO": dict(likelihood="normal", rate=None, conditionals=None, encoder="ELBO"),
-    "Gaussian MPT 33%, encode-decode": dict(
-        likelihood="normal", rate=0.33, conditionals="encode-decode-sample", encoder="ELBO"
-    ),
-    "Gaussian MPT 33%, encode-decode, 4 masks": dict(
-        likelihood="normal",
-        rate=0.33,
-        conditionals="encode-decode-sample",
-        encoder="ELBO",
-        num_masks=4,
-    ),
-    "Gaussian MPT uniform, encode-decode": dict(
-        likelihood="normal", rate="uniform", conditionals="encode-decode-sample", encoder="ELBO"
-    ),
-    "Gaussian MPT 33%, importance": dict(
-        likelihood="normal", rate=0.33, conditionals="importance", encoder="ELBO"
-    ),
-    "Gaussian MPT uniform, importance": dict(
-        likelihood="normal", rate="uniform", conditionals="importance", encoder="ELBO"
-    ),
+#: The sizes of each preset, one row per preset; the columns are the keys of ``cfg``.
+_COLUMNS = "N N_test K hidden epochs batch lr iterations train_samples noise_scale".split()
+_COLUMNS += "eval_size eval_samples final_samples eval_chunk".split()
+_PRESETS = {
+    "smoke": (128, 32, 4, 32, 3, 32, 2e-2, 1, 4, 0.2, 32, 16, 32, 32),
+    "default": (1000, 200, 10, 200, 25, 100, 2e-3, 3, 64, 0.2, 200, 128, 1000, 20),
+    "full": (4000, 1000, 10, 256, 50, 100, 1e-3, 5, 64, 0.2, 200, 500, 2000, 10),
 }
-
-#: Every row, Bernoulli then Gaussian.
-ALL_METHODS = {**METHODS, **GAUSSIAN_METHODS}
 
 
 def _config(smoke, full):
-    if smoke:
-        return dict(
-            N=128,
-            N_test=32,
-            K=4,
-            hidden=32,
-            epochs=3,
-            batch=32,
-            lr=2e-2,
-            iterations=1,
-            train_samples=4,
-            noise_scale=0.2,
-            eval_size=32,
-            eval_samples=16,
-            final_samples=32,
-            eval_chunk=32,
-        )
-    if full:
-        return dict(
-            N=4000,
-            N_test=1000,
-            K=10,
-            hidden=256,
-            epochs=50,
-            batch=100,
-            lr=1e-3,
-            iterations=5,
-            train_samples=64,
-            noise_scale=0.2,
-            eval_size=200,
-            eval_samples=500,
-            final_samples=2000,
-            eval_chunk=10,
-        )
-    return dict(
-        N=1000,
-        N_test=200,
-        K=10,
-        hidden=200,
-        epochs=25,
-        batch=100,
-        lr=2e-3,
-        iterations=3,
-        train_samples=64,
-        noise_scale=0.2,
-        eval_size=200,
-        eval_samples=128,
-        final_samples=1000,
-        eval_chunk=20,
-    )
-
-
-def make_loss(method, cfg):
-    """The training loss of one row (a dict of :data:`METHODS` or :data:`GAUSSIAN_METHODS`):
-    ``Trace_ELBO`` or an ``MPTLoss`` whose ``guide_loss`` is ``"elbo"`` unless the row's
-    encoder is trained by MPT."""
-    if method["rate"] is None:
-        return Trace_ELBO()
-    kind = method["conditionals"]
-    if kind == "importance":
-        conditionals = Importance(num_samples=cfg["train_samples"], fill="mean")
-    elif kind in ("encode-decode", "encode-decode-sample"):
-        refill = "sample" if kind == "encode-decode-sample" else "mean"
-        conditionals = EncodeDecode(num_iterations=cfg["iterations"], refill=refill)
-    else:
-        raise ValueError(
-            f"conditionals must be 'encode-decode', 'encode-decode-sample' or 'importance', "
-            f"got {kind!r}."
-        )
-    guide_loss = "elbo" if method["encoder"] == "ELBO" else None
-    return MPTLoss(
-        rate=method["rate"],
-        num_masks=method.get("num_masks", 1),
-        conditionals=conditionals,
-        guide_loss=guide_loss,
-    )
-
-
-def _lml(vae, x, num_samples, chunk):
-    """Mean importance estimate of ``log p(x)`` per observation (``num_samples`` guide
-    samples on the full data), in chunks of ``chunk`` observations, on its own random
-    numbers so that evaluating does not change the training."""
-    total = 0.0
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        for part in x.split(chunk):
-            values = log_marginal(
-                vae.model, part, conditionals=Importance(num_samples), guide=vae.guide
-            )
-            total += float(values.sum())
-    return total / x.shape[0]
-
-
-def _train(name, data, cfg, seed, bar):
-    method = ALL_METHODS[name]
-    x, x_eval, x_test = data[method["likelihood"]]
-    pyro.clear_param_store()
-    common.seed_everything(common.derived_seed(seed, 1))  # the same initialisation for every method
-    vae = VAE(
-        784,
-        latent_dim=cfg["K"],
-        hidden_dim=cfg["hidden"],
-        likelihood=method["likelihood"],
-        noise_scale=cfg["noise_scale"],
-    )
-    vae = vae.to(device=x.device, dtype=x.dtype)  # float32 whatever the default dtype
-    optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
-    loss_fn = make_loss(method, cfg)
-
-    def evaluate():
-        return (
-            _lml(vae, x_eval, cfg["eval_samples"], cfg["eval_chunk"]),
-            _lml(vae, x_test, cfg["eval_samples"], cfg["eval_chunk"]),
-        )
-
-    initial, initial_test = evaluate()
-    common.seed_everything(common.derived_seed(seed, 2))  # the same mini-batches for every method
-    objective, lml, test_lml, seconds = [], [], [], []
-    for _ in range(cfg["epochs"]):
-        values = []
-        with common.Stopwatch() as clock:
-            for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"]):
-                optimizer.zero_grad()
-                loss = loss_fn.differentiable_loss(vae.model, vae.guide, x[idx]) / len(idx)
-                loss.backward()
-                optimizer.step()
-                values.append(-float(loss.detach()))
-        seconds.append(clock.seconds)
-        objective.append(sum(values) / len(values))
-        train_value, test_value = evaluate()
-        lml.append(train_value)
-        test_lml.append(test_value)
-        bar.update()
-        bar.set_postfix_str(f"{name}: held-out LML {test_value:.1f}")
-    final = _lml(vae, x_test, cfg["final_samples"], max(1, cfg["eval_chunk"] // 4))
-    noise = None if method["likelihood"] != "normal" else float(vae.noise_scale.detach())
-    pyro.clear_param_store()
-    return dict(
-        objective=objective,
-        log_marginal=lml,
-        held_out_log_marginal=test_lml,
-        initial_log_marginal=initial,
-        initial_held_out_log_marginal=initial_test,
-        test_log_marginal=final,
-        noise_scale=noise,
-        seconds_per_epoch=seconds,
-    )
+    return dict(zip(_COLUMNS, _PRESETS["smoke" if smoke else "full" if full else "default"]))
 
 
 def _gap(runs, name):
@@ -288,34 +112,9 @@ def figure(runs, cfg):
     return fig
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, methods=None):
-    """Reproduces Fig. 3 (bottom); writes ``vae-deep.json`` and ``vae-deep.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: a tiny VAE on 128 images for 3 epochs; runs in seconds. The default
-        (``N = 1000``, 200 hidden units, 25 epochs, ``T = 3``, ``S = 64`` for the importance
-        rows) takes about 10 minutes on one core.
-    :param bool full: ``N = 4000``, 256 hidden units, 50 epochs, ``T = 5``, 500 importance
-        samples per epoch and 2000 at the end; a few hours on one core.
-    :param int seed: base seed (data subset, initialisation, mini-batches).
-    :param bool progress: show progress bars.
-    :param methods: names of the rows to run, keys of :data:`METHODS` or
-        :data:`GAUSSIAN_METHODS` (default: all of them).
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    names = list(ALL_METHODS) if methods is None else list(methods)
-    unknown = [n for n in names if n not in ALL_METHODS]
-    if unknown or not names:
-        raise ValueError(
-            f"methods={methods!r} names no row or unknown rows {unknown}; choose from "
-            f"{list(ALL_METHODS)}."
-        )
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    device = common.resolve_device(device)
-    # The same images twice: binarised for the Bernoulli rows, grey for the Gaussian ones.
+def _data(cfg, seed, device):
+    """The same images twice: binarised for the Bernoulli rows, grey for the Gaussian ones;
+    per likelihood ``(training, evaluation subset of it, held-out)``."""
     size, subset_seed = cfg["N"] + cfg["N_test"], common.derived_seed(seed, 0)
     data = {}
     for likelihood, binarize in (("bernoulli", True), ("normal", False)):
@@ -323,29 +122,32 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         x_all = x_all.to(device)
         x, x_test = x_all[: cfg["N"]], x_all[cfg["N"] :]
         data[likelihood] = (x, x[: cfg["eval_size"]], x_test)
+    return data
+
+
+def _measure(cfg, device, seed, progress, names):
+    """Trains and evaluates the rows ``names``: their runs, by name."""
+    data = _data(cfg, seed, device)
     runs = {}
     with common.num_threads(1):
-        with common.progress_bar(
-            total=len(names) * cfg["epochs"], enabled=progress, desc=NAME, unit="epoch"
-        ) as bar:
+        work = len(names) * cfg["epochs"]
+        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
             for name in names:
-                runs[name] = _train(name, data, cfg, seed, bar)
+                runs[name] = train_row(name, data, cfg, seed, bar)
+    return runs
 
-    rows = []
-    for name, r in runs.items():
-        sec = sum(r["seconds_per_epoch"]) / len(r["seconds_per_epoch"])
-        gap = _gap(runs, name)
-        rows.append(
-            [
-                name,
-                f"{r['objective'][-1]:.2f}",
-                f"{r['log_marginal'][-1]:.2f}",
-                f"{r['initial_held_out_log_marginal']:.2f}",
-                f"{r['test_log_marginal']:.2f}",
-                "" if gap is None or not ALL_METHODS[name]["rate"] else f"{gap:+.2f}",
-                f"{sec:.2f}",
-            ]
-        )
+
+def _row(name, run, gap):
+    seconds = sum(run["seconds_per_epoch"]) / len(run["seconds_per_epoch"])
+    values = (run["objective"][-1], run["log_marginal"][-1])
+    values += (run["initial_held_out_log_marginal"], run["test_log_marginal"])
+    row = [name] + [f"{v:.2f}" for v in values]
+    return row + ["" if gap is None else f"{gap:+.2f}", f"{seconds:.2f}"]
+
+
+def _report(cfg, runs):
+    gaps = {name: _gap(runs, name) for name in runs if ALL_METHODS[name]["rate"]}
+    rows = [_row(name, r, gaps.get(name)) for name, r in runs.items()]
     title = (
         f"Fig. 3 bottom (deep VAE on MNIST N={cfg['N']}, K={cfg['K']}, hidden {cfg['hidden']}; "
         f"Adam lr {cfg['lr']}, batch {cfg['batch']}, {cfg['epochs']} epochs; EncodeDecode "
@@ -354,45 +156,55 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         f"training and {cfg['N_test']} held-out images, S={cfg['final_samples']} for the final "
         f"held-out value."
     )
-    headers = [
-        "method",
-        "final objective",
-        "train LML",
-        "held-out LML at init",
-        "held-out LML",
-        "vs ELBO",
-        "s/epoch",
-    ]
+    headers = ["method", "final objective", "train LML", "held-out LML at init"]
+    headers += ["held-out LML", "vs ELBO", "s/epoch"]
     notes = [
         "Rows without 'Gaussian': Bernoulli likelihood on binarised pixels; 'Gaussian': a "
         "learned noise scale on grey pixels.",
         "MPT rows train the decoder by MPT and the encoder by the ELBO, except 'encoder by MPT'.",
     ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, figure(runs, cfg), dict(runs=runs, gaps=gaps))
 
-    results = dict(
-        experiment=NAME,
-        paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (bottom row)",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            methods={
-                name: dict(
-                    ALL_METHODS[name],
-                    rate=str(ALL_METHODS[name]["rate"]),
-                    loss=repr(make_loss(ALL_METHODS[name], cfg)),
-                )
-                for name in names
-            },
-            data=dict(bernoulli="binarised at 0.5", normal="grey, scaled to [0, 1]"),
-            noise="one learned scale, initialised at noise_scale (Gaussian rows)",
-            dtype="float32",
-        ),
-        runs=runs,
-        gaps={name: _gap(runs, name) for name in runs if ALL_METHODS[name]["rate"]},
-        wall_seconds=total.elapsed,
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, methods=None):
+    """Reproduces Fig. 3 (bottom); writes ``vae-deep.json`` and ``vae-deep.png``.
+
+    ``smoke``: a tiny VAE on 128 images for 3 epochs (seconds). The default (``N = 1000``,
+    200 hidden units, 25 epochs, ``T = 3``, ``S = 64`` for the importance rows) takes about
+    10 minutes on one core; ``full`` (``N = 4000``, 256 hidden units, 50 epochs, ``T = 5``,
+    500 importance samples per epoch and 2000 at the end) a few hours. ``methods``: names of
+    the rows to run, keys of :data:`METHODS` or :data:`GAUSSIAN_METHODS` (default: all).
+    The other arguments are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    names = list(ALL_METHODS) if methods is None else list(methods)
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown or not names:
+        raise ValueError(
+            f"methods={methods!r} names no row or unknown rows {unknown}; choose from "
+            f"{list(ALL_METHODS)}."
+        )
+    cfg = _config(smoke, full)
+    rows = {n: ALL_METHODS[n] for n in names}
+    settings = dict(
+        methods={
+            n: dict(m, rate=str(m["rate"]), loss=repr(make_loss(m, cfg))) for n, m in rows.items()
+        },
+        data=dict(bernoulli="binarised at 0.5", normal="grey, scaled to [0, 1]"),
+        noise="one learned scale, initialised at noise_scale (Gaussian rows)",
+        dtype="float32",
     )
-    return common.save_outputs(out_dir, NAME, results, figure(runs, cfg))
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        functools.partial(_measure, names=names),
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (bottom row)",
+        settings=settings,
+    )
