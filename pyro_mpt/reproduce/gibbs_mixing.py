@@ -1,8 +1,6 @@
 """Mixing of block Gibbs on the self-predictive conditionals, and the sample efficiency of
 training by fixed-size masks (Li et al., 2024, "Promises and pitfalls of generative masked
-language modeling").
-
-Two models whose joint distribution is known:
+language modeling"), on two models whose joint distribution is known:
 
 * a strongly correlated **PPCA** (``D = 8``, ``K = 1``, loadings 1.5...2.5, noise variance
   0.5: correlations near 0.9), with exact conditionals;
@@ -27,6 +25,7 @@ feature of the block from its own conditional, one parallel MLM pass). Reported:
   fixed size ``k`` (``MPTLoss(rate=k / D)``) on ``N`` draws of the same PPCA, over seeds.
 """
 
+import functools
 import math
 
 import pyro
@@ -40,6 +39,7 @@ from pyro_mpt.diagnostics.mixing import mixing_diagnostics
 from pyro_mpt.models import PPCA
 from pyro_mpt.ops.conditional_sampling import block_gibbs_covariance
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -90,85 +90,71 @@ def _bimodal_agreement(device):
     return float((weights * (probs.prod(-1) + (1 - probs).prod(-1))).sum())
 
 
-def _mixing(model, x, cfg, k, joint, conditionals, statistic):
-    """Runs the chains and returns ``(chain, diagnostics, seconds)``; the first state (the
-    model draws) is dropped."""
-    with common.Stopwatch() as watch:
-        chain = gibbs(
-            model,
-            x,
-            block_size=k,
-            num_steps=cfg["steps"],
-            joint=joint,
-            conditionals=conditionals,
-            progress=False,
-        )[1:]
-    stat = statistic(chain).T  # (chains, draws)
-    mixing = mixing_diagnostics(stat, evaluations_per_step=k if joint else 1)
-    return chain, mixing, watch.seconds
-
-
-def _ppca_rows(cfg, seed, device, bar):
-    truth = _true_ppca(device)
-    cov = truth.covariance().detach()
-    axis = torch.linalg.eigh(cov).eigenvectors[:, -1]
+def _mixing_rows(label, key, cfg, seed, bar, model, draw, conditionals, statistic, errors):
+    """One row per block size ``k`` and update (joint, product): chains of ``model`` from
+    ``draw(num)``, the ESS of ``statistic(chain)``, and ``errors(chain, k, joint)``, the
+    stationary and the predicted error. The first state (the model draws) is dropped."""
     rows = []
     for k in cfg["sizes"]:
         for joint in (True, False):
-            common.seed_everything(common.derived_seed(seed, 1, k, joint))
-            x = truth.sample(cfg["chains"])
-            chain, mixing, seconds = _mixing(
-                truth.model, x, cfg, k, joint, "exact", lambda c: (c - truth.loc) @ axis
-            )
-            sample_cov = torch.cov(chain.reshape(-1, NUM_FEATURES).T)
-            predicted = block_gibbs_covariance(cov, k, joint=joint)
+            common.seed_everything(common.derived_seed(seed, key, k, joint))
+            x = draw(cfg["chains"])
+            options = dict(num_steps=cfg["steps"], conditionals=conditionals, progress=False)
+            with common.Stopwatch() as watch:
+                chain = gibbs(model, x, block_size=k, joint=joint, **options)[1:]
+            stat = statistic(chain).T  # (chains, draws)
+            mixing = mixing_diagnostics(stat, evaluations_per_step=k if joint else 1)
+            stationary, predicted = errors(chain, k, joint)
             rows.append(
                 dict(
-                    model="ppca",
+                    model=label,
                     k=k,
                     update="joint" if joint else "product",
                     ess_per_step=float(mixing.ess_per_step),
                     ess_per_evaluation=float(mixing.ess_per_evaluation),
                     rhat=float(mixing.rhat),
-                    stationary_error=_relative(sample_cov, cov),
-                    predicted_error=_relative(predicted, cov),
-                    seconds=seconds,
+                    stationary_error=stationary,
+                    predicted_error=predicted,
+                    seconds=watch.seconds,
                 )
             )
             bar.update()
     return rows
 
 
+def _ppca_rows(cfg, seed, device, bar):
+    truth = _true_ppca(device)
+    cov = truth.covariance().detach()
+    axis = torch.linalg.eigh(cov).eigenvectors[:, -1]
+
+    def errors(chain, k, joint):
+        sample_cov = torch.cov(chain.reshape(-1, NUM_FEATURES).T)
+        predicted = block_gibbs_covariance(cov, k, joint=joint)
+        return _relative(sample_cov, cov), _relative(predicted, cov)
+
+    def stat(chain):  # the projection on the leading principal axis
+        return (chain - truth.loc) @ axis
+
+    return _mixing_rows("ppca", 1, cfg, seed, bar, truth.model, truth.sample, "exact", stat, errors)
+
+
 def _relative(a, b):
     return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
 
 
+def _bit_mean(chain):
+    return chain.mean(-1)
+
+
 def _bimodal_rows(cfg, seed, device, bar):
     agreement = _bimodal_agreement(device)
-    rows = []
-    rule = Quadrature(num_points=40)
-    for k in cfg["sizes"]:
-        for joint in (True, False):
-            common.seed_everything(common.derived_seed(seed, 2, k, joint))
-            x = _bimodal_draws(cfg["chains"], device)
-            chain, mixing, seconds = _mixing(
-                _bimodal_model, x, cfg, k, joint, rule, lambda c: c.mean(-1)
-            )
-            agree = float((chain.sum(-1) % NUM_FEATURES == 0).double().mean())
-            rows.append(
-                dict(
-                    model="bimodal",
-                    k=k,
-                    update="joint" if joint else "product",
-                    ess_per_step=float(mixing.ess_per_step),
-                    ess_per_evaluation=float(mixing.ess_per_evaluation),
-                    rhat=float(mixing.rhat),
-                    stationary_error=abs(agree - agreement),
-                    predicted_error=None,
-                    seconds=seconds,
-                )
-            )
-            bar.update()
+
+    def errors(chain, k, joint):
+        agree = float((chain.sum(-1) % NUM_FEATURES == 0).double().mean())
+        return abs(agree - agreement), None
+
+    draw, rule = functools.partial(_bimodal_draws, device=device), Quadrature(num_points=40)
+    rows = _mixing_rows("bimodal", 2, cfg, seed, bar, _bimodal_model, draw, rule, _bit_mean, errors)
     return rows, agreement
 
 
@@ -209,13 +195,15 @@ def _training_rows(cfg, seed, device, bar):
                 svi.step(x)
             errors.append(_relative(model.covariance().detach(), cov))
             bar.update()
-        mean, std = common.mean_std(errors)
-        rows.append(dict(k=k, errors=errors, mean=mean, std=std))
-    errors = [_mle_error(x, cov) for x in data]
-    mean, std = common.mean_std(errors)
-    rows.append(dict(k=None, errors=errors, mean=mean, std=std))
+        rows.append(_spread(k, errors))
+    rows.append(_spread(None, [_mle_error(x, cov) for x in data]))
     pyro.clear_param_store()
     return rows
+
+
+def _spread(k, errors):
+    mean, std = common.mean_std(errors)
+    return dict(k=k, errors=errors, mean=mean, std=std)
 
 
 def _training_sizes(cfg):
@@ -223,45 +211,26 @@ def _training_sizes(cfg):
     return [k for k in cfg["sizes"] if k < NUM_FEATURES]
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Runs the study; writes ``gibbs-mixing.json`` and ``gibbs-mixing.png``.
+def _measure(cfg, device, seed, progress):
+    """The mixing rows of both models, the bimodal agreement and the training rows."""
+    work = 4 * len(cfg["sizes"]) + cfg["seeds"] * len(_training_sizes(cfg))
+    with common.num_threads(1), common.progress_bar(total=work, enabled=progress, desc=NAME) as bar:
+        ppca_rows = _ppca_rows(cfg, seed, device, bar)
+        bimodal_rows, agreement = _bimodal_rows(cfg, seed, device, bar)
+        training = _training_rows(cfg, seed, device, bar)
+    return dict(mixing=ppca_rows + bimodal_rows, agreement=agreement, training=training)
 
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 16 chains of 150 steps, ``k`` in 1, 2, 4, 7, 8, two training seeds
-        of 300 steps; under a minute on one core.
-    :param bool full: 64 chains of 2000 steps, ten training seeds of 2000 steps.
-    :param int seed: base seed.
-    :param bool progress: show a progress bar.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    sizes = cfg["sizes"]
-    with common.float64(), common.num_threads(1):
-        device = common.resolve_device(device)
-        work = 4 * len(sizes) + cfg["seeds"] * len(_training_sizes(cfg))
-        with common.progress_bar(total=work, enabled=progress, desc=NAME) as bar:
-            ppca_rows = _ppca_rows(cfg, seed, device, bar)
-            bimodal_rows, agreement = _bimodal_rows(cfg, seed, device, bar)
-            training = _training_rows(cfg, seed, device, bar)
 
+def _report(cfg, measured):
+    mixing, agreement, training = measured["mixing"], measured["agreement"], measured["training"]
     headers = ["model", "k", "update", "ESS/step", "ESS/eval", "R-hat", "stat. error",
                "predicted", "s"]  # fmt: skip
+    measures = ("ess_per_step", "ess_per_evaluation", "rhat", "stationary_error")
     rows = [
-        [
-            r["model"],
-            r["k"],
-            r["update"],
-            f"{r['ess_per_step']:.3f}",
-            f"{r['ess_per_evaluation']:.3f}",
-            f"{r['rhat']:.3f}",
-            f"{r['stationary_error']:.3f}",
-            "" if r["predicted_error"] is None else f"{r['predicted_error']:.3f}",
-            f"{r['seconds']:.1f}",
-        ]
-        for r in ppca_rows + bimodal_rows
+        [r["model"], r["k"], r["update"], *(f"{r[key]:.3f}" for key in measures)]
+        + ["" if r["predicted_error"] is None else f"{r['predicted_error']:.3f}"]
+        + [f"{r['seconds']:.1f}"]
+        for r in mixing
     ]
     title = (
         f"Block Gibbs on the self-predictive conditionals (D={NUM_FEATURES}, "
@@ -274,7 +243,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "closed-form stationary covariance of the chain);",
         f"bimodal, |P(all bits agree) - {agreement:.4f}| (grid integral).",
     ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
     train_table = common.format_table(
         ["k (mask size)", "rel. covariance error"],
         [[t["k"] or "MLE", common.pm(t["mean"], t["std"], 3)] for t in training],
@@ -286,14 +254,16 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
             f"the optimisation error: small masks give a flatter objective."
         ),
     )
-    print(train_table)
+    table = common.format_table(headers, rows, title=title, notes=notes) + "\n" + train_table
+    results = dict(mixing=mixing, bimodal_agreement=agreement, training=training)
+    return Report(table, _figure(mixing, training), results)
 
+
+def _figure(mixing, training):
     fig, axes = common.new_figure(3, width=4.4)
     for model, marker in (("ppca", "o"), ("bimodal", "s")):
         for update, style in (("joint", "-"), ("product", "--")):
-            sel = [
-                r for r in ppca_rows + bimodal_rows if r["model"] == model and r["update"] == update
-            ]
+            sel = [r for r in mixing if r["model"] == model and r["update"] == update]
             ks = [r["k"] for r in sel]
             label = f"{model}, {update}"
             axes[0].plot(ks, [r["ess_per_step"] for r in sel], style, marker=marker, label=label)
@@ -310,24 +280,20 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     for ax in axes:
         ax.set_xlabel("block / mask size k")
     axes[0].legend(fontsize=7)
+    return fig
 
-    results = dict(
-        experiment=NAME,
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Runs the study; writes ``gibbs-mixing.json`` and ``gibbs-mixing.png``.
+
+    ``smoke``: 16 chains of 150 steps, ``k`` in 1, 2, 4, 7, 8, two training seeds of 300
+    steps (under a minute on one core); ``full``: 64 chains of 2000 steps, ten training seeds
+    of 2000 steps. The other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,
+        dtype=torch.float64,
         paper_reference="Li et al. (2024), Promises and pitfalls of generative MLMs",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            num_features=NUM_FEATURES,
-            noise_var=NOISE_VAR,
-            slope=SLOPE,
-            dtype="float64",
-        ),  # fmt: skip
-        mixing=ppca_rows + bimodal_rows,
-        bimodal_agreement=agreement,
-        training=training,
-        wall_seconds=total.elapsed,
-    )
-    return common.save_outputs(out_dir, NAME, results, fig)
+        settings=dict(num_features=NUM_FEATURES, noise_var=NOISE_VAR, slope=SLOPE, dtype="float64"),
+    )  # fmt: skip
