@@ -31,8 +31,10 @@ import math
 import torch
 
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._bert_evaluation import ANTIBERTY, alternating_chains
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
-__all__ = ["NAME", "run"]
+__all__ = ["NAME", "PAPER_TABLE2", "run"]
 
 NAME = "bert-curve"
 
@@ -47,25 +49,18 @@ PAPER_TABLE2 = {
 
 def _config(smoke, full):
     from pyro_mpt import default_rates
-
-    if smoke:
-        return dict(num_sequences=2, rates=[0.1, 0.5, 0.9], num_masks=1, batch_size=8)
-    if full:
-        return dict(num_sequences=None, rates=default_rates().tolist(), num_masks=10, batch_size=64)
-    rates = default_rates(0.02, 0.98, 0.04).tolist()
-    return dict(num_sequences=None, rates=rates, num_masks=2, batch_size=64)
-
-
-def _sequences(num_sequences):
     from pyro_mpt.transformers.antiberty import ANTIBODY_SEQUENCES
 
-    names = list(ANTIBODY_SEQUENCES)
-    if num_sequences is not None:
-        # One heavy and one light chain first, so a small run sees both.
-        heavy = [n for n in names if n.endswith("_vh")]
-        light = [n for n in names if n.endswith("_vl")]
-        names = [n for pair in zip(heavy, light) for n in pair][:num_sequences]
-    return names, [ANTIBODY_SEQUENCES[n] for n in names]
+    if smoke:
+        cfg = dict(num_sequences=2, rates=[0.1, 0.5, 0.9], num_masks=1, batch_size=8)
+    elif full:
+        cfg = dict(num_sequences=None, rates=default_rates().tolist(), num_masks=10, batch_size=64)
+    else:
+        rates = default_rates(0.02, 0.98, 0.04).tolist()
+        cfg = dict(num_sequences=None, rates=rates, num_masks=2, batch_size=64)
+    # A small run takes one heavy and one light chain first, so it sees both.
+    names = list(ANTIBODY_SEQUENCES) if cfg["num_sequences"] is None else alternating_chains()
+    return dict(cfg, sequences=names[: cfg["num_sequences"]], model=ANTIBERTY)
 
 
 def _chain_areas(curve, names):
@@ -79,28 +74,18 @@ def _chain_areas(curve, names):
     return out
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Reproduces Fig. 5 (right) / Table 2 with AntiBERTy; writes ``bert-curve.json`` and
-    ``bert-curve.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 2 sequences, 3 rates, one mask each; runs in seconds.
-    :param bool full: the paper's 99 rates (1%...99%) with 10 masks per sequence and rate;
-        the default is 25 rates with 2 masks (a few minutes on two CPU cores).
-    :param int seed: seed of the random initialisation and of the masks.
-    :param bool progress: show progress bars.
-    :returns: the results dict (also written as JSON).
-    """
+def _measure(cfg, device, seed, progress):
+    """The MPT curve of each model and its seconds; records the vocabulary size and the mean
+    number of residues in ``cfg`` (the JSON's ``config``)."""
     from pyro_mpt.transformers import mlm_mpt_curve
-    from pyro_mpt.transformers.antiberty import load_antiberty, random_antiberty, spaced
+    from pyro_mpt.transformers.antiberty import (
+        ANTIBODY_SEQUENCES,
+        load_antiberty,
+        random_antiberty,
+        spaced,
+    )
 
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    device = common.resolve_device(device)
-    total = common.Stopwatch()
-    names, sequences = _sequences(cfg["num_sequences"])
-    texts = [spaced(s) for s in sequences]
+    texts = [spaced(ANTIBODY_SEQUENCES[n]) for n in cfg["sequences"]]
     with common.default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
         pretrained, tokenizer = load_antiberty()
         models = {
@@ -121,14 +106,20 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 progress=progress,
             )
         seconds[label] = watch.seconds
-    log_v = math.log(len(tokenizer))
-    mean_d = float(next(iter(curves.values())).num_features.double().mean())
+    cfg["vocab_size"] = len(tokenizer)
+    cfg["mean_num_features"] = float(curves["random init."].num_features.double().mean())
+    return curves, seconds
+
+
+def _report(cfg, measured):
+    curves, seconds = measured
+    log_v, mean_d = math.log(cfg["vocab_size"]), cfg["mean_num_features"]
     summary = {}
     for label, curve in curves.items():
         summary[label] = dict(
             area=curve.area,
             area_stderr=curve.area_stderr,
-            areas_by_chain=_chain_areas(curve, names),
+            areas_by_chain=_chain_areas(curve, cfg["sequences"]),
             mean_score=float(curve.scores.mean()),
             score_first_rate=float(curve.scores[0]),
             score_last_rate=float(curve.scores[-1]),
@@ -150,8 +141,8 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         )
     rates = cfg["rates"]
     title = (
-        f"Fig. 5 / Table 2 analogue: AntiBERTy (26M parameters) on {len(texts)} antibody "
-        f"variable domains (mean D = {mean_d:.1f} residues), {len(rates)} rates "
+        f"Fig. 5 / Table 2 analogue: AntiBERTy (26M parameters) on {len(cfg['sequences'])} "
+        f"antibody variable domains (mean D = {mean_d:.1f} residues), {len(rates)} rates "
         f"{100 * rates[0]:.0f}%...{100 * rates[-1]:.0f}%, {cfg['num_masks']} mask(s) per "
         "sequence and rate; area = D * mean_r S (nats per sequence, ± Monte Carlo s.e.)"
     )
@@ -166,41 +157,15 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         + ", ".join(f"{k} {v[1]:.0f}" for k, v in PAPER_TABLE2.items())
         + ".",
     ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
-
-    fig = _figure(curves, mean_d, log_v)
+    fields = ("rates", "scores", "stderr", "masked_fraction", "num_features")
     results = dict(
-        experiment=NAME,
-        paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (right) and Table 2",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            sequences=names,
-            model="AntiBERTy_md_smooth (antiberty 0.1.3)",
-            vocab_size=len(tokenizer),
-            mean_num_features=mean_d,
-            dtype="float32",
-            threads=torch.get_num_threads(),
-        ),
         summary=summary,
         uniform_guess_area=-mean_d * log_v,
         paper_table2=PAPER_TABLE2,
-        curves={
-            label: dict(
-                rates=c.rates,
-                scores=c.scores,
-                stderr=c.stderr,
-                masked_fraction=c.masked_fraction,
-                num_features=c.num_features,
-            )
-            for label, c in curves.items()
-        },
-        wall_seconds=total.elapsed,
+        curves={label: {f: getattr(c, f) for f in fields} for label, c in curves.items()},
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, _figure(curves, mean_d, log_v), results)
 
 
 def _figure(curves, mean_d, log_v):
@@ -215,3 +180,19 @@ def _figure(curves, mean_d, log_v):
     ax.set_title(f"AntiBERTy MPT curve (mean D = {mean_d:.0f})")
     ax.legend(fontsize="small")
     return fig
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Reproduces Fig. 5 (right) / Table 2 with AntiBERTy; writes ``bert-curve.json`` and
+    ``bert-curve.png``.
+
+    ``smoke``: 2 sequences, 3 rates, one mask each (seconds); ``full``: the paper's 99 rates
+    (1%...99%) with 10 masks per sequence and rate; the default is 25 rates with 2 masks (a
+    few minutes on two CPU cores). ``seed`` seeds the random initialisation and the masks.
+    The other arguments are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,
+        paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (right) and Table 2",
+        settings=dict(dtype="float32", threads=torch.get_num_threads()),
+    )  # fmt: skip
