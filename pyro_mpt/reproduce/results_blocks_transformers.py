@@ -12,12 +12,33 @@ __all__ = [
 ]
 
 
+def _block(ctx, name, parts):
+    """The block of experiment ``name``: its run, then what ``parts(ctx, res, cfg)`` makes of
+    its result ``res`` and config ``cfg``: a caption, the table's headers and rows, a note."""
+    res = ctx.json(f"{name}.json")
+    caption, headers, rows, note = parts(ctx, res, res["config"])
+    return "\n\n".join([f"{ctx.run_text(name)}: {caption}", ctx.table(headers, rows), note])
+
+
 def bert_curve_block(ctx):
-    res = ctx.json("bert-curve.json")
-    cfg = res["config"]
+    """AntiBERTy's MPT-curve areas, pre-trained and random, beside the uniform guess."""
+    return _block(ctx, "bert-curve", _bert_curve_parts)
+
+
+def mae_curve_block(ctx):
+    """The ViT-MAE areas, scores and probes of each masking schedule, over seeds."""
+    return _block(ctx, "mae-curve", _mae_curve_parts)
+
+
+def bert_rates_block(ctx):
+    """The held-out metrics of the BERTs trained with each masking scheme, over seeds."""
+    return _block(ctx, "bert-rates", _bert_rates_parts)
+
+
+def _bert_curve_parts(ctx, res, cfg):
     rates = cfg["rates"]
     caption = (
-        f"{ctx.run_text('bert-curve')}: paper Fig. 5 / Table 2 analogue; {cfg['model']} on "
+        f"paper Fig. 5 / Table 2 analogue; {cfg['model']} on "
         f"{len(cfg['sequences'])} therapeutic antibody variable domains of "
         f"{ctx.code('ANTIBODY_SEQUENCES')}, mean D = {cfg['mean_num_features']:.1f} residues; "
         f"{len(rates)} rates {percent(min(rates), 0)}…{percent(max(rates), 0)}, "
@@ -49,7 +70,7 @@ def bert_curve_block(ctx):
         f"GLUE sequences) reports {num(ax[0], 0)} random against {num(ax[1], 0)} pre-trained "
         "on AX: a different model and data, so only the pattern can carry over."
     )
-    return "\n\n".join([caption, ctx.table(headers, rows), note])
+    return caption, headers, rows, note
 
 
 def _spread_cell(pair, digits, seeds, scale=1.0):
@@ -58,13 +79,20 @@ def _spread_cell(pair, digits, seeds, scale=1.0):
     return pm(mean, std, digits) if seeds > 1 else num(mean, digits)
 
 
-def mae_curve_block(ctx):
-    res = ctx.json("mae-curve.json")
-    cfg = res["config"]
+def _seeds_text(seeds, drawn):
+    """The end of a caption: how many seeds, and what each one draws anew."""
+    return (
+        "one seed:"
+        if seeds == 1
+        else f"mean ± sd over {seeds} seeds ({drawn} drawn anew for each):"
+    )
+
+
+def _mae_curve_parts(ctx, res, cfg):
     seeds = cfg["seeds"]
     rates = next(iter(res["curves"].values()))["rates"]
     caption = (
-        f"{ctx.run_text('mae-curve')}: paper Fig. 6 analogue; a ViT-MAE with 4×4 patches of "
+        f"paper Fig. 6 analogue; a ViT-MAE with 4×4 patches of "
         f"28×28 MNIST images, width {cfg['hidden']}, {cfg['layers']}+{cfg['decoder_layers']} "
         f"layers, trained from the same initial weights on the same batches of {cfg['N']} "
         f"images for {cfg['epochs']} epoch(s) with each masking schedule; curves on "
@@ -74,12 +102,7 @@ def mae_curve_block(ctx):
         "area = number of patches · mean_r S in nats per image (higher is better), − fixed "
         "75% the area minus that of the fixed-75% model of the same seed; linear probe of the "
         "digit on the mean encoder token; "
-        + (
-            "one seed:"
-            if seeds == 1
-            else f"mean ± sd over {seeds} seeds (split, weights, "
-            "batches and masks drawn anew for each):"
-        )
+        + _seeds_text(seeds, "split, weights, batches and masks")
     )
     # S(75%) gets a column of its own unless 75% is the lowest or highest rate.
     middle = not any(math.isclose(r, 0.75) for r in (min(rates), max(rates)))
@@ -109,27 +132,20 @@ def mae_curve_block(ctx):
         f"with a fixed pixel sd of {cfg['pixel_scale']:g} (the paper does not say how it "
         "scores a patch), so the areas are comparable with one another only."
     )
-    return "\n\n".join([caption, ctx.table(headers, rows), paper])
+    return caption, headers, rows, paper
 
 
-def bert_rates_block(ctx):
-    res = ctx.json("bert-rates.json")
-    cfg = res["config"]
+def _bert_rates_parts(ctx, res, cfg):
     seeds = cfg["seeds"]
     caption = (
-        f"{ctx.run_text('bert-rates')}: a {cfg['layers']}-layer BERT of width {cfg['hidden']}, "
+        f"a {cfg['layers']}-layer BERT of width {cfg['hidden']}, "
         f"{cfg['vocab_size']}-piece WordPiece vocabulary, {cfg['length']}-token sequences, "
         f"trained from the same weights on the same batches of BBC News by "
         f"{ctx.code('MPTTrainer')} + {ctx.code('MPTDataCollator')} for {cfg['steps']} steps of "
         f"{cfg['batch']} at learning rate {cfg['lr']:g}; held-out area over {len(cfg['rates'])} "
         f"rates with {cfg['num_masks']} mask(s) each, nats per sequence (higher is better), "
         "− fixed 15% the area minus that of the fixed-15% model of the same seed; "
-        + (
-            "one seed:"
-            if seeds == 1
-            else f"mean ± sd over {seeds} seeds (split, tokenizer, weights, batches and masks "
-            "drawn anew for each):"
-        )
+        + _seeds_text(seeds, "split, tokenizer, weights, batches and masks")
     )
     rows = []
     for scheme, s in res["summary"].items():
@@ -154,4 +170,4 @@ def bert_rates_block(ctx):
         "CPU, long enough to leave it); its areas are not comparable with the paper's "
         "Table 2."
     )
-    return "\n\n".join([caption, ctx.table(headers, rows), paper])
+    return caption, headers, rows, paper
