@@ -38,6 +38,7 @@ from pyro_mpt import MPTLoss
 from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import GPDecoder
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report
 
 __all__ = ["NAME", "METHODS", "run"]
 
@@ -45,34 +46,17 @@ NAME = "gp-decoder"
 METHODS = ("MPT |R|=128", "MPT uniform", "Bayesian GP-LVM", "exact LML")
 
 
+#: The sizes of each preset, one row per preset; the columns are the keys of ``cfg``.
+_COLUMNS = "N T Q steps lr context inducing code_steps sizes timing_steps exact_max".split()
+_PRESETS = {
+    "smoke": (48, 6, 2, 4, 0.05, 16, 8, 3, (32, 64), 1, 64),
+    "default": (1000, 100, 5, 100, 0.03, 128, 32, 60, (256, 512, 1024, 2048), 2, 2048),
+    "full": (1000, 100, 5, 300, 0.03, 128, 32, 60, (256, 512, 1024, 2048), 2, 2048),
+}
+
+
 def _config(smoke, full):
-    if smoke:
-        return dict(
-            N=48,
-            T=6,
-            Q=2,
-            steps=4,
-            lr=0.05,
-            context=16,
-            inducing=8,
-            code_steps=3,
-            sizes=(32, 64),
-            timing_steps=1,
-            exact_max=64,
-        )
-    return dict(
-        N=1000,
-        T=100,
-        Q=5,
-        steps=300 if full else 100,
-        lr=0.03,
-        context=128,
-        inducing=32,
-        code_steps=60,
-        sizes=(256, 512, 1024, 2048),
-        timing_steps=2,
-        exact_max=2048,
-    )
+    return dict(zip(_COLUMNS, _PRESETS["smoke" if smoke else "full" if full else "default"]))
 
 
 def _pca_codes(y, latent_dim):
@@ -227,27 +211,12 @@ def _data(cfg, seed, device, num_data):
     return y - mean, y_test - mean
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """GP decoders on MNIST; writes ``gp-decoder.json`` and ``gp-decoder.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: ``N = 48``, a few steps, ``N`` in ``(32, 64)`` for timing: seconds.
-    :param bool full: 300 training steps instead of 100 (default ``N = 1000``, ``Q = 5``).
-    :param int seed: base seed (data subset, inducing points, masks).
-    :param bool progress: show a progress bar.
-    :returns: the results dict (also written as JSON), with ``"outputs"``.
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    device = common.resolve_device(device)
+def _measure(cfg, device, seed, progress):
+    """Every method's quality at ``N`` (:func:`_train_and_score`) and its seconds per epoch
+    at each of ``cfg["sizes"]``."""
     quality, timing = {}, {m: [] for m in METHODS}
     work = len(METHODS) * (cfg["steps"] + len(cfg["sizes"]))
-    with (
-        common.default_dtype(torch.float32),
-        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
-    ):
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar:
         y, y_test = _data(cfg, seed, device, cfg["N"])
         codes = _pca_codes(torch.cat([y, y_test]), cfg["Q"])
         init_codes, test_init = codes[: cfg["N"]], codes[cfg["N"] :]
@@ -264,7 +233,11 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 common.seed_everything(common.derived_seed(seed, 3, index, num_data))
                 timing[method].append(_time_per_epoch(method, y_n, cfg, codes_n))
                 bar.update()
+    return quality, timing
 
+
+def _report(cfg, measured):
+    quality, timing = measured
     headers = ["method", "exact LML / image", "held-out LPD / pixel", "s/epoch"]
     headers += [f"s/epoch N={n}" for n in cfg["sizes"]]
     rows = []
@@ -285,10 +258,30 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "s/epoch N=...: fastest of a few full-batch steps on the first N images ('-': "
         "exact LML not run).",
     ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
-    fig = _figure(timing, cfg)
-    results = dict(config=cfg, quality=quality, timing=timing, seconds=total.elapsed)
-    return common.save_outputs(out_dir, NAME, results, fig)
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, _figure(timing, cfg), dict(quality=quality, timing=timing))
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """GP decoders on MNIST; writes ``gp-decoder.json`` and ``gp-decoder.png``.
+
+    ``smoke``: ``N = 48``, a few steps, ``N`` in ``(32, 64)`` for timing (seconds); ``full``:
+    300 training steps instead of 100 (default ``N = 1000``, ``Q = 5``). ``seed`` sets the
+    data subset, inducing points and masks. The steps are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`, but the JSON keeps this
+    experiment's own layout: ``config`` (the sizes alone), ``quality``, ``timing``,
+    ``seconds``, with no ``experiment`` entry.
+    """
+    common.check_size(smoke, full)
+    cfg = _config(smoke, full)
+    total = common.Stopwatch()
+    device = common.resolve_device(device)
+    with common.default_dtype(torch.float32):
+        measured = _measure(cfg, device, seed, progress)
+    shown = _report(cfg, measured)
+    print(shown.table)
+    results = dict(config=cfg, **shown.results, seconds=total.elapsed)
+    return common.save_outputs(out_dir, NAME, results, shown.figure)
 
 
 def _figure(timing, cfg):
