@@ -31,6 +31,8 @@ per sequence. The real sequences are scored alike as a reference row.
 import torch
 
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._bert_evaluation import ANTIBERTY, alternating_chains
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -41,22 +43,18 @@ MASK_PREDICT_STEPS = 10
 
 
 def _config(smoke, full):
-    if smoke:
-        return dict(num_sequences=2, length=24, mask_fraction=0.5, batch_size=64)
-    if full:
-        return dict(num_sequences=16, length=None, mask_fraction=0.5, batch_size=64)
-    return dict(num_sequences=4, length=None, mask_fraction=0.5, batch_size=64)
-
-
-def _sequences(num_sequences, length):
-    """``(names, sequences)``: heavy and light chains alternating, cut to ``length``."""
-    from pyro_mpt.transformers.antiberty import ANTIBODY_SEQUENCES
-
-    names = list(ANTIBODY_SEQUENCES)
-    heavy = [n for n in names if n.endswith("_vh")]
-    light = [n for n in names if n.endswith("_vl")]
-    names = [n for pair in zip(heavy, light) for n in pair]
-    return names[:num_sequences], [ANTIBODY_SEQUENCES[n][:length] for n in names]
+    num_sequences = 2 if smoke else 16 if full else 4
+    return dict(
+        num_sequences=num_sequences,
+        length=24 if smoke else None,
+        mask_fraction=0.5,
+        batch_size=64,
+        sequences=alternating_chains()[:num_sequences],
+        model=ANTIBERTY,
+        methods=list(METHODS),
+        starts=list(STARTS),
+        mask_predict_steps=MASK_PREDICT_STEPS,
+    )
 
 
 def _starts(tokenizer, ids, attention, mask_fraction, seed):
@@ -95,34 +93,24 @@ def _row(tokenizer, ids, diagnostics):
     )
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Samples antibody sequences from AntiBERTy by the three samplers; writes
-    ``mlm-generation.json`` and ``mlm-generation.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 2 sequences cut to 24 residues; well under a minute on one core.
-    :param bool full: 16 full-length sequences; the default is 4 (several minutes on CPU,
-        most of it the pseudo-log-likelihoods).
-    :param int seed: seed of the masks and of the samplers.
-    :param bool progress: show progress bars.
-    :returns: the results dict (also written as JSON).
-    """
+def _measure(cfg, device, seed, progress):
+    """Each start's samples by each sampler, and the real sequences, diagnosed; records the
+    number of masks of each start in ``cfg`` (the JSON's ``config``)."""
     from pyro_mpt.transformers import generation_diagnostics, sample_mlm
-    from pyro_mpt.transformers.antiberty import load_antiberty
+    from pyro_mpt.transformers.antiberty import ANTIBODY_SEQUENCES, load_antiberty
 
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    device = common.resolve_device(device)
-    total = common.Stopwatch()
     common.seed_everything(seed)
     with common.default_dtype(torch.float32):  # the checkpoint's dtype, whatever the caller's
         model, tokenizer = load_antiberty()
     model.to(device)
-    names, all_sequences = _sequences(cfg["num_sequences"], cfg["length"])
-    reference = _encode(tokenizer, all_sequences, device)[0].tolist()
-    ids, attention = _encode(tokenizer, all_sequences[: len(names)], device)
+    # The reference: all sequences, cut alike.
+    every = [ANTIBODY_SEQUENCES[n][: cfg["length"]] for n in alternating_chains()]
+    reference = _encode(tokenizer, every, device)[0].tolist()
+    ids, attention = _encode(tokenizer, every[: cfg["num_sequences"]], device)
     starts = _starts(tokenizer, ids.cpu(), attention.cpu(), cfg["mask_fraction"], seed)
+    cfg["masked_per_sequence"] = {
+        k: (v == tokenizer.mask_token_id).sum(1) for k, v in starts.items()
+    }
 
     def diagnose(samples):
         return generation_diagnostics(
@@ -145,42 +133,38 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
                 progress=progress,
             )
             results[start_name][method] = _row(tokenizer, samples.sequences, diagnose(samples))
-    _print_table(results, cfg, names)
+    return results
+
+
+def _report(cfg, results):
     summary = {
         start: {method: {k: v for k, v in row.items() if k != "sequences"}}
         for start, rows in results.items()
         for method, row in rows.items()
     }
-    payload = dict(
-        experiment=NAME,
+    return Report(_table(results, cfg), _figure(results), dict(results=results, summary=summary))
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Samples antibody sequences from AntiBERTy by the three samplers; writes
+    ``mlm-generation.json`` and ``mlm-generation.png``.
+
+    ``smoke``: 2 sequences cut to 24 residues (well under a minute on one core); ``full``: 16
+    full-length sequences; the default is 4 (several minutes on CPU, most of it the
+    pseudo-log-likelihoods). ``seed`` seeds the masks and the samplers. The other arguments
+    are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,
         paper_reference=(
             "Li et al. (2024), Promises and pitfalls of generative masked language modeling; "
             "Ghazvininejad et al. (2019), Mask-predict"
         ),
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            sequences=names,
-            model="AntiBERTy_md_smooth (antiberty 0.1.3)",
-            methods=list(METHODS),
-            starts=list(STARTS),
-            mask_predict_steps=MASK_PREDICT_STEPS,
-            masked_per_sequence={
-                k: (v == tokenizer.mask_token_id).sum(1) for k, v in starts.items()
-            },
-            threads=torch.get_num_threads(),
-        ),
-        results=results,
-        summary=summary,
-        wall_seconds=total.elapsed,
-    )
-    return common.save_outputs(out_dir, NAME, payload, _figure(results))
+        settings=dict(threads=torch.get_num_threads()),
+    )  # fmt: skip
 
 
-def _print_table(results, cfg, names):
+def _table(results, cfg):
     headers = ["start", "sampler", "passes", "stutter %", "PLL/residue", "TV residues", "s/seq"]
     rows = []
     for start, by_method in results.items():
@@ -200,7 +184,7 @@ def _print_table(results, cfg, names):
             )
     length = "full length" if cfg["length"] is None else f"first {cfg['length']} residues"
     title = (
-        f"Sampling AntiBERTy from masked starts: {len(names)} antibody variable domains "
+        f"Sampling AntiBERTy from masked starts: {cfg['num_sequences']} antibody variable domains "
         f"({length}), {100 * cfg['mask_fraction']:.0f}% masked in the half-masked starts; "
         f"mask-predict T = {MASK_PREDICT_STEPS}"
     )
@@ -208,7 +192,7 @@ def _print_table(results, cfg, names):
         "stutter: adjacent residues that repeat; PLL: sum_i log p(x_i | x_-i) per residue "
         "(nats); TV: total variation of residue frequencies to the 32 reference sequences.",
     ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
+    return common.format_table(headers, rows, title=title, notes=notes)
 
 
 def _figure(results):
