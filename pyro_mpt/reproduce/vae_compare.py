@@ -8,39 +8,44 @@ reference evaluators of each reproduction (fine quadrature for the linear VAE, i
 sampling for the deep one), per image in nats.
 """
 
+import functools
+
 from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce import vae_deep, vae_linear
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "comparison_rows", "run"]
 
 NAME = "vae-compare"
 
 
+def _row(model, objective, log_marginal, held_out_log_marginal, seconds_per_epoch):
+    return dict(
+        model=model,
+        objective=objective,
+        log_marginal=log_marginal,
+        held_out_log_marginal=held_out_log_marginal,
+        seconds_per_epoch=seconds_per_epoch,
+    )
+
+
 def comparison_rows(linear, deep):
     """Rows ``(model, objective, final LML, held-out LML, s/epoch)`` from the results of
     :func:`pyro_mpt.reproduce.vae_linear.run` and :func:`pyro_mpt.reproduce.vae_deep.run`."""
-    rows = []
-    for name, summary in linear["summary"].items():
-        rows.append(
-            dict(
-                model="linear VAE (quadrature)",
-                objective=name,
-                log_marginal=summary["final_log_marginal_train"],
-                held_out_log_marginal=summary["final_log_marginal_held_out"],
-                seconds_per_epoch=summary["seconds_per_epoch"],
-            )
+    rows = [
+        _row(
+            "linear VAE (quadrature)",
+            name,
+            s["final_log_marginal_train"],
+            s["final_log_marginal_held_out"],
+            s["seconds_per_epoch"],
         )
-    for name, run in deep["runs"].items():
-        seconds = run["seconds_per_epoch"]
-        rows.append(
-            dict(
-                model="deep VAE (encode-decode)",
-                objective=name,
-                log_marginal=run["log_marginal"][-1],
-                held_out_log_marginal=run["test_log_marginal"],
-                seconds_per_epoch=sum(seconds) / len(seconds),
-            )
-        )
+        for name, s in linear["summary"].items()
+    ]
+    for name, r in deep["runs"].items():
+        seconds = sum(r["seconds_per_epoch"]) / len(r["seconds_per_epoch"])
+        model = "deep VAE (encode-decode)"
+        rows.append(_row(model, name, r["log_marginal"][-1], r["test_log_marginal"], seconds))
     return rows
 
 
@@ -63,33 +68,25 @@ def _figure(rows):
     return fig
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Runs ``vae-linear`` and ``vae-deep`` and writes ``vae-compare.json`` and
-    ``vae-compare.png`` beside their outputs.
+def _config(smoke, full):
+    # No sizes of its own: the size flags, so that its JSON config reads smoke, full, seed, device.
+    return dict(smoke=smoke, full=full)
 
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: both reproductions at smoke size (seconds).
-    :param bool full: both at the paper's sizes.
-    :param int seed: base seed, passed to both.
-    :param bool progress: show progress bars.
-    :returns: the results dict (also written as JSON).
-    """
-    total = common.Stopwatch()
-    options = dict(device=device, smoke=smoke, full=full, seed=seed, progress=progress)
+
+def _measure(cfg, device, seed, progress, out_dir):
+    """The results of both reproductions, run with the same options (Bernoulli rows only
+    for the deep VAE)."""
+    options = dict(device=str(device), **cfg, seed=seed, progress=progress)
     linear = vae_linear.run(out_dir, **options)
-    deep = vae_deep.run(out_dir, methods=list(vae_deep.METHODS), **options)  # Bernoulli rows
+    deep = vae_deep.run(out_dir, methods=list(vae_deep.METHODS), **options)
+    return linear, deep
+
+
+def _report(cfg, measured):
+    linear, deep = measured
     rows = comparison_rows(linear, deep)
-    table = [
-        [
-            r["model"],
-            r["objective"],
-            f"{r['log_marginal']:.2f}",
-            f"{r['held_out_log_marginal']:.2f}",
-            f"{r['seconds_per_epoch']:.2f}",
-        ]
-        for r in rows
-    ]
+    keys = ("log_marginal", "held_out_log_marginal", "seconds_per_epoch")
+    table = [[r["model"], r["objective"]] + [f"{r[k]:.2f}" for k in keys] for r in rows]
     headers = ["model", "objective", "final LML", "held-out LML", "s/epoch"]
     title = (
         f"ELBO vs MPT on binarised MNIST (linear VAE N={linear['config']['N']}, deep VAE "
@@ -100,12 +97,26 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         f"(deep, S={deep['config']['eval_samples']}).",
         "Deep VAE MPT rows train the decoder by MPT and the encoder by the ELBO, except the last.",
     ]
-    print(common.format_table(headers, table, title=title, notes=notes))
-    results = dict(
-        experiment=NAME,
-        config=dict(smoke=smoke, full=full, seed=seed, device=str(device)),
-        rows=rows,
-        sources=dict(linear=linear["outputs"], deep=deep["outputs"]),
-        wall_seconds=total.elapsed,
+    sources = dict(linear=linear["outputs"], deep=deep["outputs"])
+    shown = common.format_table(headers, table, title=title, notes=notes)
+    return Report(shown, _figure(rows), dict(rows=rows, sources=sources))
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Runs ``vae-linear`` and ``vae-deep`` and writes ``vae-compare.json`` and
+    ``vae-compare.png`` beside their outputs. ``smoke`` and ``full`` choose the size of both;
+    the arguments are passed to both and are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        functools.partial(_measure, out_dir=out_dir),
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
     )
-    return common.save_outputs(out_dir, NAME, results, _figure(rows))
