@@ -44,7 +44,18 @@ from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._experiment import Report, run_experiment
 
-__all__ = ["NAME", "gauss_hermite_log_marginal", "run"]
+__all__ = [
+    "CHECK_NODES",
+    "COLORS",
+    "CURVES",
+    "EVAL_NODES",
+    "MNIST_PIXELS",
+    "NAME",
+    "OBJECTIVES",
+    "TRAIN_NODES",
+    "gauss_hermite_log_marginal",
+    "run",
+]
 
 NAME = "vae-linear"
 
