@@ -37,6 +37,8 @@ import statistics
 import torch
 
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._bert_evaluation import spread_cell, with_seeds
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
 __all__ = ["NAME", "RATES", "run"]
@@ -107,13 +109,8 @@ def _data(cfg, seed, device):
     total = cfg["N"] + cfg["held_out"]
     x, y = load_mnist(num_samples=total, binarize=False, seed=seed, dtype=torch.float32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, cfg["held_out"] / total, seed=seed)
-    shape = (-1, 1, 28, 28)
-    return (
-        x_train.reshape(shape).to(device),
-        x_test.reshape(shape).to(device),
-        y_train.to(device),
-        y_test.to(device),
-    )
+    images = (t.reshape(-1, 1, 28, 28).to(device) for t in (x_train, x_test))
+    return (*images, y_train.to(device), y_test.to(device))
 
 
 def _evaluate(model, data, cfg, seed, progress):
@@ -138,12 +135,6 @@ def _evaluate(model, data, cfg, seed, progress):
         max_iter=cfg["probe_iters"],
     )
     return curve, probe
-
-
-def _check_seeds(seeds):
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds={seeds!r} must be a positive integer, e.g. seeds=3.")
-    return seeds
 
 
 def _one_seed(cfg, run_seed, device, progress, bar):
@@ -188,79 +179,48 @@ def _one_seed(cfg, run_seed, device, progress, bar):
     return records
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, seeds=None):
-    """Reproduces Fig. 6 on MNIST; writes ``mae-curve.json`` and ``mae-curve.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 96 training images, a one-layer model, one epoch, one seed; runs in
-        seconds.
-    :param bool full: 100 epochs and 4 masks per image and rate (a GPU run); the default is
-        12 epochs on 4000 images (several minutes per seed on one CPU core).
-    :param int seed: base seed; each of the ``seeds`` repetitions derives its own from it.
-    :param bool progress: show progress bars.
-    :param int seeds: how many times to repeat everything (data split, initial weights, batch
-        order, masks) from seeds derived from ``seed``; the table gives mean ± sd over them.
-        Default: 1 at smoke size, 3 otherwise.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    if seeds is not None:
-        cfg["seeds"] = _check_seeds(seeds)
-    cfg["run_seeds"] = [common.derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
-    device = common.resolve_device(device)
-    total = common.Stopwatch()
+def _measure(cfg, device, seed, progress):
+    """Every model's record at every seed: ``{name: [record per seed]}``."""
     runs = {name: [] for name in ("random init.", *RATES)}
     work = cfg["seeds"] * len(RATES)
-    with (
-        common.default_dtype(torch.float32),
-        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="model") as bar,
-    ):
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="model") as bar:
         for run_seed in cfg["run_seeds"]:
             for name, record in _one_seed(cfg, run_seed, device, progress, bar).items():
                 runs[name].append(record)
+    return runs
 
+
+def _summary(reps, fixed, at75):
+    """One model's means (± sd) over the seeds."""
+    trained = reps[0]["train_loss"] is not None
+    final_losses = [statistics.fmean(r["train_loss"][-10:]) for r in reps] if trained else None
+    return dict(
+        area=common.mean_std([r["area"] for r in reps]),
+        # Paired by seed: the models of one seed share data, initial weights and batches.
+        area_minus_fixed=common.mean_std([r["area"] - f["area"] for r, f in zip(reps, fixed)]),
+        area_stderr=statistics.fmean(r["area_stderr"] for r in reps),
+        score_lowest_rate=common.mean_std([r["scores"][0] for r in reps]),
+        score_75=common.mean_std([r["scores"][at75] for r in reps]),
+        score_highest_rate=common.mean_std([r["scores"][-1] for r in reps]),
+        probe_accuracy=common.mean_std([r["probe_accuracy"] for r in reps]),
+        final_train_loss=statistics.fmean(final_losses) if trained else None,
+        train_seconds=statistics.fmean(r["train_seconds"] for r in reps) if trained else None,
+    )
+
+
+def _report(cfg, runs):
     rates = runs["random init."][0]["rates"]
     at75 = min(range(len(rates)), key=lambda k: abs(rates[k] - 0.75))
-    summary, rows = {}, []
-    for name, reps in runs.items():
-        trained = reps[0]["train_loss"] is not None
-        summary[name] = dict(
-            area=common.mean_std([r["area"] for r in reps]),
-            # Paired by seed: the models of one seed share data, initial weights and batches.
-            area_minus_fixed=common.mean_std(
-                [r["area"] - f["area"] for r, f in zip(reps, runs["fixed 75%"])]
-            ),
-            area_stderr=statistics.fmean(r["area_stderr"] for r in reps),
-            score_lowest_rate=common.mean_std([r["scores"][0] for r in reps]),
-            score_75=common.mean_std([r["scores"][at75] for r in reps]),
-            score_highest_rate=common.mean_std([r["scores"][-1] for r in reps]),
-            probe_accuracy=common.mean_std([r["probe_accuracy"] for r in reps]),
-            final_train_loss=(
-                statistics.fmean(statistics.fmean(r["train_loss"][-10:]) for r in reps)
-                if trained
-                else None
-            ),
-            train_seconds=statistics.fmean(r["train_seconds"] for r in reps) if trained else None,
-        )
-        s = summary[name]
-
-        def cell(pair, digits, scale=1.0):
-            mean, std = scale * pair[0], scale * pair[1]
-            return common.pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
-
+    summary = {name: _summary(reps, runs["fixed 75%"], at75) for name, reps in runs.items()}
+    rows = []
+    for name, s in summary.items():
+        cells = [(s["area"], 0), (s["area_minus_fixed"], 0), (s["score_lowest_rate"], 2)]
+        cells += [(s["score_75"], 2), (s["score_highest_rate"], 2)]
         rows.append(
-            [
-                name,
-                cell(s["area"], 0),
-                cell(s["area_minus_fixed"], 0),
-                cell(s["score_lowest_rate"], 2),
-                cell(s["score_75"], 2),
-                cell(s["score_highest_rate"], 2),
-                cell(s["probe_accuracy"], 1, 100),
-                "-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}",
-            ]
+            [name]
+            + [spread_cell(pair, digits, cfg["seeds"]) for pair, digits in cells]
+            + [spread_cell(s["probe_accuracy"], 1, cfg["seeds"], 100)]
+            + ["-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"]
         )
     spread = f"{cfg['seeds']} seeds, mean ± sd" if cfg["seeds"] > 1 else "one seed"
     title = (
@@ -273,46 +233,47 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
         "75% model's area of the same seed"
     )
     r0, r1 = 100 * rates[0], 100 * rates[-1]
-    headers = [
-        "model",
-        "area",
-        "- fixed 75%",
-        f"S({r0:.0f}%)",
-        "S(75%)",
-        f"S({r1:.0f}%)",
-        "probe acc %",
-        "train s",
-    ]
-    print(common.format_table(headers, rows, title=title))
+    headers = ["model", "area", "- fixed 75%", f"S({r0:.0f}%)", "S(75%)", f"S({r1:.0f}%)"]
+    headers += ["probe acc %", "train s"]
+    results = dict(
+        summary=summary,
+        # Per model: the mean curve over the seeds.
+        curves={name: dict(rates=rates, scores=_mean_curve(reps)) for name, reps in runs.items()},
+        runs=runs,
+    )
+    return Report(common.format_table(headers, rows, title=title), _figure(runs), results)
 
-    fig = _figure(runs)
-    out = dict(
-        experiment=NAME,
+
+def _mean_curve(reps):
+    return [statistics.fmean(v) for v in zip(*(r["scores"] for r in reps))]
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, seeds=None):
+    """Reproduces Fig. 6 on MNIST; writes ``mae-curve.json`` and ``mae-curve.png``.
+
+    ``smoke``: 96 training images, a one-layer model, one epoch, one seed (seconds);
+    ``full``: 100 epochs and 4 masks per image and rate (a GPU run); the default is 12 epochs
+    on 4000 images (several minutes per seed on one CPU core). ``seed`` is the base seed;
+    ``seeds``: how many times to repeat everything (data split, initial weights, batch
+    order, masks) from seeds derived from it, the table giving mean ± sd over them (default:
+    1 at smoke size, 3 otherwise). The other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+
+    def config(smoke, full):
+        return with_seeds(_config(smoke, full), seeds, seed)
+
+    return run_experiment(
+        NAME, out_dir, config, _measure, _report, device, smoke, full, seed, progress,
+        dtype=torch.float32,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 6; R2MAE random ratio",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
+        settings=dict(
             rates_by_run={k: str(v) for k, v in RATES.items()},
             pixel_scale=SCALE,
             dtype="float32",
             threads=torch.get_num_threads(),
         ),
-        summary=summary,
-        # Per model: the mean curve over the seeds.
-        curves={
-            name: dict(
-                rates=rates,
-                scores=[statistics.fmean(v) for v in zip(*(r["scores"] for r in reps))],
-            )
-            for name, reps in runs.items()
-        },
-        runs=runs,
-        wall_seconds=total.elapsed,
-    )
-    return common.save_outputs(out_dir, NAME, out, fig)
+    )  # fmt: skip
 
 
 def _figure(runs):
@@ -323,8 +284,7 @@ def _figure(runs):
         rates = [100 * r for r in reps[0]["rates"]]
         for rep in reps:
             left.plot(rates, rep["scores"], color=COLORS[name], lw=0.8, alpha=0.3)
-        mean = [statistics.fmean(v) for v in zip(*(r["scores"] for r in reps))]
-        left.plot(rates, mean, ".-", color=COLORS[name], label=name)
+        left.plot(rates, _mean_curve(reps), ".-", color=COLORS[name], label=name)
         if reps[0]["train_loss"] is not None:
             right.plot(reps[0]["train_loss"], color=COLORS[name], label=name, lw=1)
     left.set_xlabel("masked patches (%)")
