@@ -51,7 +51,8 @@ import tempfile
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
+from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm, spread_cell, with_seeds
+from pyro_mpt.reproduce._experiment import Report
 
 __all__ = ["NAME", "SCHEMES", "run"]
 
@@ -59,70 +60,32 @@ NAME = "bert-rates"
 
 #: Scheme name -> the collator's ``rate``.
 SCHEMES = {"fixed 15%": 0.15, "uniform": "uniform", "random (0.15, 0.5)": (0.15, 0.5)}
+REFERENCE = "R2MAE (Tian et al., 2025) and Moreno-Muñoz et al. (2023), Sec. 3.2"
 COLORS = {"random init": "0.5", "fixed 15%": "C3", "uniform": "C0", "random (0.15, 0.5)": "C2"}
 
-
-def _check_seeds(seeds):
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds={seeds!r} must be a positive integer, e.g. seeds=3.")
-    return seeds
+#: What every size shares; each size sets the entries of ``_KEYS`` and its ``_CHANGES``.
+_BASE = dict(held_out=0.15, lr=1e-3, warmup=0.05, schedule="linear", batch=32, probe_l2=1e-3)
+_BASE.update(num_masks=2, rates=[round(0.05 + 0.1 * k, 2) for k in range(10)])
+#: Per size: articles (None: all), vocabulary, tokens per sequence, width, layers, heads,
+#: steps, batch, held-out sequences (None: all), seeds.
+_KEYS = "articles vocab length hidden layers heads steps batch eval seeds".split()
+_SIZES = {
+    "smoke": (100, 300, 32, 32, 1, 2, 4, 8, 12, 1),
+    # Short sequences of sub-word pieces from a small vocabulary and a narrow model, so
+    # that on one CPU core the models get past the unigram plateau (about step 4000).
+    "default": (None, 300, 16, 64, 2, 2, 6000, 64, 200, 3),
+    "full": (None, 8000, 128, 256, 4, 4, 6000, 64, None, 3),
+}
+_CHANGES = {
+    "smoke": dict(rates=[0.25, 0.5, 0.75], num_masks=1),
+    "default": dict(warmup=200, schedule="constant_with_warmup"),
+    "full": dict(num_masks=4, rates=[round(0.01 + 0.02 * k, 2) for k in range(50)]),
+}
 
 
 def _config(smoke, full):
-    cfg = dict(
-        held_out=0.15, lr=1e-3, warmup=0.05, schedule="linear", batch=32, probe_l2=1e-3, num_masks=2
-    )
-    cfg["rates"] = [round(0.05 + 0.1 * k, 2) for k in range(10)]
-    if smoke:
-        cfg.update(
-            articles=100,
-            vocab=300,
-            length=32,
-            hidden=32,
-            layers=1,
-            heads=2,
-            steps=4,
-            batch=8,
-            eval=12,
-            seeds=1,
-            rates=[0.25, 0.5, 0.75],
-            num_masks=1,
-        )
-    elif full:
-        cfg.update(
-            articles=None,
-            vocab=8000,
-            length=128,
-            hidden=256,
-            layers=4,
-            heads=4,
-            steps=6000,
-            batch=64,
-            eval=None,
-            seeds=3,
-            num_masks=4,
-            lr=1e-3,
-        )
-        cfg["rates"] = [round(0.01 + 0.02 * k, 2) for k in range(50)]
-    else:
-        # Short sequences of sub-word pieces from a small vocabulary and a narrow model, so
-        # that on one CPU core the models get past the unigram plateau (about step 4000).
-        cfg.update(
-            articles=None,
-            vocab=300,
-            length=16,
-            hidden=64,
-            layers=2,
-            heads=2,
-            steps=6000,
-            batch=64,
-            eval=200,
-            seeds=3,
-            lr=1e-3,
-            warmup=200,
-            schedule="constant_with_warmup",
-        )
-    return cfg
+    size = "smoke" if smoke else "full" if full else "default"
+    return dict(_BASE, **dict(zip(_KEYS, _SIZES[size])), **_CHANGES[size])
 
 
 def _data(cfg, seed):
@@ -163,21 +126,8 @@ def _model(cfg, tokenizer, seed):
         max_position_embeddings=cfg["length"],
         pad_token_id=tokenizer.pad_token_id,
     )
-    common.seed_everything(
-        common.derived_seed(seed, 1)
-    )  # the same initial weights for every scheme
+    common.seed_everything(common.derived_seed(seed, 1))  # the same weights for every scheme
     return transformers.BertForMaskedLM(config)
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.rows[index]}
 
 
 def _train(model, data, cfg, rate, seed, device, bar):
@@ -210,7 +160,7 @@ def _train(model, data, cfg, rate, seed, device, bar):
         trainer = MPTTrainer(
             model=model,
             args=args,
-            train_dataset=_Rows(data["train"]),
+            train_dataset=[{"input_ids": row} for row in data["train"]],
             data_collator=MPTDataCollator(data["tokenizer"], rate=rate),
             normalize="tokens",
             callbacks=[_Tick()],
@@ -226,40 +176,13 @@ def _train(model, data, cfg, rate, seed, device, bar):
     )
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, seeds=None):
-    """Trains a small BERT on BBC News with each masking scheme and writes
-    ``bert-rates.json`` and ``bert-rates.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 100 articles, a one-layer model, 4 steps; runs in seconds.
-    :param bool full: hidden size 256, 4 layers, 128-token sequences, 6000 steps of 64,
-        three seeds (for a GPU); the default (hidden 64, 2 layers, a 300-piece vocabulary,
-        16-token sequences, 6000 steps of 64, three seeds) takes about six minutes per seed
-        on one CPU core.
-    :param int seed: base seed (split, initialisation, batches, masks).
-    :param bool progress: show a progress bar.
-    :param int seeds: how many times to repeat everything (split, tokenizer, initial weights,
-        batches, masks) from seeds derived from ``seed``; the tables give mean ± sd over
-        them. Default: 1 at smoke size, 3 otherwise.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    if seeds is not None:
-        cfg["seeds"] = _check_seeds(seeds)
-    device = common.resolve_device(device)
-    total = common.Stopwatch()
+def _measure(cfg, device, seed, progress):
+    """Every scheme's record, and the untrained model's, at every seed; and the last seed's
+    data."""
     runs = {name: [] for name in ("random init", *SCHEMES)}
-    seeds_used = []
     work = cfg["seeds"] * len(SCHEMES) * cfg["steps"]
-    with (
-        common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar,
-        common.default_dtype(torch.float32),
-    ):
-        for rep in range(cfg["seeds"]):
-            run_seed = common.derived_seed(seed, 10, rep)
-            seeds_used.append(run_seed)
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="step") as bar:
+        for run_seed in cfg["run_seeds"]:
             data = _data(cfg, run_seed)
             model = _model(cfg, data["tokenizer"], run_seed).to(device)
             runs["random init"].append(evaluate_masked_lm(model, data, cfg, run_seed, device))
@@ -269,44 +192,37 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
                 trained.update(evaluate_masked_lm(model, data, cfg, run_seed, device))
                 runs[name].append(trained)
                 bar.set_postfix_str(f"{name}: area {trained['area']:.1f}")
-    cfg["run_seeds"] = seeds_used
-    return _report(out_dir, cfg, runs, data, device, seed, smoke, full, total)
+    return runs, data
 
 
-def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
+def _summary(reps, fixed):
+    """One scheme's means (± sd) over the seeds."""
     keys = ("area", "area_per_token", "acc15", "probe")
-    summary, rows = {}, []
-    for name, reps in runs.items():
-        summary[name] = {k: common.mean_std([r[k] for r in reps]) for k in keys}
-        seconds = [r["train_seconds"] for r in reps if "train_seconds" in r]
-        summary[name]["train_seconds"] = sum(seconds) / len(seconds) if seconds else None
-        # Paired by seed: the schemes of one seed share data, initial weights and batches.
-        summary[name]["area_minus_fixed"] = common.mean_std(
-            [r["area"] - f["area"] for r, f in zip(reps, runs["fixed 15%"])]
-        )
-        s = summary[name]
+    out = {k: common.mean_std([r[k] for r in reps]) for k in keys}
+    seconds = [r["train_seconds"] for r in reps if "train_seconds" in r]
+    out["train_seconds"] = sum(seconds) / len(seconds) if seconds else None
+    # Paired by seed: the schemes of one seed share data, initial weights and batches.
+    out["area_minus_fixed"] = common.mean_std([r["area"] - f["area"] for r, f in zip(reps, fixed)])
+    return out
 
-        def cell(key, digits, scale=1.0, s=s):
-            mean, std = scale * s[key][0], scale * s[key][1]
-            return common.pm(mean, std, digits) if cfg["seeds"] > 1 else f"{mean:.{digits}f}"
 
+def _report(cfg, runs, data):
+    summary = {name: _summary(reps, runs["fixed 15%"]) for name, reps in runs.items()}
+    rows = []
+    for name, s in summary.items():
+        cells = [("area", 1, 1.0), ("area_minus_fixed", 1, 1.0), ("area_per_token", 3, 1.0)]
+        cells += [("acc15", 1, 100.0), ("probe", 1, 100.0)]
         rows.append(
-            [
-                name,
-                cell("area", 1),
-                cell("area_minus_fixed", 1),
-                cell("area_per_token", 3),
-                cell("acc15", 1, 100),
-                cell("probe", 1, 100),
-                "-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}",
-            ]
+            [name]
+            + [spread_cell(s[key], digits, cfg["seeds"], scale) for key, digits, scale in cells]
+            + ["-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"]
         )
-    tokenizer = data["tokenizer"]
     title = (
         f"bert-rates: BERT (hidden {cfg['hidden']}, {cfg['layers']} layers, vocab "
-        f"{len(tokenizer)}, {cfg['length']}-token sequences) trained from scratch on BBC News "
-        f"({len(data['train'])} training sequences; {cfg['steps']} steps of {cfg['batch']}); "
-        f"held-out: {len(data['held_out'])} sequences, {len(data['probe_test'][0])} articles"
+        f"{len(data['tokenizer'])}, {cfg['length']}-token sequences) trained from scratch on "
+        f"BBC News ({len(data['train'])} training sequences; {cfg['steps']} steps of "
+        f"{cfg['batch']}); held-out: {len(data['held_out'])} sequences, "
+        f"{len(data['probe_test'][0])} articles"
         + (f"; {cfg['seeds']} seeds, mean ± std" if cfg["seeds"] > 1 else "; one seed")
     )
     notes = [
@@ -316,36 +232,45 @@ def _report(out_dir, cfg, runs, data, device, seed, smoke, full, total):
         "acc@15%: argmax accuracy on 15% [MASK]ed held-out tokens; probe: 5-topic linear-probe "
         "accuracy on held-out articles (chance 20-23%).",
     ]
-    headers = [
-        "scheme",
-        "held-out area",
-        "- fixed 15%",
-        "area / token",
-        "acc@15% (%)",
-        "probe (%)",
-        "train s",
-    ]
-    print(common.format_table(headers, rows, title=title, notes=notes))
-    fig = _figure(runs, cfg)
-    results = dict(
-        experiment=NAME,
-        reference="R2MAE (Tian et al., 2025) and Moreno-Muñoz et al. (2023), Sec. 3.2",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            schemes={k: str(v) for k, v in SCHEMES.items()},
-            threads=torch.get_num_threads(),
-            vocab_size=len(tokenizer),
-            num_train_sequences=len(data["train"]),
-        ),
-        summary=summary,
-        runs=runs,
-        wall_seconds=total.elapsed,
+    headers = ["scheme", "held-out area", "- fixed 15%", "area / token", "acc@15% (%)"]
+    headers += ["probe (%)", "train s"]
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, _figure(runs, cfg), dict(summary=summary, runs=runs))
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, seeds=None):
+    """Trains a small BERT on BBC News with each masking scheme and writes
+    ``bert-rates.json`` and ``bert-rates.png``.
+
+    ``smoke``: 100 articles, a one-layer model, 4 steps (seconds); ``full``: hidden size 256,
+    4 layers, 128-token sequences, 6000 steps of 64, three seeds (for a GPU); the default
+    (hidden 64, 2 layers, a 300-piece vocabulary, 16-token sequences, 6000 steps of 64, three
+    seeds) takes about six minutes per seed on one CPU core. ``seed`` is the base seed;
+    ``seeds``: how many times to repeat everything (split, tokenizer, initial weights,
+    batches, masks) from seeds derived from it, the tables giving mean ± sd over them
+    (default: 1 at smoke size, 3 otherwise). The other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+
+    This run follows the steps of ``run_experiment`` itself because its JSON names the
+    papers under ``reference`` (before ``config``), not ``paper_reference``, and its
+    ``config`` ends with what the data gave (vocabulary size, training sequences).
+    """
+    common.check_size(smoke, full)
+    cfg = with_seeds(_config(smoke, full), seeds, seed)
+    device = common.resolve_device(device)
+    total = common.Stopwatch()
+    with common.default_dtype(torch.float32):
+        runs, data = _measure(cfg, device, seed, progress)
+    shown = _report(cfg, runs, data)
+    print(shown.table)
+    settings = dict(
+        schemes={k: str(v) for k, v in SCHEMES.items()}, threads=torch.get_num_threads()
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    settings.update(vocab_size=len(data["tokenizer"]), num_train_sequences=len(data["train"]))
+    config = common.run_config(cfg, seed, smoke, full, device, **settings)
+    results = dict(experiment=NAME, reference=REFERENCE, config=config, **shown.results)
+    results["wall_seconds"] = total.elapsed
+    return common.save_outputs(out_dir, NAME, results, shown.figure)
 
 
 def _figure(runs, cfg):
