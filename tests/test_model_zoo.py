@@ -18,11 +18,9 @@ fine trapezoid grids in float64) or the error the package must raise. The tests 
 ``benchmarks/model_zoo_table.py`` runs the same factories through ``conditionals="auto"``.
 """
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyro
@@ -36,13 +34,18 @@ from pyro.infer.reparam import LocScaleReparam
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact, Importance, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from tests.zoo_references import (
-    grid_log_marginal_1d,
-    grid_log_marginal_2d,
-    mvn_log_prob,
-    mvn_observed_log_prob,
-    standard_normal_log_prob,
+from tests._zoo import (
+    ModelCase,
+    assert_mean_loss_matches,
+    assert_unbiased,
+    estimate_draws,
+    factory_ids,
+    grid_1d,
+    grid_2d,
+    log_marginal_and_reference,
 )
+from tests._zoo import seeded as _seeded
+from tests.zoo_references import mvn_log_prob, mvn_observed_log_prob
 
 #: Quadrature rules for reference-quality ``log_marginal`` and MPT conditionals.
 QUADRATURE_1D = 80
@@ -55,53 +58,58 @@ AUTO_TOL = 1e-2
 
 
 @dataclass
-class ZooCase:
-    """One model of the zoo.
+class ZooCase(ModelCase):
+    """One model of the zoo: the fields of :class:`tests._zoo.ModelCase` (``guide`` is the
+    guide itself; ``strategy`` is ``None`` for a model every strategy refuses), and
 
-    :ivar name: a short name (the test id).
-    :ivar model: the Pyro model.
-    :ivar args: its positional arguments (the data first).
-    :ivar guide: a guide, or ``None``.
-    :ivar reference: computes the exact ``log p(x_i)`` per observation (the shape of the data
-        plate; masked observations 0, missing entries marginalised), or ``None``.
-    :ivar strategy: the class ``conditionals="auto"`` must pick, or ``None`` for a model
-        every strategy refuses.
-    :ivar conditionals: builds the strategy used for the reference-quality checks.
-    :ivar tol: accepted |log_marginal - reference| per observation under ``conditionals``.
     :ivar exact_error: a regex the ``NotApplicableError`` of ``conditionals="exact"`` must
         match, for models exact conditionals do not apply to.
     :ivar error: ``(exception type(s), regex)`` every strategy must raise, for refused models.
-    :ivar auto_tol: accepted bias per observation of ``conditionals="auto"`` at its
-        defaults.
     :ivar check_log_marginal: whether ``log_marginal`` equals ``reference`` (not for
         subsampled or scaled models, whose loss carries the semantics instead).
     """
 
-    name: str
-    model: Callable
-    args: tuple
-    guide: Callable | None = None
-    reference: Callable | None = None
-    strategy: type | None = None
-    conditionals: Callable = Exact
-    tol: float = 1e-8
+    auto_tol: float = AUTO_TOL
     exact_error: str | None = None
     error: tuple | None = None
     check_log_marginal: bool = True
-    auto_tol: float = AUTO_TOL
-    kwargs: dict = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def _seeded(seed):
-    """Draws under a fixed seed without touching the caller's random state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+def _quadrature_case(name, model, x, reference, num_points, *, tol=QUADRATURE_TOL, **settings):
+    """A model ``conditionals="auto"`` scores by quadrature, checked under a rule of
+    ``num_points`` nodes per latent dimension."""
+    return ZooCase(
+        name,
+        model,
+        (x,),
+        reference=reference,
+        strategy=Quadrature,
+        conditionals=lambda: Quadrature(num_points=num_points),
+        tol=tol,
+        **settings,
+    )
 
 
-def _quadrature(num_points):
-    return lambda: Quadrature(num_points=num_points)
+def _gaussian_case(name, model, x, mean, cov, observed=None, **settings):
+    """A model with Gaussian marginal ``N(mean, cov)`` per observation (of its ``observed``
+    entries where given), which ``conditionals="auto"`` scores exactly."""
+
+    def reference():
+        if observed is None:
+            return mvn_log_prob(x, mean, cov)
+        return mvn_observed_log_prob(x, observed, mean, cov)
+
+    return ZooCase(name, model, (x,), reference=reference, strategy=Exact, **settings)
+
+
+def _linear_gaussian_data(seed, num_features, noise_var, sample_shape):
+    """Loadings ``W (D, 2)``, bias ``b``, the implied covariance ``W W^T + noise_var I`` and
+    data drawn from ``N(b, cov)``, all under one seed."""
+    with _seeded(seed):
+        weight, bias = torch.randn(num_features, 2), torch.randn(num_features)
+        cov = weight @ weight.T + noise_var * torch.eye(num_features)
+        x = torch.distributions.MultivariateNormal(bias, cov).sample(sample_shape)
+    return weight, bias, cov, x
 
 
 def _normal_data_1d(seed, num_obs, loc_fn, scale, latent=None):
@@ -116,14 +124,14 @@ def _grid_normal_1d(x, loc_fn, scale_fn, observed=None):
     """``log ∫ N(t) Π_j N(x_j; loc_fn(t)_j, scale_fn(t)_j) dt`` for a standard-normal ``t``,
     over the observed entries only."""
 
-    def log_joint(t):
+    def log_lik(t):
         loc, scale = loc_fn(t), scale_fn(t)  # (G, D) each
         ll = dist.Normal(loc.unsqueeze(1), scale.unsqueeze(1)).log_prob(x)  # (G, N, D)
         if observed is not None:
             ll = torch.where(observed, ll, 0.0)
-        return ll.sum(-1) + standard_normal_log_prob(t)
+        return ll.sum(-1)
 
-    return grid_log_marginal_1d(log_joint)
+    return grid_1d(log_lik)
 
 
 # --------------------------------------------------------------------------------------
@@ -133,19 +141,14 @@ def _grid_normal_1d(x, loc_fn, scale_fn, observed=None):
 
 def linear_gaussian():
     """PPCA: ``z ~ N(0, I_2)``, ``x ~ N(W z + b, 0.6^2 I)``, D=5."""
-    with _seeded(1):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-        cov = weight @ weight.T + 0.36 * torch.eye(5)
-        x = torch.distributions.MultivariateNormal(bias, cov).sample((8,))
+    weight, bias, cov, x = _linear_gaussian_data(1, 5, 0.36, (8,))
 
     def model(x):
         with pyro.plate("data", x.shape[-2]):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
             pyro.sample("x", dist.Normal(z @ weight.T + bias, 0.6).to_event(1), obs=x)
 
-    return ZooCase(
-        "linear_gaussian", model, (x,), reference=lambda: mvn_log_prob(x, bias, cov), strategy=Exact
-    )
+    return _gaussian_case("linear_gaussian", model, x, bias, cov)
 
 
 def correlated_prior_factor_analysis():
@@ -164,13 +167,7 @@ def correlated_prior_factor_analysis():
             z = pyro.sample("z", dist.MultivariateNormal(prior_loc, scale_tril=tril))
             pyro.sample("x", dist.Normal(z @ weight.T + bias, noise).to_event(1), obs=x)
 
-    return ZooCase(
-        "correlated_prior_factor_analysis",
-        model,
-        (x,),
-        reference=lambda: mvn_log_prob(x, mean, cov),
-        strategy=Exact,
-    )
+    return _gaussian_case("correlated_prior_factor_analysis", model, x, mean, cov)
 
 
 def hierarchical_linear():
@@ -193,30 +190,19 @@ def hierarchical_linear():
             loc = z1.unsqueeze(-1) * w1 + z2.unsqueeze(-1) * w2 + bias
             pyro.sample("x", dist.Normal(loc, 0.7).to_event(1), obs=x)
 
-    return ZooCase(
-        "hierarchical_linear",
-        model,
-        (x,),
-        reference=lambda: mvn_log_prob(x, mean, cov),
-        strategy=Exact,
-    )
+    return _gaussian_case("hierarchical_linear", model, x, mean, cov)
 
 
 def two_data_plates():
     """Observations indexed by two plates, groups (dim -2) by replicates (dim -1)."""
-    with _seeded(5):
-        weight, bias = torch.randn(4, 2), torch.randn(4)
-        cov = weight @ weight.T + 0.5 * torch.eye(4)
-        x = torch.distributions.MultivariateNormal(bias, cov).sample((3, 4))  # (A, B, D)
+    weight, bias, cov, x = _linear_gaussian_data(5, 4, 0.5, (3, 4))  # x: (A, B, D)
 
     def model(x):
         with pyro.plate("groups", x.shape[-3], dim=-2), pyro.plate("reps", x.shape[-2], dim=-1):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
             pyro.sample("x", dist.Normal(z @ weight.T + bias, 0.5**0.5).to_event(1), obs=x)
 
-    return ZooCase(
-        "two_data_plates", model, (x,), reference=lambda: mvn_log_prob(x, bias, cov), strategy=Exact
-    )
+    return _gaussian_case("two_data_plates", model, x, bias, cov)
 
 
 def masked_observations():
@@ -252,10 +238,7 @@ def _missing_pattern(num_obs, num_features, seed):
 def missing_entries_site_mask():
     """Missing entries as a per-entry site mask (``.mask(observed)``) on a Gaussian model:
     the reference is the Gaussian marginal of the observed entries."""
-    with _seeded(6):
-        weight, bias = torch.randn(6, 2), torch.randn(6)
-        cov = weight @ weight.T + 0.4 * torch.eye(6)
-        x = torch.distributions.MultivariateNormal(bias, cov).sample((8,))
+    weight, bias, cov, x = _linear_gaussian_data(6, 6, 0.4, (8,))
     observed = _missing_pattern(8, 6, 7)
     x = torch.where(observed, x, 100.0)  # values at missing entries must not matter
 
@@ -265,21 +248,12 @@ def missing_entries_site_mask():
             likelihood = dist.Normal(z @ weight.T + bias, 0.4**0.5).mask(observed)
             pyro.sample("x", likelihood.to_event(1), obs=x)
 
-    return ZooCase(
-        "missing_entries_site_mask",
-        model,
-        (x,),
-        reference=lambda: mvn_observed_log_prob(x, observed, bias, cov),
-        strategy=Exact,
-    )
+    return _gaussian_case("missing_entries_site_mask", model, x, bias, cov, observed=observed)
 
 
 def missing_entries_obs_mask():
     """Missing entries as ``obs_mask=`` (Pyro's imputation form) in a feature plate."""
-    with _seeded(8):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-        cov = weight @ weight.T + 0.5 * torch.eye(5)
-        x = torch.distributions.MultivariateNormal(bias, cov).sample((8,))
+    weight, bias, cov, x = _linear_gaussian_data(8, 5, 0.5, (8,))
     observed = _missing_pattern(8, 5, 9)
     x = torch.where(observed, x, 100.0)
 
@@ -290,13 +264,7 @@ def missing_entries_obs_mask():
             with pyro.plate("features", x.shape[-1], dim=-1):
                 pyro.sample("x", dist.Normal(loc, 0.5**0.5), obs=x, obs_mask=observed)
 
-    return ZooCase(
-        "missing_entries_obs_mask",
-        model,
-        (x,),
-        reference=lambda: mvn_observed_log_prob(x, observed, bias, cov),
-        strategy=Exact,
-    )
+    return _gaussian_case("missing_entries_obs_mask", model, x, bias, cov, observed=observed)
 
 
 def scaled_observations():
@@ -322,33 +290,21 @@ def scaled_observations():
 
 def subsampled_plate():
     """A data plate of 12 observations subsampled 4 at a time (``subsample_size``)."""
-    with _seeded(10):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-        cov = weight @ weight.T + 0.36 * torch.eye(5)
-        x = torch.distributions.MultivariateNormal(bias, cov).sample((12,))
+    weight, bias, cov, x = _linear_gaussian_data(10, 5, 0.36, (12,))
 
     def model(x):
         with pyro.plate("data", x.shape[-2], subsample_size=4) as idx:
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
             pyro.sample("x", dist.Normal(z @ weight.T + bias, 0.6).to_event(1), obs=x[..., idx, :])
 
-    return ZooCase(
-        "subsampled_plate",
-        model,
-        (x,),
-        reference=lambda: mvn_log_prob(x, bias, cov),
-        strategy=Exact,
-        check_log_marginal=False,
-    )
+    return _gaussian_case("subsampled_plate", model, x, bias, cov, check_log_marginal=False)
 
 
 def deterministic_and_factor():
     """A Gaussian model with a ``pyro.deterministic`` site and a ``pyro.factor`` on a global
     parameter (no local latent in it)."""
     case = linear_gaussian()
-    (x,) = case.args
-    with _seeded(1):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
+    weight, bias, _, x = _linear_gaussian_data(1, 5, 0.36, (8,))
 
     def model(x):
         shift = pyro.param("shift", torch.tensor(0.25))
@@ -379,13 +335,7 @@ def locscale_reparam():
             pyro.sample("x", dist.Normal(z @ weight.T + bias, 0.3**0.5).to_event(1), obs=x)
 
     model = poutine.reparam(centred, config={"z": LocScaleReparam(centered=0.0)})
-    case = ZooCase(
-        "locscale_reparam",
-        model,
-        (x,),
-        reference=lambda: mvn_log_prob(x, mean, cov),
-        strategy=Exact,
-    )
+    case = _gaussian_case("locscale_reparam", model, x, mean, cov)
     case.centred = centred
     return case
 
@@ -415,21 +365,18 @@ def hierarchical_nonlinear_mean():
             pyro.sample("x", dist.Normal(loc, 0.8).to_event(1), obs=x)
 
     def reference():
-        def log_joint(t):
+        def log_lik(t):
             mean = t * w1 + torch.sin(t) * w2 + bias  # (G, D)
-            mvn = torch.distributions.MultivariateNormal(mean.unsqueeze(1), cond_cov)
-            return mvn.log_prob(x) + standard_normal_log_prob(t)
+            return torch.distributions.MultivariateNormal(mean.unsqueeze(1), cond_cov).log_prob(x)
 
-        return grid_log_marginal_1d(log_joint)
+        return grid_1d(log_lik)
 
-    return ZooCase(
+    return _quadrature_case(
         "hierarchical_nonlinear_mean",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_2D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_2D,
         exact_error=r"affine|scale",
     )
 
@@ -451,23 +398,20 @@ def hierarchical_latent_scale():
             pyro.sample("x", dist.Normal(loc, 0.7).to_event(1), obs=x)
 
     def reference():
-        def log_joint(t):
+        def log_lik(t):
             mean = t * w1 + 0.5 * w2 + bias  # (G, D)
             s2 = torch.exp(0.6 * t).reshape(-1, 1, 1, 1)  # (G, 1, 1, 1): batch (G, 1)
             cov = s2 * torch.outer(w2, w2) + 0.49 * torch.eye(5)
-            mvn = torch.distributions.MultivariateNormal(mean.unsqueeze(1), cov)
-            return mvn.log_prob(x) + standard_normal_log_prob(t)
+            return torch.distributions.MultivariateNormal(mean.unsqueeze(1), cov).log_prob(x)
 
-        return grid_log_marginal_1d(log_joint)
+        return grid_1d(log_lik)
 
-    return ZooCase(
+    return _quadrature_case(
         "hierarchical_latent_scale",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_2D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_2D,
         exact_error=r"affine|scale",
     )
 
@@ -490,13 +434,12 @@ def kinked_mean():
     def reference():
         return _grid_normal_1d(x, lambda t: loc_fn(t[:, 0]), lambda t: torch.full_like(t, 0.8))
 
-    return ZooCase(
+    return _quadrature_case(
         "kinked_mean",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
+        x,
+        reference,
+        QUADRATURE_1D,
         # The kink makes any polynomial rule converge slowly (80 Gauss-Hermite nodes under
         # the prior: 2e-3 nats).
         tol=1e-2,
@@ -528,14 +471,12 @@ def heteroscedastic_noise():
     def reference():
         return _grid_normal_1d(x, lambda t: loc_fn(t[:, 0]), lambda t: scale_fn(t[:, 0]))
 
-    return ZooCase(
+    return _quadrature_case(
         "heteroscedastic_noise",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_1D,
         exact_error=r"scale",
     )
 
@@ -560,14 +501,12 @@ def lognormal_latent():
             lambda t: torch.full((t.shape[0], 5), 0.6),
         )
 
-    return ZooCase(
+    return _quadrature_case(
         "lognormal_latent",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_1D,
         exact_error=r"affine|scale|LogNormal|Normal",
     )
 
@@ -575,11 +514,6 @@ def lognormal_latent():
 # --------------------------------------------------------------------------------------
 # Non-Gaussian likelihoods: quadrature, grid references.
 # --------------------------------------------------------------------------------------
-
-
-def _grid_1d(x, log_lik):
-    """``log ∫ N(t) exp(log_lik(t)) dt`` with ``log_lik`` mapping ``(G, 1)`` to ``(G, N)``."""
-    return grid_log_marginal_1d(lambda t: log_lik(t) + standard_normal_log_prob(t))
 
 
 def bernoulli_logistic():
@@ -596,18 +530,16 @@ def bernoulli_logistic():
             pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
 
     def reference():
-        return _grid_1d(
-            x, lambda t: dist.Bernoulli(logits=(t * weight + bias).unsqueeze(1)).log_prob(x).sum(-1)
+        return grid_1d(
+            lambda t: dist.Bernoulli(logits=(t * weight + bias).unsqueeze(1)).log_prob(x).sum(-1)
         )
 
-    return ZooCase(
+    return _quadrature_case(
         "bernoulli_logistic",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_1D,
         exact_error=r"Bernoulli|Normal|Gaussian",
     )
 
@@ -625,21 +557,16 @@ def poisson_2d():
             pyro.sample("x", dist.Poisson(torch.exp(z @ weight.T + bias)).to_event(1), obs=x)
 
     def reference():
-        def log_joint(t):
-            rate = torch.exp(t @ weight.T + bias).unsqueeze(1)  # (G, 1, D)
-            ll = dist.Poisson(rate).log_prob(x).sum(-1)
-            return ll + standard_normal_log_prob(t).sum(-1, keepdim=True)
+        return grid_2d(
+            lambda t: dist.Poisson(torch.exp(t @ weight.T + bias).unsqueeze(1)).log_prob(x).sum(-1)
+        )
 
-        return grid_log_marginal_2d(log_joint)
-
-    return ZooCase(
+    return _quadrature_case(
         "poisson_2d",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_2D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_2D,
         exact_error=r"Poisson|Normal|Gaussian",
     )
 
@@ -658,22 +585,13 @@ def correlated_prior_bernoulli():
             pyro.sample("x", dist.Bernoulli(logits=z @ weight.T + bias).to_event(1), obs=x)
 
     def reference():
-        def log_joint(t):
+        def log_lik(t):
             logits = (t @ tril.T @ weight.T + bias).unsqueeze(1)  # z = L t
-            ll = dist.Bernoulli(logits=logits).log_prob(x).sum(-1)
-            return ll + standard_normal_log_prob(t).sum(-1, keepdim=True)
+            return dist.Bernoulli(logits=logits).log_prob(x).sum(-1)
 
-        return grid_log_marginal_2d(log_joint)
+        return grid_2d(log_lik)
 
-    return ZooCase(
-        "correlated_prior_bernoulli",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_2D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("correlated_prior_bernoulli", model, x, reference, QUADRATURE_2D)
 
 
 def categorical_features():
@@ -694,17 +612,9 @@ def categorical_features():
             logits = (t[:, :, None] * slope + offset).unsqueeze(1)  # (G, 1, D, C)
             return dist.Categorical(logits=logits).log_prob(x).sum(-1)
 
-        return _grid_1d(x, log_lik)
+        return grid_1d(log_lik)
 
-    return ZooCase(
-        "categorical_features",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("categorical_features", model, x, reference, QUADRATURE_1D)
 
 
 def binomial_counts():
@@ -721,20 +631,11 @@ def binomial_counts():
             pyro.sample("x", dist.Binomial(5, logits=logits).to_event(1), obs=x)
 
     def reference():
-        return _grid_1d(
-            x,
+        return grid_1d(
             lambda t: dist.Binomial(5, logits=(t * weight + bias).unsqueeze(1)).log_prob(x).sum(-1),
         )
 
-    return ZooCase(
-        "binomial_counts",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("binomial_counts", model, x, reference, QUADRATURE_1D)
 
 
 def student_t_likelihood():
@@ -751,20 +652,11 @@ def student_t_likelihood():
             pyro.sample("x", dist.StudentT(4.0, loc, 0.5).to_event(1), obs=x)
 
     def reference():
-        return _grid_1d(
-            x,
+        return grid_1d(
             lambda t: dist.StudentT(4.0, (t * weight + bias).unsqueeze(1), 0.5).log_prob(x).sum(-1),
         )
 
-    return ZooCase(
-        "student_t_likelihood",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("student_t_likelihood", model, x, reference, QUADRATURE_1D)
 
 
 def gumbel_feature_plate():
@@ -781,19 +673,11 @@ def gumbel_feature_plate():
                 pyro.sample("x", dist.Gumbel(z * weight + bias, 0.9), obs=x)
 
     def reference():
-        return _grid_1d(
-            x, lambda t: dist.Gumbel((t * weight + bias).unsqueeze(1), 0.9).log_prob(x).sum(-1)
+        return grid_1d(
+            lambda t: dist.Gumbel((t * weight + bias).unsqueeze(1), 0.9).log_prob(x).sum(-1)
         )
 
-    return ZooCase(
-        "gumbel_feature_plate",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("gumbel_feature_plate", model, x, reference, QUADRATURE_1D)
 
 
 def gamma_likelihood():
@@ -814,17 +698,9 @@ def gamma_likelihood():
             rate = 3.0 * torch.exp(-(t * weight + bias)).unsqueeze(1)
             return dist.Gamma(3.0, rate).log_prob(x).sum(-1)
 
-        return _grid_1d(x, log_lik)
+        return grid_1d(log_lik)
 
-    return ZooCase(
-        "gamma_likelihood",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("gamma_likelihood", model, x, reference, QUADRATURE_1D)
 
 
 def mixture_likelihood():
@@ -848,16 +724,14 @@ def mixture_likelihood():
             pyro.sample("x", likelihood(z.unsqueeze(-1)).to_event(1), obs=x)
 
     def reference():
-        return _grid_1d(x, lambda t: likelihood(t.unsqueeze(1)).log_prob(x).sum(-1))
+        return grid_1d(lambda t: likelihood(t.unsqueeze(1)).log_prob(x).sum(-1))
 
-    return ZooCase(
+    return _quadrature_case(
         "mixture_likelihood",
         model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
+        x,
+        reference,
+        QUADRATURE_1D,
         exact_error=r"MixtureSameFamily|Normal|Gaussian|affine",
     )
 
@@ -882,17 +756,9 @@ def missing_entries_poisson():
             ll = dist.Poisson(torch.exp(t * weight + bias).unsqueeze(1)).log_prob(x)
             return torch.where(observed, ll, 0.0).sum(-1)
 
-        return _grid_1d(x, log_lik)
+        return grid_1d(log_lik)
 
-    return ZooCase(
-        "missing_entries_poisson",
-        model,
-        (x,),
-        reference=reference,
-        strategy=Quadrature,
-        conditionals=_quadrature(QUADRATURE_1D),
-        tol=QUADRATURE_TOL,
-    )
+    return _quadrature_case("missing_entries_poisson", model, x, reference, QUADRATURE_1D)
 
 
 # --------------------------------------------------------------------------------------
@@ -935,7 +801,7 @@ def five_dim_bernoulli():
             logits = (t * norm * slope + bias).unsqueeze(1)
             return dist.Bernoulli(logits=logits).log_prob(x).sum(-1)
 
-        return _grid_1d(x, log_lik)
+        return grid_1d(log_lik)
 
     return ZooCase(
         "five_dim_bernoulli",
@@ -1102,80 +968,35 @@ REFUSED = [f for f in ZOO if f().error is not None]
 NOT_EXACT = [f for f in SCORED if f().strategy is not Exact]
 
 
-def _ids(factories):
-    return [f.__name__ for f in factories]
-
-
-def _draws(loss, case, num_draws):
-    """``num_draws`` seeded estimates of every observation, ``(num_draws,) + batch``."""
-    with torch.no_grad():
-        return torch.stack(
-            [
-                loss.estimate(case.model, case.guide, *case.args, **case.kwargs)
-                for _ in range(num_draws)
-            ]
-        )
-
-
-def _assert_unbiased(draws, reference, bias_tol=0.0, num_se=4.5):
-    """The mean of the draws matches the reference, in total and per observation, within
-    ``num_se`` standard errors plus ``bias_tol`` nats per observation."""
-    draws = draws.reshape(draws.shape[0], -1)
-    reference = reference.reshape(-1)
-    assert draws.shape[1] == reference.shape[0]
-    total = draws.sum(1)
-    total_se = total.std() / math.sqrt(total.numel())
-    gap = (total.mean() - reference.sum()).abs()
-    assert gap <= num_se * total_se + bias_tol * reference.numel(), (
-        f"total: mean {total.mean():.4f}, reference {reference.sum():.4f}, "
-        f"standard error {total_se:.4f}"
-    )
-    se = draws.std(0) / math.sqrt(draws.shape[0])
-    gaps = (draws.mean(0) - reference).abs()
-    worst = int((gaps - (num_se + 0.5) * se).argmax())
-    assert bool((gaps <= (num_se + 0.5) * se + bias_tol).all()), (
-        f"observation {worst}: mean {draws.mean(0)[worst]:.4f}, reference "
-        f"{reference[worst]:.4f}, standard error {se[worst]:.4f}"
-    )
-
-
 # --------------------------------------------------------------------------------------
 # Generic checks over the zoo.
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factory", CHECKED_LML, ids=_ids(CHECKED_LML))
+@pytest.mark.parametrize("factory", CHECKED_LML, ids=factory_ids(CHECKED_LML))
 def test_log_marginal_matches_reference(factory):
     case = factory()
-    with torch.no_grad():
-        value = log_marginal(
-            case.model,
-            *case.args,
-            conditionals=case.conditionals(),
-            guide=case.guide,
-            **case.kwargs,
-        )
-        reference = case.reference()
+    value, reference = log_marginal_and_reference(case, case.conditionals(), case.guide)
     assert value.numel() == reference.numel()
     torch.testing.assert_close(
         value.reshape(reference.shape), reference, atol=case.tol, rtol=case.tol / 10
     )
 
 
-@pytest.mark.parametrize("factory", CHECKED_LML, ids=_ids(CHECKED_LML))
+@pytest.mark.parametrize("factory", CHECKED_LML, ids=factory_ids(CHECKED_LML))
 def test_uniform_estimate_is_unbiased(factory):
     case = factory()
     if case.strategy is Importance:
         pytest.skip("importance conditionals are consistent, not unbiased: see the auto test")
     loss = MPTLoss(rate="uniform", num_masks=4, conditionals=case.conditionals())
-    draws = _draws(loss, case, 150)
+    draws = estimate_draws(loss, case, case.guide, 150)
     with torch.no_grad():
         reference = case.reference()
     bias_tol = 0.0 if case.strategy is Exact else case.tol
-    _assert_unbiased(draws, reference, bias_tol)
+    assert_unbiased(draws, reference, bias_tol)
 
 
-@pytest.mark.parametrize("factory", SCORED, ids=_ids(SCORED))
+@pytest.mark.parametrize("factory", SCORED, ids=factory_ids(SCORED))
 def test_auto_picks_the_expected_strategy_and_is_right(factory):
     case = factory()
     loss = MPTLoss(rate="uniform", num_masks=4)
@@ -1183,10 +1004,10 @@ def test_auto_picks_the_expected_strategy_and_is_right(factory):
     assert isinstance(loss.conditionals.chosen, case.strategy), loss.conditionals.chosen
     if not case.check_log_marginal:
         return  # subsampled and scaled models: see their own tests
-    draws = _draws(loss, case, 60)
+    draws = estimate_draws(loss, case, case.guide, 60)
     with torch.no_grad():
         reference = case.reference()
-    _assert_unbiased(draws, reference, case.auto_tol)
+    assert_unbiased(draws, reference, case.auto_tol)
 
 
 class _Records(logging.Handler):
@@ -1215,7 +1036,7 @@ def test_auto_logs_its_choice_once():
     assert len(choices) == 1, [r.getMessage() for r in handler.records]
 
 
-@pytest.mark.parametrize("factory", NOT_EXACT, ids=_ids(NOT_EXACT))
+@pytest.mark.parametrize("factory", NOT_EXACT, ids=factory_ids(NOT_EXACT))
 def test_exact_refuses_models_outside_its_class(factory):
     case = factory()
     match = case.exact_error
@@ -1226,7 +1047,7 @@ def test_exact_refuses_models_outside_its_class(factory):
 
 
 @pytest.mark.parametrize("conditionals", ["auto", "exact", "quadrature", "importance"])
-@pytest.mark.parametrize("factory", REFUSED, ids=_ids(REFUSED))
+@pytest.mark.parametrize("factory", REFUSED, ids=factory_ids(REFUSED))
 def test_refused_models_raise_a_clear_error(factory, conditionals):
     case = factory()
     error, match = case.error
@@ -1259,7 +1080,7 @@ def test_masked_out_observations_contribute_exactly_zero(factory):
     empty = reference == 0
     assert bool(empty.any())
     loss = MPTLoss(rate="uniform", num_masks=2, conditionals="exact")
-    draws = _draws(loss, case, 20).reshape(20, -1)
+    draws = estimate_draws(loss, case, case.guide, 20).reshape(20, -1)
     assert bool((draws[:, empty] == 0).all())
     assert bool((draws[:, ~empty] != 0).all())
     assert torch.isfinite(draws).all()
@@ -1271,9 +1092,7 @@ def test_missing_entries_at_rate_one_score_observed_marginals():
     case = missing_entries_site_mask()
     (x,) = case.args
     observed = x != 100.0
-    with _seeded(6):
-        weight, bias = torch.randn(6, 2), torch.randn(6)
-    cov = weight @ weight.T + 0.4 * torch.eye(6)
+    _, bias, cov, _ = _linear_gaussian_data(6, 6, 0.4, (8,))
     ll = dist.Normal(bias, cov.diagonal().sqrt()).log_prob(x)
     expected = torch.where(observed, ll, 0.0).sum(-1)
     value = MPTLoss(rate=1.0, conditionals="exact").estimate(case.model, None, x)
@@ -1284,9 +1103,7 @@ def test_poutine_scale_scales_the_loss_like_trace_elbo():
     case = scaled_observations()
     (x,) = case.args
     scale = torch.linspace(0.5, 2.0, x.shape[0])
-    with _seeded(1):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-    cov = weight @ weight.T + 0.36 * torch.eye(5)
+    _, bias, cov, _ = _linear_gaussian_data(1, 5, 0.36, (8,))
     # At rate 1 the estimate is deterministic: the per-feature marginals.
     loss = MPTLoss(rate=1.0, conditionals="exact")
     expected = -(scale * _per_feature_marginals(x, bias, cov)).sum()
@@ -1297,8 +1114,7 @@ def test_poutine_scale_scales_the_loss_like_trace_elbo():
     uniform = MPTLoss(rate="uniform", num_masks=4)
     with torch.no_grad():
         losses = torch.tensor([uniform.loss(case.model, None, x) for _ in range(150)])
-    target = -(scale * case.reference()).sum()
-    assert abs(losses.mean() - target) < 4.5 * losses.std() / math.sqrt(losses.numel())
+    assert_mean_loss_matches(losses, -(scale * case.reference()).sum())
 
 
 def test_subsampled_plate_is_unbiased_for_the_full_data_lml():
@@ -1309,17 +1125,14 @@ def test_subsampled_plate_is_unbiased_for_the_full_data_lml():
         estimate = loss.estimate(case.model, None, x)
         assert estimate.shape == (4,)
         losses = torch.tensor([loss.loss(case.model, None, x) for _ in range(300)])
-    target = -case.reference().sum()
-    assert abs(losses.mean() - target) < 4.5 * losses.std() / math.sqrt(losses.numel())
+    assert_mean_loss_matches(losses, -case.reference().sum())
 
 
 def test_subsampled_loss_is_the_scaled_sum_of_the_estimates():
     case = subsampled_plate()
     (x,) = case.args
     loss = MPTLoss(rate=1.0, conditionals="exact")  # deterministic given the subsample
-    with _seeded(10):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-    cov = weight @ weight.T + 0.36 * torch.eye(5)
+    _, bias, cov, _ = _linear_gaussian_data(10, 5, 0.36, (12,))
     marginals = _per_feature_marginals(x, bias, cov)
     values = set()
     for _ in range(20):
@@ -1334,9 +1147,7 @@ def test_subsampled_loss_is_the_scaled_sum_of_the_estimates():
 def test_deterministic_sites_are_ignored_and_global_factors_added():
     case = deterministic_and_factor()
     (x,) = case.args
-    with _seeded(1):
-        weight, bias = torch.randn(5, 2), torch.randn(5)
-    cov = weight @ weight.T + 0.36 * torch.eye(5)
+    _, bias, cov, _ = _linear_gaussian_data(1, 5, 0.36, (8,))
     torch.testing.assert_close(log_marginal(case.model, x).detach(), case.reference())
     loss = MPTLoss(rate=1.0, conditionals="exact")
     factor = -0.5 * 0.25**2 / 0.1
