@@ -1,4 +1,5 @@
-"""Ground-truth PPCA data and fast exact MPT estimates for the paper's PPCA studies.
+"""Ground-truth PPCA data and models, the training set-up, and fast exact MPT estimates for
+the paper's PPCA studies.
 
 The studies score hundreds of thousands of masks on one fixed model, so the generic path
 (:func:`~pyro_mpt.ops.gaussian.latent_gaussian_conditionals` on every mask and observation)
@@ -33,22 +34,34 @@ Both agree with ``latent_gaussian_conditionals`` followed by
 import math
 from typing import NamedTuple
 
+import pyro
+import pyro.optim
 import torch
+from pyro.infer import SVI
 
+from pyro_mpt import log_marginal
+from pyro_mpt.models import PPCA
 from pyro_mpt.ops.estimators import mask_scores
 from pyro_mpt.ops.gaussian import latent_gaussian_log_marginal, normal_log_prob
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.reproduce import _common as common
 
 __all__ = [
     "NOISE_CHOICES",
     "PPCAData",
+    "check_noise",
     "exact_log_marginal",
+    "ground_truth",
+    "maximum_log_marginal",
+    "mean_log_marginal",
+    "no_guide",
     "per_observation_estimate",
     "per_observation_scores",
     "ppca_data",
     "random_subsets",
     "shared_mask_estimate",
     "shared_mask_scores",
+    "trainee",
 ]
 
 NOISE_CHOICES = ("paper", "model")
@@ -69,6 +82,12 @@ class PPCAData(NamedTuple):
     noise: str
 
 
+def check_noise(noise):
+    """Rejects a data-noise convention other than those of :data:`NOISE_CHOICES`."""
+    if noise not in NOISE_CHOICES:
+        raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
+
+
 def ppca_data(num_obs, num_features, latent_dim, noise_var=0.2, noise="paper", device="cpu"):
     """Draws ``W_ij ~ N(0, 1)``, ``z_n ~ N(0, I_K)`` and ``x_n = W z_n + eps_n`` (mean 0), in
     float64, from torch's global random state.
@@ -79,8 +98,7 @@ def ppca_data(num_obs, num_features, latent_dim, noise_var=0.2, noise="paper", d
         both as this standard deviation and as the model's variance), so the data are *not*
         from the model; ``"model"``: independent ``eps_nj ~ N(0, σ²)``, as the model assumes.
     """
-    if noise not in NOISE_CHOICES:
-        raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
+    check_noise(noise)
     opts = dict(dtype=torch.float64, device=device)
     weight = torch.randn(num_features, latent_dim, **opts)
     latent = torch.randn(num_obs, latent_dim, **opts)
@@ -98,6 +116,65 @@ def exact_log_marginal(data):
     return float(
         latent_gaussian_log_marginal(data.x, data.weight, data.bias, data.noise_var).mean()
     )
+
+
+def no_guide(x):
+    """:class:`~pyro_mpt.MPTLoss` integrates the latents out exactly, so no guide is needed."""
+
+
+def mean_log_marginal(model, x):
+    """The exact ``log p(x)`` of a :class:`~pyro_mpt.models.PPCA`, averaged over
+    observations."""
+    with torch.no_grad():
+        return float(log_marginal(model.model, x).mean())
+
+
+def ground_truth(num_obs, num_features, latent_dim, seed, device, noise_var=0.2):
+    """A ground-truth ``PPCA(D, K, init_scale=1.0, noise_scale=√noise_var)`` drawn from
+    ``seed``, and ``num_obs`` of its samples. Clears the parameter store first; the models
+    trained on the samples (:func:`trainee`) reuse the parameter names and clear it again.
+
+    :returns: ``(truth, x)``.
+    """
+    pyro.clear_param_store()
+    common.seed_everything(seed)
+    truth = PPCA(num_features, latent_dim, init_scale=1.0, noise_scale=math.sqrt(noise_var))
+    truth = truth.to(device)
+    return truth, truth.sample(num_obs)
+
+
+def trainee(num_features, latent_dim, loss, lr, seed, device):
+    """A ``PPCA(D, K, init_scale=1.0)`` initialised from ``seed`` (``W`` from ``N(0, 1)``; mean
+    and noise scale learned too) and the full-batch :class:`~pyro.infer.SVI` that trains it on
+    ``loss`` with Adam at learning rate ``lr``. Clears the parameter store first.
+
+    :returns: ``(model, svi)``.
+    """
+    pyro.clear_param_store()
+    common.seed_everything(seed)
+    model = PPCA(num_features, latent_dim, init_scale=1.0).to(device)
+    return model, SVI(model.model, no_guide, pyro.optim.Adam({"lr": lr}), loss=loss)
+
+
+def maximum_log_marginal(x, latent_dim):
+    """The largest per-observation ``log p(x)`` of a PPCA with ``latent_dim`` factors and
+    isotropic noise on the data ``x`` (``N x D``), at its closed-form maximum-likelihood
+    parameters (Tipping & Bishop, 1999): mean the sample mean, ``σ²`` the mean of the
+    ``D - K`` smallest eigenvalues of the sample covariance ``S``, and ``W W^T + σ² I``
+    equal to ``S`` on its top ``K`` eigenvectors. Trained runs are compared with it.
+    """
+    num_obs, num_features = x.shape
+    if not 0 < latent_dim < num_features:
+        raise ValueError(
+            f"latent_dim={latent_dim} must lie in 1..{num_features - 1} (D - 1) for data with "
+            f"D={num_features} features."
+        )
+    residual = x - x.mean(0)
+    eigenvalues = torch.linalg.eigvalsh(residual.T @ residual / num_obs).flip(0)
+    noise_var = eigenvalues[latent_dim:].mean()
+    log_det = eigenvalues[:latent_dim].log().sum() + (num_features - latent_dim) * noise_var.log()
+    # At the maximum, tr(C^-1 S) = D.
+    return float(-0.5 * (num_features * math.log(2 * math.pi) + log_det + num_features))
 
 
 def shared_mask_scores(second_moment, weight, noise_var, masks):
