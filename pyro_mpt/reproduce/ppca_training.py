@@ -30,18 +30,32 @@ the ground truth: a run that maximises the LML ends there, not at the ground tru
     learned too, and the data are drawn from the ground-truth PPCA itself.
 """
 
+import functools
 import math
 
 import pyro
-import pyro.optim
 import torch
-from pyro.infer import SVI
 
-from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.models import PPCA
+from pyro_mpt import MPTLoss
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
+from pyro_mpt.reproduce._ppca import (
+    ground_truth,
+    maximum_log_marginal,
+    mean_log_marginal,
+    trainee,
+)
 
-__all__ = ["NAME", "maximum_log_marginal", "run", "standard_errors"]
+__all__ = [
+    "CONVENTIONS",
+    "NAME",
+    "SCHEDULES",
+    "maximum_log_marginal",
+    "mpt_loss",
+    "run",
+    "run_name",
+    "standard_errors",
+]
 
 NAME = "ppca-training"
 
@@ -75,35 +89,10 @@ def run_name(schedule, masks):
     return schedule if masks == "per-observation" else f"{schedule}, shared masks"
 
 
-def _config(smoke):
+def _config(smoke, full):
     if smoke:
         return dict(N=500, D=10, K=2, epochs=20, inits=2, lr=1e-2)
     return dict(N=2000, D=10, K=2, epochs=1000, inits=5, lr=1e-2)
-
-
-def _no_guide(x):
-    """MPTLoss integrates the latents out exactly, so no guide is needed."""
-
-
-def maximum_log_marginal(x, latent_dim):
-    """The largest per-observation ``log p(x)`` of a PPCA with ``latent_dim`` factors and
-    isotropic noise on the data ``x`` (``N x D``), at its closed-form maximum-likelihood
-    parameters (Tipping & Bishop, 1999): mean the sample mean, ``σ²`` the mean of the
-    ``D - K`` smallest eigenvalues of the sample covariance ``S``, and ``W W^T + σ² I``
-    equal to ``S`` on its top ``K`` eigenvectors. Every trained run is compared with it.
-    """
-    num_obs, num_features = x.shape
-    if not 0 < latent_dim < num_features:
-        raise ValueError(
-            f"latent_dim={latent_dim} must lie in 1..{num_features - 1} (D - 1) for data with "
-            f"D={num_features} features."
-        )
-    residual = x - x.mean(0)
-    eigenvalues = torch.linalg.eigvalsh(residual.T @ residual / num_obs).flip(0)
-    noise_var = eigenvalues[latent_dim:].mean()
-    log_det = eigenvalues[:latent_dim].log().sum() + (num_features - latent_dim) * noise_var.log()
-    # At the maximum, tr(C^-1 S) = D.
-    return float(-0.5 * (num_features * math.log(2 * math.pi) + log_det + num_features))
 
 
 def standard_errors(values, reference):
@@ -116,29 +105,13 @@ def standard_errors(values, reference):
     return (mean - reference) / (std / math.sqrt(len(values)))
 
 
-def _ground_truth(cfg, seed, device):
-    pyro.clear_param_store()
-    common.seed_everything(common.derived_seed(seed, 0))
-    truth = PPCA(cfg["D"], cfg["K"], init_scale=1.0, noise_scale=math.sqrt(0.2)).to(device)
-    x = truth.sample(cfg["N"])
-    with torch.no_grad():
-        lml = float(log_marginal(truth.model, x).mean())
-    pyro.clear_param_store()  # the trained models reuse the parameter names
-    return x, lml
-
-
 def _train(x, cfg, loss, seed, bar):
-    pyro.clear_param_store()
-    common.seed_everything(seed)
-    model = PPCA(cfg["D"], cfg["K"], init_scale=1.0).to(x.device)
-    svi = SVI(model.model, _no_guide, pyro.optim.Adam({"lr": cfg["lr"]}), loss=loss)
+    model, svi = trainee(cfg["D"], cfg["K"], loss, cfg["lr"], seed, x.device)
     objective, lml = [], []
     for _ in range(cfg["epochs"]):
-        with torch.no_grad():
-            lml.append(float(log_marginal(model.model, x).mean()))
+        lml.append(mean_log_marginal(model, x))
         objective.append(-svi.step(x) / x.shape[0])
         bar.update()
-    pyro.clear_param_store()
     return objective, lml
 
 
@@ -146,82 +119,73 @@ def _tail_mean(values, window):
     return sum(values[-window:]) / len(values[-window:])
 
 
-def run(
-    out_dir,
-    device="cpu",
-    smoke=False,
-    full=False,
-    seed=0,
-    progress=True,
-    masks=CONVENTIONS,
-):
-    """Reproduces Fig. 2; writes ``ppca-training.json`` and ``ppca-training.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: 20 epochs, 2 initialisations, ``N = 500``; runs in seconds.
-    :param bool full: accepted for uniformity; the default already has the paper's sizes
-        (1000 epochs).
-    :param int seed: base seed.
-    :param bool progress: show progress bars.
-    :param masks: the mask conventions to train with, from :data:`CONVENTIONS` (default:
-        both): ``"per-observation"`` and ``"shared"`` (the paper's scripts).
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    masks = (masks,) if isinstance(masks, str) else tuple(masks)
-    unknown = [m for m in masks if m not in CONVENTIONS]
-    if unknown or not masks:
-        raise ValueError(f"masks={masks!r}: choose one or more of {CONVENTIONS}.")
-    cfg = _config(smoke)
-    total = common.Stopwatch()
+def _measure(cfg, device, seed, progress, masks):
+    """Trains every (convention, schedule) from the same initialisations, on data from the
+    ground truth; also the ground truth's LML and the largest LML a PPCA reaches on them."""
+    truth, x = ground_truth(cfg["N"], cfg["D"], cfg["K"], common.derived_seed(seed, 0), device)
+    truth_lml = mean_log_marginal(truth, x)
     runs, settings = {}, {}
-    with common.float64():
-        device = common.resolve_device(device)
-        x, truth_lml = _ground_truth(cfg, seed, device)
-        max_lml = maximum_log_marginal(x, cfg["K"])
-        work = len(masks) * len(SCHEDULES) * cfg["inits"] * cfg["epochs"]
-        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
-            for convention in masks:
-                for schedule, rate in SCHEDULES.items():
-                    name = run_name(schedule, convention)
-                    loss = mpt_loss(rate, convention, cfg["D"])
-                    settings[name] = dict(
-                        schedule=schedule,
-                        masks=convention,
-                        masks_per_step=loss.num_masks,
-                        share_masks=loss.share_masks,
+    work = len(masks) * len(SCHEDULES) * cfg["inits"] * cfg["epochs"]
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="epoch") as bar:
+        for convention in masks:
+            for schedule, rate in SCHEDULES.items():
+                name = run_name(schedule, convention)
+                loss = mpt_loss(rate, convention, cfg["D"])
+                settings[name] = dict(
+                    schedule=schedule,
+                    masks=convention,
+                    masks_per_step=loss.num_masks,
+                    share_masks=loss.share_masks,
+                )
+                runs[name] = []
+                for init in range(cfg["inits"]):
+                    # The same initialisations for every schedule and convention.
+                    init_seed = common.derived_seed(seed, 1, init)
+                    with common.Stopwatch() as watch:
+                        objective, lml = _train(x, cfg, loss, init_seed, bar)
+                    runs[name].append(
+                        dict(objective=objective, log_marginal=lml, seconds=watch.seconds)
                     )
-                    runs[name] = []
-                    for init in range(cfg["inits"]):
-                        # The same initialisations for every schedule and convention.
-                        with common.Stopwatch() as watch:
-                            objective, lml = _train(
-                                x, cfg, loss, common.derived_seed(seed, 1, init), bar
-                            )
-                        runs[name].append(
-                            dict(objective=objective, log_marginal=lml, seconds=watch.seconds)
-                        )
-                        bar.set_postfix_str(f"{name} init {init}: LML {lml[-1]:.3f}")
+                    bar.set_postfix_str(f"{name} init {init}: LML {lml[-1]:.3f}")
+    pyro.clear_param_store()
+    return dict(
+        truth_lml=truth_lml,
+        max_lml=maximum_log_marginal(x, cfg["K"]),
+        runs=runs,
+        settings=settings,
+        masks=masks,
+    )
 
-    window = max(1, cfg["epochs"] // 20)
+
+def _window(cfg):
+    """How many last epochs the final values average over."""
+    return max(1, cfg["epochs"] // 20)
+
+
+def _summary(cfg, results, truth_lml, max_lml):
+    """One run's final objective, LML and bias, and its distances to the reference LMLs."""
+    window = _window(cfg)
+    final_obj = [_tail_mean(r["objective"], window) for r in results]
+    final_lml = [_tail_mean(r["log_marginal"], window) for r in results]
+    return dict(
+        final_objective=common.mean_std(final_obj),
+        final_log_marginal=common.mean_std(final_lml),
+        bias=common.mean_std([o - lml for o, lml in zip(final_obj, final_lml)]),
+        first_log_marginal=common.mean_std([r["log_marginal"][0] for r in results]),
+        distance_to_truth=common.mean_std([lml - truth_lml for lml in final_lml]),
+        distance_to_truth_se=standard_errors(final_lml, truth_lml),
+        distance_to_maximum=common.mean_std([lml - max_lml for lml in final_lml]),
+        seconds_per_epoch=sum(r["seconds"] for r in results) / (len(results) * cfg["epochs"]),
+    )
+
+
+def _report(cfg, measured):
+    runs, truth_lml, max_lml = measured["runs"], measured["truth_lml"], measured["max_lml"]
     summary, rows = {}, []
     for name, results in runs.items():
-        final_obj = [_tail_mean(r["objective"], window) for r in results]
-        final_lml = [_tail_mean(r["log_marginal"], window) for r in results]
-        bias = [o - lml for o, lml in zip(final_obj, final_lml)]
-        summary[name] = dict(
-            final_objective=common.mean_std(final_obj),
-            final_log_marginal=common.mean_std(final_lml),
-            bias=common.mean_std(bias),
-            first_log_marginal=common.mean_std([r["log_marginal"][0] for r in results]),
-            distance_to_truth=common.mean_std([lml - truth_lml for lml in final_lml]),
-            distance_to_truth_se=standard_errors(final_lml, truth_lml),
-            distance_to_maximum=common.mean_std([lml - max_lml for lml in final_lml]),
-            seconds_per_epoch=sum(r["seconds"] for r in results) / (len(results) * cfg["epochs"]),
-            **settings[name],
+        s = summary[name] = dict(
+            _summary(cfg, results, truth_lml, max_lml), **measured["settings"][name]
         )
-        s = summary[name]
         rows.append(
             [
                 name,
@@ -238,52 +202,64 @@ def run(
     title = (
         f"Fig. 2 (PPCA N={cfg['N']}, D={cfg['D']}, K={cfg['K']}; SVI + MPTLoss, full batch, "
         f"Adam lr {cfg['lr']}, {cfg['epochs']} epochs, {cfg['inits']} inits): per observation, "
-        f"mean ± std over inits;\nfinal = mean of the last {window} epochs; LML - GT = final "
-        "LML - ground-truth LML (in se: in standard errors of the mean over inits); LML - max "
-        f"= final LML - the maximum-likelihood PPCA's LML ({max_lml:.3f}); bias = final "
+        f"mean ± std over inits;\nfinal = mean of the last {_window(cfg)} epochs; LML - GT = "
+        "final LML - ground-truth LML (in se: in standard errors of the mean over inits); LML "
+        f"- max = final LML - the maximum-likelihood PPCA's LML ({max_lml:.3f}); bias = final "
         "objective - final LML. Masks: one per "
         f"observation and step, or 'shared masks' (the paper's: D={cfg['D']} masks per step, "
         "each used for all observations)."
     )
-    headers = [
-        "objective",
-        "final MPT objective",
-        "final exact LML",
-        "GT LML",
-        "LML - GT",
-        "in se",
-        "LML - max",
-        "bias",
-        "ms/epoch",
-    ]
-    print(common.format_table(headers, rows, title=title))
-
-    fig = _figure(runs, masks, cfg, truth_lml)
+    headers = ["objective", "final MPT objective", "final exact LML", "GT LML", "LML - GT"]
+    headers += ["in se", "LML - max", "bias", "ms/epoch"]
     results = dict(
-        experiment=NAME,
-        paper_reference="Moreno-Muñoz et al. (2023), Fig. 2",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            schedules={k: str(v) for k, v in SCHEDULES.items()},
-            masks=list(masks),
-            masks_per_step=1,
-            shared_masks_per_step=cfg["D"],
-            dtype="float64",
-            final_window=window,
-        ),
         ground_truth_log_marginal=truth_lml,
         maximum_log_marginal=max_lml,
         summary=summary,
         # Per schedule: the runs with per-observation masks, and with the paper's shared ones.
         runs={s: runs[n] for s in SCHEDULES if (n := run_name(s, "per-observation")) in runs},
         shared_mask_runs={s: runs[n] for s in SCHEDULES if (n := run_name(s, "shared")) in runs},
-        wall_seconds=total.elapsed,
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    fig = _figure(runs, measured["masks"], cfg, truth_lml)
+    return Report(common.format_table(headers, rows, title=title), fig, results)
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, masks=CONVENTIONS):
+    """Reproduces Fig. 2; writes ``ppca-training.json`` and ``ppca-training.png``.
+
+    ``smoke``: 20 epochs, 2 initialisations, ``N = 500`` (seconds); ``full`` is accepted for
+    uniformity, the default already has the paper's sizes (1000 epochs). ``masks``: the mask
+    conventions to train with, from :data:`CONVENTIONS` (default: both). The other arguments
+    are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    common.check_size(smoke, full)
+    masks = (masks,) if isinstance(masks, str) else tuple(masks)
+    unknown = [m for m in masks if m not in CONVENTIONS]
+    if unknown or not masks:
+        raise ValueError(f"masks={masks!r}: choose one or more of {CONVENTIONS}.")
+    cfg = _config(smoke, full)
+    settings = dict(
+        schedules={k: str(v) for k, v in SCHEDULES.items()},
+        masks=list(masks),
+        masks_per_step=1,
+        shared_masks_per_step=cfg["D"],
+        dtype="float64",
+        final_window=_window(cfg),
+    )
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        functools.partial(_measure, masks=masks),
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        dtype=torch.float64,
+        paper_reference="Moreno-Muñoz et al. (2023), Fig. 2",
+        settings=settings,
+    )
 
 
 def _figure(runs, masks, cfg, truth_lml):
@@ -317,21 +293,8 @@ def _figure(runs, masks, cfg, truth_lml):
 
 
 def _plot_runs(ax, epochs, results, start=0, color="C0", name=None):
+    prefix = f"{name}: " if name else ""
     for i, r in enumerate(results):
-        first = i == 0
-        prefix = f"{name}: " if name else ""
-        ax.plot(
-            epochs,
-            r["objective"][start:],
-            color=color,
-            alpha=0.25,
-            lw=1,
-            label=f"{prefix}MPT objective" if first else None,
-        )
-        ax.plot(
-            epochs,
-            r["log_marginal"][start:],
-            color=color,
-            lw=1.5,
-            label=f"{prefix}exact LML" if first else None,
-        )
+        labels = (f"{prefix}MPT objective", f"{prefix}exact LML") if i == 0 else (None, None)
+        ax.plot(epochs, r["objective"][start:], color=color, alpha=0.25, lw=1, label=labels[0])
+        ax.plot(epochs, r["log_marginal"][start:], color=color, lw=1.5, label=labels[1])
