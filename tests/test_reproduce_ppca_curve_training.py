@@ -9,7 +9,7 @@ import torch
 import pyro_mpt.loss
 from pyro_mpt.models import PPCA
 from pyro_mpt.reproduce import EXPERIMENTS, get_experiment, ppca_curve_training, ppca_training
-from pyro_mpt.reproduce._ppca import shared_mask_scores
+from pyro_mpt.reproduce._ppca import no_guide, shared_mask_scores
 
 #: How many Monte Carlo standard errors the area may miss the exact LML by at the last
 #: checkpoint (its committed runs are within 1.6).
@@ -89,7 +89,7 @@ def _recorded_masks(monkeypatch, rate, masks, num_obs=40, num_features=10):
     model = PPCA(num_features, 2, init_scale=1.0)
     x = model.sample(num_obs)
     loss = ppca_training.mpt_loss(rate, masks, num_features)
-    value = loss.loss(model.model, ppca_training._no_guide, x)
+    value = loss.loss(model.model, no_guide, x)
     (mask_tensor,) = recorded
     expanded = mask_tensor.expand(mask_tensor.shape[0], num_obs, num_features)
     return model, x, value, expanded

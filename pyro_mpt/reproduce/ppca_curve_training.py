@@ -21,16 +21,14 @@ observations at the same ``P``; the random numbers of the curves are drawn aside
 training, so checkpoints do not change the training run.
 """
 
-import math
-
 import pyro
 import torch
-from pyro.infer import SVI
 from pyro.util import get_rng_state, set_rng_state
 
-from pyro_mpt import MPTLoss, log_marginal, mpt_curve
-from pyro_mpt.models import PPCA
+from pyro_mpt import MPTLoss, mpt_curve
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report, run_experiment
+from pyro_mpt.reproduce._ppca import ground_truth, mean_log_marginal, trainee
 
 __all__ = ["NAME", "run"]
 
@@ -46,10 +44,6 @@ def _config(smoke, full):
     return dict(base, N=1000, D=50, K=5, P=10)
 
 
-def _no_guide(x):
-    """MPTLoss integrates the latents out exactly, so no guide is needed."""
-
-
 def _curve(model, x, cfg, seed, *keys):
     """The model's MPT curve and exact LML, from random numbers of their own (the training
     stream is restored afterwards)."""
@@ -58,7 +52,7 @@ def _curve(model, x, cfg, seed, *keys):
         common.seed_everything(common.derived_seed(seed, *keys))
         with torch.no_grad(), common.Stopwatch() as watch:
             curve = mpt_curve(model.model, x, num_masks=cfg["P"])
-            lml = float(log_marginal(model.model, x).mean())
+            lml = mean_log_marginal(model, x)
     finally:
         set_rng_state(state)
     se = curve.area_stderr
@@ -72,68 +66,57 @@ def _curve(model, x, cfg, seed, *keys):
     )
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
-    """Reproduces Fig. 5 (left); writes ``ppca-curve-training.json`` and
-    ``ppca-curve-training.png``.
-
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: ``N = 200``, ``D = 10``, ``K = 2``, ``P = 5``; a few seconds.
-    :param bool full: ``N = 2000`` and ``P = 100`` masks per observation and size.
-    :param int seed: base seed.
-    :param bool progress: show progress bars.
-    :returns: the results dict (also written as JSON).
-    """
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
+def _measure(cfg, device, seed, progress):
+    """The ground truth's curve, and the trained model's curve at every checkpoint and its
+    exact LML at every epoch."""
+    truth, x = ground_truth(
+        cfg["N"], cfg["D"], cfg["K"], common.derived_seed(seed, 0), device, cfg["noise_var"]
+    )
+    reference = _curve(truth, x, cfg, seed, 3)
+    model, svi = trainee(
+        cfg["D"],
+        cfg["K"],
+        MPTLoss(rate=cfg["rate"]),
+        cfg["lr"],
+        common.derived_seed(seed, 1),
+        device,
+    )
     checkpoints, lml_trace = [], []
-    with common.float64():
-        device = common.resolve_device(device)
-        pyro.clear_param_store()
-        common.seed_everything(common.derived_seed(seed, 0))
-        truth = PPCA(cfg["D"], cfg["K"], init_scale=1.0, noise_scale=math.sqrt(cfg["noise_var"]))
-        truth = truth.to(device)
-        x = truth.sample(cfg["N"])
-        reference = _curve(truth, x, cfg, seed, 3)
-        pyro.clear_param_store()  # the trained model reuses the parameter names
-
-        common.seed_everything(common.derived_seed(seed, 1))
-        model = PPCA(cfg["D"], cfg["K"], init_scale=1.0).to(device)
-        optim = pyro.optim.Adam({"lr": cfg["lr"]})
-        svi = SVI(model.model, _no_guide, optim, loss=MPTLoss(rate=cfg["rate"]))
-        with (
-            common.Stopwatch() as train_watch,
-            common.progress_bar(
-                total=cfg["epochs"], enabled=progress, desc=NAME, unit="epoch"
-            ) as bar,
-        ):
-            for epoch in range(cfg["epochs"] + 1):
-                if epoch % cfg["every"] == 0:
-                    point = _curve(model, x, cfg, seed, 2, epoch)
-                    checkpoints.append(dict(epoch=epoch, **point))
-                    bar.set_postfix_str(f"epoch {epoch}: area {point['area']:.2f}")
-                with torch.no_grad():
-                    lml_trace.append(float(log_marginal(model.model, x).mean()))
-                if epoch < cfg["epochs"]:
-                    svi.step(x)
-                    bar.update()
-        pyro.clear_param_store()
+    bar = common.progress_bar(total=cfg["epochs"], enabled=progress, desc=NAME, unit="epoch")
+    with common.Stopwatch() as train_watch, bar:
+        for epoch in range(cfg["epochs"] + 1):
+            if epoch % cfg["every"] == 0:
+                point = _curve(model, x, cfg, seed, 2, epoch)
+                checkpoints.append(dict(epoch=epoch, **point))
+                bar.set_postfix_str(f"epoch {epoch}: area {point['area']:.2f}")
+            lml_trace.append(mean_log_marginal(model, x))
+            if epoch < cfg["epochs"]:
+                svi.step(x)
+                bar.update()
+    pyro.clear_param_store()
     curve_seconds = sum(c["seconds"] for c in checkpoints)
-    train_seconds = train_watch.seconds - curve_seconds
+    return dict(
+        reference=reference,
+        checkpoints=checkpoints,
+        lml_trace=lml_trace,
+        train_seconds=train_watch.seconds - curve_seconds,
+        curve_seconds=curve_seconds,
+    )
 
+
+def _report(cfg, measured):
+    reference, checkpoints = measured["reference"], measured["checkpoints"]
     truth_lml = reference["log_marginal"]
-    rows = []
-    for c in checkpoints:
-        rows.append(
-            [
-                str(c["epoch"]),
-                f"{c['area']:.3f} ± {c['area_stderr']:.3f}",
-                f"{c['log_marginal']:.3f}",
-                f"{c['z']:+.2f}",
-                f"{c['log_marginal'] - truth_lml:+.3f}",
-            ]
-        )
+    rows = [
+        [
+            str(c["epoch"]),
+            f"{c['area']:.3f} ± {c['area_stderr']:.3f}",
+            f"{c['log_marginal']:.3f}",
+            f"{c['z']:+.2f}",
+            f"{c['log_marginal'] - truth_lml:+.3f}",
+        ]
+        for c in checkpoints
+    ]
     rows.append(
         [
             "ground truth",
@@ -151,39 +134,42 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         "standard error;\nz = (area - exact LML) / se; GT = the data-generating model."
     )
     headers = ["epoch", "area ± se", "exact LML", "z", "LML - GT LML"]
-    print(
-        common.format_table(
-            headers,
-            rows,
-            title=title,
-            notes=[
-                f"training {train_seconds:.1f} s; {len(checkpoints)} curves {curve_seconds:.1f} s"
-            ],
-        )
-    )
-
-    fig = _figure(checkpoints, reference, lml_trace, cfg)
+    train_seconds, curve_seconds = measured["train_seconds"], measured["curve_seconds"]
+    notes = [f"training {train_seconds:.1f} s; {len(checkpoints)} curves {curve_seconds:.1f} s"]
     results = dict(
-        experiment=NAME,
-        paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (left)",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            masks_per_step=1,
-            curve_masks="per observation",
-            dtype="float64",
-        ),
         ground_truth=_entry(reference),
         checkpoints=[dict(epoch=c["epoch"], **_entry(c)) for c in checkpoints],
-        log_marginal_per_epoch=lml_trace,
+        log_marginal_per_epoch=measured["lml_trace"],
         train_seconds=train_seconds,
         curve_seconds=curve_seconds,
-        wall_seconds=total.elapsed,
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    fig = _figure(checkpoints, reference, measured["lml_trace"], cfg)
+    return Report(common.format_table(headers, rows, title=title, notes=notes), fig, results)
+
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
+    """Reproduces Fig. 5 (left); writes ``ppca-curve-training.json`` and
+    ``ppca-curve-training.png``.
+
+    ``smoke``: ``N = 200``, ``D = 10``, ``K = 2``, ``P = 5`` (a few seconds); ``full``:
+    ``N = 2000`` and ``P = 100`` masks per observation and size. The other arguments are
+    those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        _measure,
+        _report,
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        dtype=torch.float64,
+        paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (left)",
+        settings=dict(masks_per_step=1, curve_masks="per observation", dtype="float64"),
+    )
 
 
 def _entry(point):
@@ -221,57 +207,50 @@ def _figure(checkpoints, reference, lml_trace, cfg):
     left.set_title(f"MPT curves over training (D={cfg['D']}, K={cfg['K']})", fontsize="medium")
     left.legend(title="epoch", fontsize="small", ncol=2, loc="center left")
 
-    epochs = [c["epoch"] for c in checkpoints]
-    right.plot(range(len(lml_trace)), lml_trace, color="C0", lw=1.2, label="exact LML")
-    right.errorbar(
+    _plot_areas(right, checkpoints, lml_trace, reference, cmap, norm, labels=True)
+    right.set_xlabel("epoch")
+    right.set_ylabel("per observation (nats)")
+    right.set_title("area vs exact LML", fontsize="medium")
+    right.legend(fontsize="small", loc="lower right")
+    start = cfg["epochs"] // 2  # an inset of the second half, where area and LML are close
+    inset = right.inset_axes([0.4, 0.3, 0.55, 0.38])
+    _plot_areas(inset, checkpoints, lml_trace, reference, cmap, norm, start=start, lw=1.0)
+    inset.tick_params(labelsize="x-small")
+    inset.set_title(f"epochs {start}-{cfg['epochs']}", fontsize="x-small")
+    return fig
+
+
+def _plot_areas(ax, checkpoints, lml_trace, reference, cmap, norm, start=0, labels=False, lw=1.2):
+    """From epoch ``start`` on: the exact LML per epoch, the checkpoints' areas (± 2 se,
+    coloured by epoch) and the ground-truth LML."""
+    late = [c for c in checkpoints if c["epoch"] >= start]
+    epochs, areas = [c["epoch"] for c in late], [c["area"] for c in late]
+    label = (lambda text: text) if labels else (lambda text: None)
+    ax.plot(
+        range(start, len(lml_trace)),
+        lml_trace[start:],
+        color="C0",
+        lw=1.2,
+        label=label("exact LML"),
+    )
+    ax.errorbar(
         epochs,
-        [c["area"] for c in checkpoints],
-        yerr=[2 * c["area_stderr"] for c in checkpoints],
+        areas,
+        yerr=[2 * c["area_stderr"] for c in late],
         fmt="none",
         ecolor="k",
         elinewidth=1,
         capsize=3,
         zorder=2,
     )
-    right.scatter(
+    ax.scatter(
         epochs,
-        [c["area"] for c in checkpoints],
+        areas,
         c=[cmap(norm(e)) for e in epochs],
         edgecolors="k",
         zorder=3,
-        label="area under the curve (± 2 se)",
+        label=label("area under the curve (± 2 se)"),
     )
-    right.axhline(reference["log_marginal"], color="k", ls="--", lw=1.2, label="ground-truth LML")
-    right.set_xlabel("epoch")
-    right.set_ylabel("per observation (nats)")
-    right.set_title("area vs exact LML", fontsize="medium")
-    right.legend(fontsize="small", loc="lower right")
-    _zoom(right, checkpoints, reference, lml_trace, cfg, cmap, norm)
-    return fig
-
-
-def _zoom(ax, checkpoints, reference, lml_trace, cfg, cmap, norm):
-    """An inset of the second half of training, where the area and the LML are close."""
-    start = cfg["epochs"] // 2
-    late = [c for c in checkpoints if c["epoch"] >= start]
-    inset = ax.inset_axes([0.4, 0.3, 0.55, 0.38])
-    inset.plot(range(start, len(lml_trace)), lml_trace[start:], color="C0", lw=1.2)
-    inset.errorbar(
-        [c["epoch"] for c in late],
-        [c["area"] for c in late],
-        yerr=[2 * c["area_stderr"] for c in late],
-        fmt="none",
-        ecolor="k",
-        elinewidth=1,
-        capsize=3,
+    ax.axhline(
+        reference["log_marginal"], color="k", ls="--", lw=lw, label=label("ground-truth LML")
     )
-    inset.scatter(
-        [c["epoch"] for c in late],
-        [c["area"] for c in late],
-        c=[cmap(norm(c["epoch"])) for c in late],
-        edgecolors="k",
-        zorder=3,
-    )
-    inset.axhline(reference["log_marginal"], color="k", ls="--", lw=1.0)
-    inset.tick_params(labelsize="x-small")
-    inset.set_title(f"epochs {start}-{cfg['epochs']}", fontsize="x-small")
