@@ -15,13 +15,15 @@ Masks are shared by all observations (the paper's convention; ``P`` masks per si
 ``P`` is repeated with independent masks; the figure shows every repetition and their mean.
 """
 
+import functools
 import math
 
 import torch
 
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._ppca import NOISE_CHOICES, exact_log_marginal, ppca_data
+from pyro_mpt.reproduce._experiment import Report, run_experiment
+from pyro_mpt.reproduce._ppca import check_noise, exact_log_marginal, ppca_data
 from pyro_mpt.reproduce._ppca import shared_mask_estimate as _estimate
 
 __all__ = ["NAME", "run"]
@@ -66,60 +68,48 @@ def _limit(data, sizes, limit_masks, seed, panel, bar, batches=4):
     return mean, std / math.sqrt(batches), per_size * batches
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, noise="paper"):
-    """Reproduces Fig. 1; writes ``ppca-convergence.json`` and ``ppca-convergence.png``.
+def _panel(cfg, index, num_features, rate, seed, device, noise, bar):
+    """One panel: the relative errors of every repetition at every ``P``, and the limit."""
+    common.seed_everything(common.derived_seed(seed, index, 0))
+    data = ppca_data(cfg["N"], num_features, cfg["K"], 0.2, noise, device)
+    lml = exact_log_marginal(data)
+    sizes = _panel_sizes(num_features, rate)
+    errors = {}
+    for num_masks in cfg["P"]:
+        rel = []
+        for rep in range(cfg["reps"]):
+            common.seed_everything(common.derived_seed(seed, index, num_masks, rep))
+            rel.append((_estimate(data, sizes, num_masks, bar) - lml) / abs(lml))
+        errors[num_masks] = rel
+    limit, limit_se, limit_p = _limit(data, sizes, cfg["limit_masks"], seed, index, bar)
+    return dict(
+        label=_panel_label(num_features, rate, sizes),
+        num_features=num_features,
+        rate=rate,
+        mask_sizes=sizes.tolist() if len(sizes) == 1 else "1..D",
+        log_marginal=lml,
+        relative_error={p: [abs(e) for e in v] for p, v in errors.items()},
+        signed_relative_error=errors,
+        limit_masks_per_size=limit_p,
+        limit_estimate=limit,
+        limit_relative_error=(limit - lml) / abs(lml),
+        limit_relative_error_se=limit_se / abs(lml),
+    )
 
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: small panels (``D = 5, 20, 64``) and few ``P``; runs in seconds.
-    :param bool full: ``P`` up to 300 as in the paper, and 50 000 masks for the bias.
-    :param int seed: base seed.
-    :param bool progress: show progress bars.
-    :param str noise: ``"paper"`` or ``"model"`` data noise.
-    :returns: the results dict (also written as JSON).
-    """
-    if noise not in NOISE_CHOICES:
-        raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    panels = []
-    with common.float64():
-        device = common.resolve_device(device)
-        work = 0
-        for num_features, rate in cfg["panels"]:
-            count = len(_panel_sizes(num_features, rate))
-            work += cfg["reps"] * count * sum(cfg["P"]) + cfg["limit_masks"] + 4 * count
-        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
-            for index, (num_features, rate) in enumerate(cfg["panels"]):
-                common.seed_everything(common.derived_seed(seed, index, 0))
-                data = ppca_data(cfg["N"], num_features, cfg["K"], 0.2, noise, device)
-                lml = exact_log_marginal(data)
-                sizes = _panel_sizes(num_features, rate)
-                errors = {}
-                for num_masks in cfg["P"]:
-                    rel = []
-                    for rep in range(cfg["reps"]):
-                        common.seed_everything(common.derived_seed(seed, index, num_masks, rep))
-                        rel.append((_estimate(data, sizes, num_masks, bar) - lml) / abs(lml))
-                    errors[num_masks] = rel
-                limit, limit_se, limit_p = _limit(data, sizes, cfg["limit_masks"], seed, index, bar)
-                panels.append(
-                    dict(
-                        label=_panel_label(num_features, rate, sizes),
-                        num_features=num_features,
-                        rate=rate,
-                        mask_sizes=sizes.tolist() if len(sizes) == 1 else "1..D",
-                        log_marginal=lml,
-                        relative_error={p: [abs(e) for e in v] for p, v in errors.items()},
-                        signed_relative_error=errors,
-                        limit_masks_per_size=limit_p,
-                        limit_estimate=limit,
-                        limit_relative_error=(limit - lml) / abs(lml),
-                        limit_relative_error_se=limit_se / abs(lml),
-                    )
-                )
 
+def _measure(cfg, device, seed, progress, noise):
+    work = 0
+    for num_features, rate in cfg["panels"]:
+        count = len(_panel_sizes(num_features, rate))
+        work += cfg["reps"] * count * sum(cfg["P"]) + cfg["limit_masks"] + 4 * count
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
+        return [
+            _panel(cfg, index, num_features, rate, seed, device, noise, bar)
+            for index, (num_features, rate) in enumerate(cfg["panels"])
+        ]
+
+
+def _report(cfg, panels, noise):
     headers = ["P"] + [p["label"] for p in panels]
     rows = []
     for num_masks in cfg["P"]:
@@ -136,11 +126,16 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         "P = masks per mask size, each shared by all observations. 'limit': signed relative "
         "error of the estimate with many masks (± its standard error): the bias."
     )
-    print(common.format_table(headers, rows, title=title))
+    fig = _figure(cfg, panels)
+    return Report(common.format_table(headers, rows, title=title), fig, dict(panels=panels))
 
+
+def _figure(cfg, panels):
+    """Per panel: every repetition's relative error against ``P``, their mean, and the
+    ``1/√P`` guide of an unbiased estimate or the measured bias."""
     fig, axes = common.new_figure(len(panels), width=4.6)
+    ps = list(cfg["P"])
     for ax, panel in zip(axes, panels):
-        ps = list(cfg["P"])
         per_rep = list(zip(*(panel["relative_error"][p] for p in ps)))
         for rep, values in enumerate(per_rep):
             ax.plot(
@@ -160,21 +155,30 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
         ax.set_ylabel("|MPT − LML| / |LML|")
         ax.set_title(panel["label"])
         ax.legend(fontsize="small")
+    return fig
 
-    results = dict(
-        experiment=NAME,
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, noise="paper"):
+    """Reproduces Fig. 1; writes ``ppca-convergence.json`` and ``ppca-convergence.png``.
+
+    ``smoke``: small panels (``D = 5, 20, 64``) and few ``P`` (seconds); ``full``: ``P`` up
+    to 300 as in the paper, and 50 000 masks for the bias. ``noise``: ``"paper"`` or
+    ``"model"`` data noise. The other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    """
+    check_noise(noise)
+    return run_experiment(
+        NAME,
+        out_dir,
+        _config,
+        functools.partial(_measure, noise=noise),
+        functools.partial(_report, noise=noise),
+        device=device,
+        smoke=smoke,
+        full=full,
+        seed=seed,
+        progress=progress,
+        dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 1",
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            noise=noise,
-            noise_var=0.2,
-            dtype="float64",
-        ),
-        panels=panels,
-        wall_seconds=total.elapsed,
+        settings=dict(noise=noise, noise_var=0.2, dtype="float64"),
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
