@@ -5,6 +5,8 @@ Phase ``exact``: one SGD step with gradient accumulation over a fixed, pre-maske
 rank 0 saves the initial and the updated weights so that the test can compare the update
 with one process on the whole batch. Phase ``smoke``: a few steps with ``MPTDataCollator``
 on a toy corpus; rank 0 saves the logged losses.
+
+The launcher puts the repository root on ``PYTHONPATH`` (this script imports ``tests``).
 """
 
 import json
@@ -18,33 +20,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
 
 from pyro_mpt.transformers import MPTDataCollator, MPTTrainer  # noqa: E402
+from tests import _tiny_transformers  # noqa: E402
 
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 LETTERS = "abcdefghijklmnop"
+VOCAB_SIZE = len(_tiny_transformers.SPECIAL) + len(LETTERS)
+#: The learning rate of the one-step SGD comparisons.
+SGD_LR = 0.5
 
 
 def write_vocab(folder):
     """A WordPiece vocabulary of letters; returns the folder for ``from_pretrained``."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "vocab.txt"), "w", encoding="utf-8") as handle:
-        handle.write("\n".join(SPECIAL + list(LETTERS)) + "\n")
-    return folder
+    return _tiny_transformers.write_vocab(folder, LETTERS)
 
 
 def tiny_bert(vocab_size, seed=0):
     """A randomly initialised two-layer BERT without dropout, in float32."""
-    config = transformers.BertConfig(
-        vocab_size=vocab_size,
+    model = _tiny_transformers.tiny_bert(
+        vocab_size,
+        seed,
         hidden_size=32,
         num_hidden_layers=2,
-        num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=64,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    torch.manual_seed(seed)
-    return transformers.BertForMaskedLM(config).float()
+    return model.float()
 
 
 def toy_texts(num):
@@ -84,28 +85,33 @@ def arguments(out_dir, **kwargs):
     return transformers.TrainingArguments(**defaults)
 
 
-def exact_phase(out_dir, vocab_dir):
-    data = torch.load(os.path.join(out_dir, "batch.pt"))
-    rows = [{k: v[i] for k, v in data.items()} for i in range(data["input_ids"].shape[0])]
-    model = tiny_bert(len(SPECIAL) + len(LETTERS))
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        torch.save(model.state_dict(), os.path.join(out_dir, "initial.pt"))
+def sgd_step_trainer(model, rows, out_dir, gradient_accumulation_steps, **kwargs):
+    """An ``MPTTrainer`` for one plain SGD step at ``SGD_LR`` (constant rate, no weight
+    decay, no clipping) over micro-batches of two pre-masked rows, stacked as they are."""
     args = arguments(
         out_dir,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=gradient_accumulation_steps,
         max_steps=1,
-        learning_rate=0.5,
+        learning_rate=SGD_LR,
         optim="sgd",
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=0.0,
     )
-    trainer = MPTTrainer(
-        model=model, args=args, train_dataset=ListDataset(rows), data_collator=stack
+    return MPTTrainer(
+        model=model, args=args, train_dataset=ListDataset(rows), data_collator=stack, **kwargs
     )
-    trainer.train()
+
+
+def exact_phase(out_dir, vocab_dir):
+    data = torch.load(os.path.join(out_dir, "batch.pt"))
+    rows = [{k: v[i] for k, v in data.items()} for i in range(data["input_ids"].shape[0])]
+    model = tiny_bert(VOCAB_SIZE)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(out_dir, "initial.pt"))
+    sgd_step_trainer(model, rows, out_dir, gradient_accumulation_steps=2).train()
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(out_dir, "updated.pt"))
 

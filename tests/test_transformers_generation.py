@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM, BertModel, BertTokenizer  # noqa: E402
+from transformers import BertModel, BertTokenizer  # noqa: E402
 
 from pyro_mpt.transformers import (  # noqa: E402
     GenerationDiagnostics,
@@ -22,36 +22,26 @@ from pyro_mpt.transformers import (  # noqa: E402
     stutter_rate,
     token_frequency_distance,
 )
+from tests._tiny_transformers import SPECIAL, tiny_bert, write_vocab  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 LETTERS = "abcdef"
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
 A, B, C, D, E, F = range(5, 11)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vocab")
-    (folder / "vocab.txt").write_text("\n".join(SPECIAL + list(LETTERS)) + "\n")
-    return BertTokenizer.from_pretrained(str(folder), do_lower_case=False)
+    folder = write_vocab(tmp_path_factory.mktemp("vocab"), LETTERS)
+    return BertTokenizer.from_pretrained(folder, do_lower_case=False)
 
 
 @pytest.fixture(scope="module")
 def model():
     # A large initialiser range makes the conditionals far from uniform (logits of sd about
     # 0.5 sqrt(16) = 2), so that the tests can tell one conditional from another.
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(SPECIAL) + len(LETTERS),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        initializer_range=0.5,
-    )
-    return BertForMaskedLM(config).to(DEVICE).eval()
+    model = tiny_bert(len(SPECIAL) + len(LETTERS), seed=0, initializer_range=0.5)
+    return model.to(DEVICE).eval()
 
 
 def _gen(seed):

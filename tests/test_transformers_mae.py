@@ -11,8 +11,6 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import ViTMAEConfig  # noqa: E402
-
 from pyro_mpt.ops.masks import masks_of_sizes  # noqa: E402
 from pyro_mpt.transformers import mae_loss, mae_mpt_curve, train_mae  # noqa: E402
 from pyro_mpt.transformers.vit_mae import (  # noqa: E402
@@ -21,29 +19,15 @@ from pyro_mpt.transformers.vit_mae import (  # noqa: E402
     num_patches,
     patch_log_likelihood,
     reconstruction_targets,
-    vit_mae_from_config,
 )
+from tests._tiny_transformers import tiny_vit_mae  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 
 
 def _mae(image_size=8, patch_size=2, norm_pix_loss=False, seed=0):
-    torch.manual_seed(seed)
-    config = ViTMAEConfig(
-        image_size=image_size,
-        patch_size=patch_size,
-        num_channels=1,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        decoder_hidden_size=16,
-        decoder_num_hidden_layers=1,
-        decoder_num_attention_heads=2,
-        decoder_intermediate_size=32,
-        norm_pix_loss=norm_pix_loss,
-    )
-    return vit_mae_from_config(config).to(DEVICE)
+    model = tiny_vit_mae(image_size, patch_size, seed, norm_pix_loss=norm_pix_loss)
+    return model.to(DEVICE)
 
 
 def test_masked_forward_masks_exactly_the_requested_patches_for_every_count():

@@ -19,9 +19,11 @@ pytest.importorskip("accelerate")
 
 from pyro_mpt.transformers import MPTDataCollator, MPTTrainer, mpt_mlm_loss  # noqa: E402
 from tests._ddp_mpt_script import (  # noqa: E402
+    SGD_LR,
+    VOCAB_SIZE,
     ListDataset,
     arguments,
-    stack,
+    sgd_step_trainer,
     tiny_bert,
     toy_texts,
     write_vocab,
@@ -82,26 +84,11 @@ def test_accumulated_step_equals_the_whole_batch_gradient(tokenizer, tmp_path, n
         rows = [{k: v[i] for k, v in batch.items()} for i in range(8)]
         model = tiny_bert(len(tokenizer))
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        args = arguments(
-            str(tmp_path),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=4,
-            max_steps=1,
-            learning_rate=0.5,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-        )
-        trainer = MPTTrainer(
-            model=model,
-            args=args,
-            train_dataset=ListDataset(rows),
-            data_collator=stack,
-            normalize=normalize,
+        trainer = sgd_step_trainer(
+            model, rows, str(tmp_path), gradient_accumulation_steps=4, normalize=normalize
         )
         trainer.train()
-        expected = _sgd_reference(initial, batch, 0.5, normalize)
+        expected = _sgd_reference(initial, batch, SGD_LR, normalize)
         _assert_same_update(expected, model.state_dict(), initial)
 
 
@@ -151,7 +138,7 @@ def test_batches_without_weights_raise(tokenizer, tmp_path):
 
 def test_unknown_normalization_raises(tmp_path):
     with pytest.raises(ValueError, match="normalize must be 'sequences' or 'tokens', got 'x'"):
-        MPTTrainer(model=tiny_bert(21), args=arguments(str(tmp_path)), normalize="x")
+        MPTTrainer(model=tiny_bert(VOCAB_SIZE), args=arguments(str(tmp_path)), normalize="x")
 
 
 def _free_port():
@@ -183,7 +170,7 @@ def test_two_process_torchrun_matches_one_process(tokenizer, tmp_path):
     # Two processes x two micro-batches of two sequences: the update is the whole batch's.
     initial = torch.load(tmp_path / "initial.pt")
     with _float32():
-        expected = _sgd_reference(initial, batch, 0.5)
+        expected = _sgd_reference(initial, batch, SGD_LR)
     _assert_same_update(expected, torch.load(tmp_path / "updated.pt"), initial)
     smoke = json.loads((tmp_path / "smoke.json").read_text())
     assert smoke["world_size"] == 2
