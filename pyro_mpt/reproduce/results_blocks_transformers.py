@@ -38,9 +38,9 @@ def bert_rates_block(ctx):
 def _bert_curve_parts(ctx, res, cfg):
     rates = cfg["rates"]
     caption = (
-        f"paper Fig. 5 / Table 2 analogue; {cfg['model']} on "
-        f"{len(cfg['sequences'])} therapeutic antibody variable domains of "
-        f"{ctx.code('ANTIBODY_SEQUENCES')}, mean D = {cfg['mean_num_features']:.1f} residues; "
+        f"paper Fig. 5 / Table 2 analogue; {cfg['model']} on {len(cfg['sequences'])} "
+        f"therapeutic antibody variable domains of {ctx.code('ANTIBODY_SEQUENCES')}, mean D = "
+        f"{cfg['mean_num_features']:.1f} residues; "
         f"{len(rates)} rates {percent(min(rates), 0)}…{percent(max(rates), 0)}, "
         f"{cfg['num_masks']} mask(s) per sequence and rate; area = D · mean_r S in nats per "
         "sequence (± Monte Carlo s.e. where there are several masks):"
@@ -92,8 +92,8 @@ def _mae_curve_parts(ctx, res, cfg):
     seeds = cfg["seeds"]
     rates = next(iter(res["curves"].values()))["rates"]
     caption = (
-        f"paper Fig. 6 analogue; a ViT-MAE with 4×4 patches of "
-        f"28×28 MNIST images, width {cfg['hidden']}, {cfg['layers']}+{cfg['decoder_layers']} "
+        f"paper Fig. 6 analogue; a ViT-MAE with 4×4 patches of 28×28 MNIST images, width "
+        f"{cfg['hidden']}, {cfg['layers']}+{cfg['decoder_layers']} "
         f"layers, trained from the same initial weights on the same batches of {cfg['N']} "
         f"images for {cfg['epochs']} epoch(s) with each masking schedule; curves on "
         f"{cfg['held_out']} held-out images at {len(rates)} rates "
@@ -138,8 +138,8 @@ def _mae_curve_parts(ctx, res, cfg):
 def _bert_rates_parts(ctx, res, cfg):
     seeds = cfg["seeds"]
     caption = (
-        f"a {cfg['layers']}-layer BERT of width {cfg['hidden']}, "
-        f"{cfg['vocab_size']}-piece WordPiece vocabulary, {cfg['length']}-token sequences, "
+        f"a {cfg['layers']}-layer BERT of width {cfg['hidden']}, {cfg['vocab_size']}-piece "
+        f"WordPiece vocabulary, {cfg['length']}-token sequences, "
         f"trained from the same weights on the same batches of BBC News by "
         f"{ctx.code('MPTTrainer')} + {ctx.code('MPTDataCollator')} for {cfg['steps']} steps of "
         f"{cfg['batch']} at learning rate {cfg['lr']:g}; held-out area over {len(cfg['rates'])} "
