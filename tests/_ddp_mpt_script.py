@@ -36,14 +36,7 @@ def write_vocab(folder):
 def tiny_bert(vocab_size, seed=0):
     """A randomly initialised two-layer BERT without dropout, in float32."""
     model = _tiny_transformers.tiny_bert(
-        vocab_size,
-        seed,
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        vocab_size, seed, width=32, dropout=0.0, num_hidden_layers=2, max_position_embeddings=64
     )
     return model.float()
 

@@ -27,19 +27,19 @@ def write_vocab(folder, letters):
     return folder
 
 
-def tiny_bert(vocab_size, seed=0, **config):
-    """A ``BertForMaskedLM`` initialised under ``torch.manual_seed(seed)``: one layer of
-    width 16, two heads, 32 positions, unless ``config`` (``BertConfig`` fields) says
-    otherwise."""
-    settings = dict(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    settings.update(config)
+def _width(width):
+    """Hidden and feed-forward sizes of a tiny model ``width`` wide, with two heads."""
+    return dict(hidden_size=width, num_attention_heads=2, intermediate_size=2 * width)
+
+
+def tiny_bert(vocab_size, seed=0, width=16, dropout=0.1, **config):
+    """A ``BertForMaskedLM`` initialised under ``torch.manual_seed(seed)``: one layer
+    ``width`` wide (two heads, feed-forward ``2 width``), 32 positions, ``dropout`` on the
+    hidden states and the attention probabilities (BERT's 0.1 unless given), unless
+    ``config`` (``BertConfig`` fields) says otherwise."""
+    settings = dict(vocab_size=vocab_size, num_hidden_layers=1, max_position_embeddings=32)
+    settings.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    settings.update(_width(width), **config)
     torch.manual_seed(seed)
     return transformers.BertForMaskedLM(transformers.BertConfig(**settings))
 
@@ -50,19 +50,9 @@ def tiny_vit_mae(image_size=8, patch_size=2, seed=0, **config):
     unless ``config`` (``ViTMAEConfig`` fields) says otherwise."""
     from pyro_mpt.transformers.vit_mae import vit_mae_from_config
 
-    settings = dict(
-        image_size=image_size,
-        patch_size=patch_size,
-        num_channels=1,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        decoder_hidden_size=16,
-        decoder_num_hidden_layers=1,
-        decoder_num_attention_heads=2,
-        decoder_intermediate_size=32,
-    )
+    decoder = {f"decoder_{key}": value for key, value in _width(16).items()}
+    settings = dict(image_size=image_size, patch_size=patch_size, num_channels=1)
+    settings.update(_width(16), num_hidden_layers=1, decoder_num_hidden_layers=1, **decoder)
     settings.update(config)
     torch.manual_seed(seed)
     return vit_mae_from_config(transformers.ViTMAEConfig(**settings))
