@@ -33,20 +33,24 @@ Five seeds; mean ± sample std across seeds, next to the paper's figures.
 import torch
 
 from pyro_mpt.reproduce import _common as common
+from pyro_mpt.reproduce._experiment import Report
 from pyro_mpt.reproduce._ppca import (
-    NOISE_CHOICES,
+    check_noise,
     exact_log_marginal,
     per_observation_estimate,
     ppca_data,
     shared_mask_estimate,
 )
 
-__all__ = ["NAME", "PAPER", "run"]
+__all__ = ["CONVENTION", "NAME", "NOISE_VAR", "PAPER", "run"]
 
 NAME = "ppca-table1"
 
 #: The paper's Table 1: true LML and negative MPT loss (mean ± std over 5 seeds) per P.
 PAPER = {"true_lml": -60.34, "mpt": {1: (-60.44, 0.47), 10: (-60.22, 0.12), 100: (-60.34, 0.03)}}
+
+#: The model's noise variance ``σ²``.
+NOISE_VAR = 0.2
 
 CONVENTION = (
     "P = random masks per mask size (P*D masks in all); shared: each mask is used for all N "
@@ -82,43 +86,31 @@ def _estimates(estimate_fn, data, sizes, num_masks, seed, group, num_seeds, bar)
     return dict(estimates=values, mean=mean, std=std, seconds=watch.seconds)
 
 
-def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, noise="paper"):
-    """Reproduces Table 1; writes ``ppca-table1.json`` and ``ppca-table1.png``.
+def _measure(cfg, device, seed, progress, noise):
+    """The true LML, and the estimates of every seed with shared and per-observation masks."""
+    common.seed_everything(common.derived_seed(seed, 0))
+    data = ppca_data(cfg["N"], cfg["D"], cfg["K"], NOISE_VAR, noise, device)
+    sizes = torch.arange(1, cfg["D"] + 1)
+    work = cfg["seeds"] * cfg["D"] * (sum(cfg["shared_P"]) + sum(cfg["per_obs_P"]))
+    shared, per_obs = {}, {}
+    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
+        for num_masks in cfg["shared_P"]:
+            shared[num_masks] = _estimates(
+                shared_mask_estimate, data, sizes, num_masks, seed, 1, cfg["seeds"], bar
+            )
+        for num_masks in cfg["per_obs_P"]:
+            per_obs[num_masks] = _estimates(
+                per_observation_estimate, data, sizes, num_masks, seed, 2, cfg["seeds"], bar
+            )
+    return dict(true_lml=exact_log_marginal(data), shared=shared, per_observation=per_obs)
 
-    :param str out_dir: output folder (created if needed).
-    :param str device: ``"cpu"`` or ``"cuda"``.
-    :param bool smoke: a small problem (``N=300, D=30, K=3``) that runs in seconds.
-    :param bool full: adds per-observation masks with ``P = 10`` and ``100``.
-    :param int seed: base seed; data and every (P, repetition) get seeds derived from it.
-    :param bool progress: show progress bars.
-    :param str noise: ``"paper"`` or ``"model"`` data noise (see the module docstring).
-    :returns: the results dict (also written as JSON).
-    """
-    if noise not in NOISE_CHOICES:
-        raise ValueError(f"noise={noise!r} is not known; use one of {NOISE_CHOICES}.")
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    noise_var = 0.2
-    total = common.Stopwatch()
-    with common.float64():
-        device = common.resolve_device(device)
-        common.seed_everything(common.derived_seed(seed, 0))
-        data = ppca_data(cfg["N"], cfg["D"], cfg["K"], noise_var, noise, device)
-        true_lml = exact_log_marginal(data)
-        sizes = torch.arange(1, cfg["D"] + 1)
-        work = cfg["seeds"] * cfg["D"] * (sum(cfg["shared_P"]) + sum(cfg["per_obs_P"]))
-        shared, per_obs = {}, {}
-        with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
-            for num_masks in cfg["shared_P"]:
-                shared[num_masks] = _estimates(
-                    shared_mask_estimate, data, sizes, num_masks, seed, 1, cfg["seeds"], bar
-                )
-            for num_masks in cfg["per_obs_P"]:
-                per_obs[num_masks] = _estimates(
-                    per_observation_estimate, data, sizes, num_masks, seed, 2, cfg["seeds"], bar
-                )
 
-    noise_text = _noise_text(noise, noise_var, cfg["D"])
+def _report(cfg, measured, noise, smoke):
+    true_lml, shared, per_obs = (
+        measured["true_lml"],
+        measured["shared"],
+        measured["per_observation"],
+    )
     rows = [["true LML", f"{PAPER['true_lml']:.2f}", f"{true_lml:.2f}", "", f"{true_lml:.2f}", ""]]
     for num_masks in sorted(set(cfg["shared_P"]) | set(cfg["per_obs_P"])):
         paper = PAPER["mpt"].get(num_masks)
@@ -132,12 +124,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     largest = max(cfg["shared_P"])
     title = (
         f"Table 1 (PPCA N={cfg['N']}, D={cfg['D']}, K={cfg['K']}, model noise variance "
-        f"{noise_var}): negative MPT loss per observation, mean ± std over {cfg['seeds']} seeds.\n"
-        f"P = random masks per mask size (P*D masks in all). shared: each mask used for all N "
-        f"observations (paper's convention); per-obs: each observation its own masks."
+        f"{NOISE_VAR}): negative MPT loss per observation, mean ± std over {cfg['seeds']} "
+        "seeds.\nP = random masks per mask size (P*D masks in all). shared: each mask used for "
+        "all N observations (paper's convention); per-obs: each observation its own masks."
     )
     notes = [
-        f"data noise: {noise_text}",
+        f"data noise: {_noise_text(noise, NOISE_VAR, cfg['D'])}",
         f"P={largest} (shared masks, {cfg['seeds']} seeds): "
         f"{shared[largest]['seconds']:.2f} s in all, "
         f"{shared[largest]['seconds'] / cfg['seeds']:.2f} s per seed",
@@ -145,12 +137,25 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     if smoke:
         notes.append("smoke size: the paper's figures are for N=1000, D=200, K=5")
     headers = ["", "paper", "shared masks", "s", "per-obs masks", "s"]
-    print(common.format_table(headers, rows, title=title, notes=notes))
+    results = dict(
+        paper=PAPER,
+        true_lml=true_lml,
+        shared=shared,
+        per_observation=per_obs,
+        p100_seconds=shared[largest]["seconds"],
+    )
+    table = common.format_table(headers, rows, title=title, notes=notes)
+    return Report(table, _figure(cfg, measured, noise), results)
 
+
+def _figure(cfg, measured, noise):
+    """Both estimates' mean ± std across seeds against ``P``, and the true LML."""
     fig, (ax,) = common.new_figure(1, width=6.0, height=4.2)
-    for offset, (label, group) in zip(
-        (0.97, 1.03), (("shared masks", shared), ("per-observation masks", per_obs))
-    ):
+    groups = (
+        ("shared masks", measured["shared"]),
+        ("per-observation masks", measured["per_observation"]),
+    )
+    for offset, (label, group) in zip((0.97, 1.03), groups):
         keys = sorted(group)
         ax.errorbar(
             [k * offset for k in keys],
@@ -160,33 +165,48 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
             capsize=4,
             label=f"MPT, {label}",
         )
+    true_lml = measured["true_lml"]
     ax.axhline(true_lml, color="k", ls="--", label=f"true LML {true_lml:.2f}")
     ax.set_xscale("log")
     ax.set_xlabel("P (random masks per mask size)")
     ax.set_ylabel("log p(x) per observation (nats)")
     ax.set_title(f"PPCA D={cfg['D']}, K={cfg['K']}, noise={noise}: mean ± std over seeds")
     ax.legend(fontsize="small")
+    return fig
 
+
+def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, noise="paper"):
+    """Reproduces Table 1; writes ``ppca-table1.json`` and ``ppca-table1.png``.
+
+    ``smoke``: a small problem (``N=300, D=30, K=3``) that runs in seconds; ``full``: adds
+    per-observation masks with ``P = 10`` and ``100``. ``noise``: ``"paper"`` or ``"model"``
+    data noise (see the module docstring). The other arguments are those of
+    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+
+    The steps are those of ``run_experiment``, taken here because the result file states the
+    masks' :data:`CONVENTION` ahead of its ``config``, a field ``run_experiment`` does not place.
+    """
+    check_noise(noise)
+    common.check_size(smoke, full)
+    cfg = _config(smoke, full)
+    total = common.Stopwatch()
+    with common.float64():
+        device = common.resolve_device(device)
+        measured = _measure(cfg, device, seed, progress, noise)
+    shown = _report(cfg, measured, noise, smoke)
+    print(shown.table)
+    settings = dict(
+        noise_var=NOISE_VAR,
+        noise=noise,
+        noise_description=_noise_text(noise, NOISE_VAR, cfg["D"]),
+        dtype="float64",
+    )
     results = dict(
         experiment=NAME,
         paper_reference="Moreno-Muñoz et al. (2023), Table 1",
         convention=CONVENTION,
-        config=common.run_config(
-            cfg,
-            seed,
-            smoke,
-            full,
-            device,
-            noise_var=noise_var,
-            noise=noise,
-            noise_description=noise_text,
-            dtype="float64",
-        ),
-        paper=PAPER,
-        true_lml=true_lml,
-        shared=shared,
-        per_observation=per_obs,
-        p100_seconds=shared[largest]["seconds"],
+        config=common.run_config(cfg, seed, smoke, full, device, **settings),
+        **shown.results,
         wall_seconds=total.elapsed,
     )
-    return common.save_outputs(out_dir, NAME, results, fig)
+    return common.save_outputs(out_dir, NAME, results, shown.figure)
