@@ -7,9 +7,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyro
 import torch
 
-from pyro_mpt import log_marginal
+from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact
 from tests.zoo_references import (
     grid_log_marginal_1d,
@@ -113,6 +114,20 @@ def assert_unbiased(draws, reference, bias_tol=0.0, num_se=4.5):
         f"observation {worst}: mean {draws.mean(0)[worst]:.4f}, reference "
         f"{reference[worst]:.4f}, standard error {se[worst]:.4f}"
     )
+
+
+def assert_uniform_estimate_unbiased(case, guide, seed=None, num_draws=150):
+    """``MPTLoss(rate="uniform", num_masks=4)`` under the case's reference-quality
+    conditionals, averaged over ``num_draws`` draws (after ``pyro.set_rng_seed(seed)`` where
+    given), is unbiased for the reference: exactly for exact conditionals, within the case's
+    ``tol`` per observation otherwise."""
+    loss = MPTLoss(rate="uniform", num_masks=4, conditionals=case.conditionals())
+    if seed is not None:
+        pyro.set_rng_seed(seed)
+    draws = estimate_draws(loss, case, guide, num_draws)
+    with torch.no_grad():
+        reference = case.reference()
+    assert_unbiased(draws, reference, 0.0 if case.strategy is Exact else case.tol)
 
 
 def assert_mean_loss_matches(losses, target, slack=0.0, num_se=4.5):

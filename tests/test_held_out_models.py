@@ -26,17 +26,7 @@ from pyro.infer.autoguide import (
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import EncodeDecode, Exact, Importance, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from tests._zoo import (
-    ModelCase,
-    assert_mean_loss_matches,
-    assert_unbiased,
-    estimate_draws,
-    factory_ids,
-    grid_1d,
-    grid_2d,
-    log_marginal_and_reference,
-)
-from tests._zoo import seeded as _seeded
+from tests import _zoo as zoo
 from tests.zoo_references import grid_log_marginal_1d, mvn_log_prob
 
 QUADRATURE_TOL = 1e-3
@@ -52,7 +42,7 @@ def _float64():
 
 
 @dataclass
-class Case(ModelCase):
+class Case(zoo.ModelCase):
     """One held-out model: the fields of :class:`tests._zoo.ModelCase`, with ``reference``
     and ``strategy`` required, ``guide`` a function that builds the guide from the model,
     and
@@ -88,11 +78,11 @@ def _quadrature_case(name, model, args, reference, num_points, **settings):
 
 def two_latents_of_different_sizes():
     """``z ~ N(0, I_2)`` and ``c ~ N(0.5, 0.8)`` in one plate: ``x ~ N(W z + v c + b, 0.6)``."""
-    with _seeded(101):
+    with zoo.seeded(101):
         weight, v, bias = torch.randn(5, 2), torch.randn(5), torch.randn(5)
     mean = bias + 0.5 * v
     cov = weight @ weight.T + 0.64 * torch.outer(v, v) + 0.36 * torch.eye(5)
-    with _seeded(102):
+    with zoo.seeded(102):
         x = torch.distributions.MultivariateNormal(mean, cov).sample((8,))
 
     def model(x):
@@ -113,7 +103,7 @@ def nested_time_plate():
     ``x_it = a_t z_i + c u_it + b_t + noise``: the marginal of the ``T x 2`` features is
     Gaussian."""
     num_steps = 2
-    with _seeded(103):
+    with zoo.seeded(103):
         a, c, b = torch.randn(num_steps, 2), torch.randn(2), torch.randn(num_steps, 2)
     # Flattened features (t, f): loading on z, on u_1, on u_2.
     load = torch.zeros(num_steps * 2, 1 + num_steps)
@@ -122,7 +112,7 @@ def nested_time_plate():
         load[2 * t : 2 * t + 2, 1 + t] = c
     mean = b.reshape(-1)
     cov = load @ load.T + 0.25 * torch.eye(num_steps * 2)
-    with _seeded(104):
+    with zoo.seeded(104):
         x = torch.distributions.MultivariateNormal(mean, cov).sample((7,)).reshape(7, num_steps, 2)
 
     def model(x):
@@ -141,13 +131,13 @@ def nested_time_plate():
 def covariate_dependent_prior():
     """``z_i ~ N(0.7 s_i, exp(0.4 s_i))`` with a covariate ``s_i`` per observation,
     ``x ~ N(w z + b, 0.5)``: the prior differs between observations."""
-    with _seeded(105):
+    with zoo.seeded(105):
         s = torch.randn(9)
         w, bias = torch.randn(4), torch.randn(4)
     prior_loc, prior_scale = 0.7 * s, torch.exp(0.4 * s)
     mean = prior_loc[:, None] * w + bias
     cov = prior_scale[:, None, None] ** 2 * torch.outer(w, w) + 0.25 * torch.eye(4)
-    with _seeded(106):
+    with zoo.seeded(106):
         x = torch.distributions.MultivariateNormal(mean, cov).sample()
 
     def model(x, s):
@@ -163,12 +153,12 @@ def covariate_dependent_prior():
 def concatenated_covariate():
     """A decoder on ``torch.cat([z, covariate], -1)``, with the covariate expanded to the
     latent's batch shape (as a model that broadcasts over extra leading dims must)."""
-    with _seeded(107):
+    with zoo.seeded(107):
         covariate = torch.randn(8, 1)
         weight, bias = torch.randn(4, 2), torch.randn(4)
     mean = covariate * weight[:, 1] + bias
     cov = torch.outer(weight[:, 0], weight[:, 0]) + 0.36 * torch.eye(4)
-    with _seeded(108):
+    with zoo.seeded(108):
         x = torch.distributions.MultivariateNormal(mean, cov).sample()
 
     def model(x, covariate):
@@ -184,14 +174,14 @@ def concatenated_covariate():
 
 def low_rank_mvn_prior():
     """A ``LowRankMultivariateNormal`` prior over a 3-dim latent."""
-    with _seeded(109):
+    with zoo.seeded(109):
         factor, diag = torch.randn(3, 1), 0.2 + torch.rand(3)
         prior_loc = torch.randn(3)
         weight, bias = torch.randn(5, 3), torch.randn(5)
     prior_cov = factor @ factor.T + torch.diag(diag)
     mean = weight @ prior_loc + bias
     cov = weight @ prior_cov @ weight.T + 0.3 * torch.eye(5)
-    with _seeded(110):
+    with zoo.seeded(110):
         x = torch.distributions.MultivariateNormal(mean, cov).sample((8,))
 
     def model(x):
@@ -206,10 +196,10 @@ def latent_in_component_plate():
     """Two latents per observation in a ``components`` plate (dim -1) nested inside the data
     plate (dim -2); the observation sits in the data plate only (``.to_event(1)``):
     ``x_i = A z_i + b + noise``."""
-    with _seeded(128):
+    with zoo.seeded(128):
         weight, bias = torch.randn(4, 2), torch.randn(4)
     cov = weight @ weight.T + 0.36 * torch.eye(4)
-    with _seeded(129):
+    with zoo.seeded(129):
         x = torch.distributions.MultivariateNormal(bias, cov).sample((8,))
 
     def model(x):
@@ -236,7 +226,7 @@ def latent_in_component_plate():
 def halfnormal_prior_scale():
     """``s ~ HalfNormal(1)`` per observation, ``x_j ~ N(b_j, 0.3 + s)``: a scale mixture
     (HalfNormal is ``|N(0, 1)|``, a transformed normal)."""
-    with _seeded(111):
+    with zoo.seeded(111):
         bias = torch.randn(4)
         s = torch.randn(8).abs()
         x = bias + (0.3 + s[:, None]) * torch.randn(8, 4)
@@ -248,7 +238,7 @@ def halfnormal_prior_scale():
             pyro.sample("x", dist.Normal(bias, scale).to_event(1), obs=x)
 
     def reference():  # s = |t|, t standard normal
-        return grid_1d(
+        return zoo.grid_1d(
             lambda t: dist.Normal(bias, (0.3 + t.abs()).unsqueeze(1)).log_prob(x).sum(-1),
             num_points=24001,
         )
@@ -280,7 +270,7 @@ def logitnormal_mixture_weight():
     ``TransformedDistribution`` with a ``SigmoidTransform``), and features from
     ``w N(-1.5, 0.7) + (1 - w) N(1.5, 0.7)``."""
     likelihood = _weighted_two_normals
-    with _seeded(112):
+    with zoo.seeded(112):
         w = torch.sigmoid(1.5 * torch.randn(8, 1))
         x = likelihood(w).sample()
 
@@ -293,7 +283,7 @@ def logitnormal_mixture_weight():
             pyro.sample("x", likelihood(w.unsqueeze(-1)).to_event(1), obs=x)
 
     def reference():
-        return grid_1d(
+        return zoo.grid_1d(
             lambda t: likelihood(torch.sigmoid(1.5 * t).unsqueeze(1)).log_prob(x).sum(-1)
         )
 
@@ -302,7 +292,7 @@ def logitnormal_mixture_weight():
 
 def laplace_likelihood_2d():
     """``z ~ N(0, I_2)``, ``x_j ~ Laplace(W_j z + b_j, 0.6)``, D=5."""
-    with _seeded(113):
+    with zoo.seeded(113):
         weight, bias = 0.7 * torch.randn(5, 2), torch.randn(5)
         x = dist.Laplace(torch.randn(8, 2) @ weight.T + bias, 0.6).sample()
 
@@ -312,7 +302,7 @@ def laplace_likelihood_2d():
             pyro.sample("x", dist.Laplace(z @ weight.T + bias, 0.6).to_event(1), obs=x)
 
     def reference():
-        return grid_2d(
+        return zoo.grid_2d(
             lambda t: dist.Laplace((t @ weight.T + bias).unsqueeze(1), 0.6).log_prob(x).sum(-1)
         )
 
@@ -334,7 +324,7 @@ def binomial_varying_total_count():
     """``x_ij ~ Binomial(n_i, logits = w_j z_i + b_j)`` with a different ``total_count`` per
     observation."""
     total = torch.tensor([2.0, 5.0, 9.0, 3.0, 12.0, 1.0, 7.0, 4.0])
-    with _seeded(114):
+    with zoo.seeded(114):
         weight, bias = 0.6 * torch.randn(5), 0.3 * torch.randn(5)
         z = torch.randn(8)
         x = dist.Binomial(total[:, None], logits=z[:, None] * weight + bias).sample()
@@ -350,7 +340,7 @@ def binomial_varying_total_count():
             logits = (t * weight + bias).unsqueeze(1)  # (G, 1, D)
             return dist.Binomial(total[:, None], logits=logits).log_prob(x).sum(-1)
 
-        return grid_1d(log_lik)
+        return zoo.grid_1d(log_lik)
 
     return _quadrature_case("binomial_varying_total_count", model, (x, total), reference, 80)
 
@@ -358,7 +348,7 @@ def binomial_varying_total_count():
 def geometric_probs():
     """``x_j ~ Geometric(probs = sigmoid(w_j z + b_j))``: counts with few distinct values,
     parameterised by ``probs``."""
-    with _seeded(115):
+    with zoo.seeded(115):
         weight, bias = 0.5 * torch.randn(6), 0.2 * torch.randn(6)
         z = torch.randn(8)
         x = dist.Geometric(probs=torch.sigmoid(z[:, None] * weight + bias)).sample()
@@ -374,13 +364,13 @@ def geometric_probs():
             probs = torch.sigmoid(t * weight + bias).unsqueeze(1)
             return dist.Geometric(probs=probs).log_prob(x).sum(-1)
 
-        return grid_1d(log_lik)
+        return zoo.grid_1d(log_lik)
 
     return _quadrature_case("geometric_probs", model, (x,), reference, 80)
 
 
 def _bernoulli_data(seed, num_obs, weight, bias):
-    with _seeded(seed):
+    with zoo.seeded(seed):
         z = torch.randn(num_obs)
         return torch.bernoulli(torch.sigmoid(z[:, None] * weight + bias))
 
@@ -388,7 +378,7 @@ def _bernoulli_data(seed, num_obs, weight, bias):
 def bernoulli_mask_per_observation():
     """``poutine.mask`` with a boolean tensor over observations around a Bernoulli model:
     masked observations contribute exactly 0."""
-    with _seeded(116):
+    with zoo.seeded(116):
         weight, bias = torch.randn(6), 0.4 * torch.randn(6)
     x = _bernoulli_data(117, 9, weight, bias)
     keep = torch.tensor([True, False, True, True, True, False, True, True, False])
@@ -403,7 +393,7 @@ def bernoulli_mask_per_observation():
         def log_lik(t):
             return dist.Bernoulli(logits=(t * weight + bias).unsqueeze(1)).log_prob(x).sum(-1)
 
-        return torch.where(keep, grid_1d(log_lik), 0.0)
+        return torch.where(keep, zoo.grid_1d(log_lik), 0.0)
 
     return _quadrature_case("bernoulli_mask_per_observation", model, (x,), reference, 80)
 
@@ -411,10 +401,10 @@ def bernoulli_mask_per_observation():
 def bernoulli_obs_mask_missing_rows():
     """``obs_mask`` on a Bernoulli site in a feature plate, with two rows entirely missing:
     the reference integrates the observed entries only."""
-    with _seeded(118):
+    with zoo.seeded(118):
         weight, bias = torch.randn(6), 0.4 * torch.randn(6)
     x = _bernoulli_data(119, 9, weight, bias)
-    with _seeded(120):
+    with zoo.seeded(120):
         observed = torch.rand(9, 6) > 0.3
     observed[0] = True
     observed[3] = False
@@ -432,7 +422,7 @@ def bernoulli_obs_mask_missing_rows():
             logits = (t * weight + bias).unsqueeze(1)
             return torch.where(observed, dist.Bernoulli(logits=logits).log_prob(x), 0.0).sum(-1)
 
-        return torch.where(observed.any(-1), grid_1d(log_lik), 0.0)
+        return torch.where(observed.any(-1), zoo.grid_1d(log_lik), 0.0)
 
     return _quadrature_case("bernoulli_obs_mask_missing_rows", model, (x,), reference, 80)
 
@@ -450,7 +440,7 @@ class _TanhDecoder(torch.nn.Module):
 def module_decoder_2d():
     """A ``torch.nn.Module`` decoder (Linear-Tanh-Linear) registered with ``pyro.module``,
     ``z ~ N(0, I_2)``, ``x ~ N(decoder(z), 0.5)``."""
-    with _seeded(121):
+    with zoo.seeded(121):
         decoder = _TanhDecoder(2, 6, 4).double()
         with torch.no_grad():
             x = decoder(torch.randn(8, 2)) + 0.5 * torch.randn(8, 4)
@@ -467,7 +457,7 @@ def module_decoder_2d():
                 loc = decoder(t).unsqueeze(1)
             return dist.Normal(loc, 0.5).log_prob(x).sum(-1)
 
-        return grid_2d(log_lik)
+        return zoo.grid_2d(log_lik)
 
     return _quadrature_case("module_decoder_2d", model, (x,), reference, 40)
 
@@ -475,7 +465,7 @@ def module_decoder_2d():
 def subsampled_with_pyro_subsample():
     """A subsampled data plate whose observation is ``pyro.subsample(x, event_dim=1)``, a
     Poisson likelihood: the loss is unbiased for minus the full data's log p(x)."""
-    with _seeded(122):
+    with zoo.seeded(122):
         weight, bias = 0.5 * torch.randn(4), 0.5 + 0.2 * torch.randn(4)
         z = torch.randn(12)
         x = torch.poisson(torch.exp(z[:, None] * weight + bias))
@@ -487,7 +477,7 @@ def subsampled_with_pyro_subsample():
             pyro.sample("x", dist.Poisson(rate).to_event(1), obs=pyro.subsample(x, event_dim=1))
 
     def reference():
-        return grid_1d(
+        return zoo.grid_1d(
             lambda t: dist.Poisson(torch.exp(t * weight + bias).unsqueeze(1)).log_prob(x).sum(-1)
         )
 
@@ -530,7 +520,7 @@ def _importance_case(name, model, x, reference, autoguide):
 def gamma_precision():
     """``tau ~ Gamma(3, 2)`` per observation, ``x_j ~ N(m_j, 1 / sqrt(tau))``: a Gamma prior,
     importance sampling with ``AutoNormal``."""
-    with _seeded(123):
+    with zoo.seeded(123):
         loc = torch.randn(4)
         tau = dist.Gamma(3.0, 2.0).sample((8,))
         x = loc + torch.randn(8, 4) / tau.sqrt()[:, None]
@@ -557,7 +547,7 @@ def beta_mixture_weight():
     ``w N(-1.5, 0.7) + (1 - w) N(1.5, 0.7)``; importance sampling with
     ``AutoDiagonalNormal`` (a joint Gaussian over every observation's weight)."""
     likelihood = _weighted_two_normals
-    with _seeded(124):
+    with zoo.seeded(124):
         w = dist.Beta(2.0, 2.0).sample((8, 1))
         x = likelihood(w).sample()
 
@@ -582,10 +572,10 @@ def low_rank_guide_importance():
     """A linear-Gaussian model with a scalar latent, scored by importance sampling with an
     ``AutoLowRankMultivariateNormal`` guide (one joint Gaussian over every observation's
     latent, whose per-observation marginals are the proposals); auto takes exact."""
-    with _seeded(125):
+    with zoo.seeded(125):
         weight, bias = 0.6 * torch.randn(5), torch.randn(5)
     cov = torch.outer(weight, weight) + 0.5 * torch.eye(5)
-    with _seeded(126):
+    with zoo.seeded(126):
         x = torch.distributions.MultivariateNormal(bias, cov).sample((6,))
 
     def model(x):
@@ -638,15 +628,15 @@ def _guide(case):
     return None if case.guide is None else case.guide(case.model)
 
 
-@pytest.mark.parametrize("factory", CHECKED_LML, ids=factory_ids(CHECKED_LML))
+@pytest.mark.parametrize("factory", CHECKED_LML, ids=zoo.factory_ids(CHECKED_LML))
 def test_log_marginal_matches_reference(factory):
     case = factory()
-    value, reference = log_marginal_and_reference(case, case.conditionals(), _guide(case))
+    value, reference = zoo.log_marginal_and_reference(case, case.conditionals(), _guide(case))
     assert value.shape == reference.shape
     torch.testing.assert_close(value, reference, atol=case.tol, rtol=0.0)
 
 
-@pytest.mark.parametrize("factory", SCORED, ids=factory_ids(SCORED))
+@pytest.mark.parametrize("factory", SCORED, ids=zoo.factory_ids(SCORED))
 def test_auto_picks_a_strategy_that_is_right(factory):
     case = factory()
     guide = _guide(case)
@@ -659,21 +649,14 @@ def test_auto_picks_a_strategy_that_is_right(factory):
     assert isinstance(loss.conditionals.chosen, case.strategy), loss.conditionals.chosen
     if getattr(case, "subsampled", False):
         return
-    value, reference = log_marginal_and_reference(case, loss.conditionals, guide)
+    value, reference = zoo.log_marginal_and_reference(case, loss.conditionals, guide)
     torch.testing.assert_close(value, reference, atol=case.auto_tol, rtol=0.0)
 
 
-@pytest.mark.parametrize("factory", UNBIASED, ids=factory_ids(UNBIASED))
+@pytest.mark.parametrize("factory", UNBIASED, ids=zoo.factory_ids(UNBIASED))
 def test_uniform_estimate_is_unbiased(factory):
     case = factory()
-    guide = _guide(case)
-    loss = MPTLoss(rate="uniform", num_masks=4, conditionals=case.conditionals())
-    pyro.set_rng_seed(1)
-    draws = estimate_draws(loss, case, guide, 150)
-    with torch.no_grad():
-        reference = case.reference()
-    bias_tol = 0.0 if case.strategy is Exact else case.tol
-    assert_unbiased(draws, reference, bias_tol)
+    zoo.assert_uniform_estimate_unbiased(case, _guide(case), seed=1)
 
 
 # --------------------------------------------------------------------------------------
@@ -690,7 +673,7 @@ def test_pyro_subsample_loss_is_unbiased_for_the_full_data():
         assert loss.estimate(case.model, None, x).shape == (4,)
         losses = torch.tensor([loss.loss(case.model, None, x) for _ in range(300)])
         target = -case.reference().sum()
-    assert_mean_loss_matches(losses, target, slack=0.01)
+    zoo.assert_mean_loss_matches(losses, target, slack=0.01)
 
 
 @pytest.mark.parametrize(
@@ -701,7 +684,7 @@ def test_masked_out_observations_contribute_exactly_zero(factory):
     empty = case.reference() == 0
     assert bool(empty.any())
     loss = MPTLoss(rate="uniform", num_masks=2, conditionals=Quadrature(num_points=30))
-    draws = estimate_draws(loss, case, None, 20)
+    draws = zoo.estimate_draws(loss, case, None, 20)
     assert bool((draws[:, empty] == 0).all())
     assert bool((draws[:, ~empty] != 0).all())
 
@@ -714,7 +697,7 @@ def test_masked_out_observations_contribute_exactly_zero(factory):
 def _discrete_mixture():
     mus = torch.tensor([[-1.0, 0.5, 2.0], [1.5, -1.0, 0.0]])
     weights = torch.tensor([0.3, 0.7])
-    with _seeded(127):
+    with zoo.seeded(127):
         labels = torch.distributions.Categorical(weights).sample((8,))
         x = mus[labels] + 0.7 * torch.randn(8, 3)
 
@@ -818,9 +801,9 @@ def test_importance_estimate_with_masked_data_is_close_to_the_reference(factory)
             pyro.sample("z", dist.Normal(0.0, 1.2))
 
     loss = MPTLoss(rate="uniform", num_masks=2, conditionals=Importance(num_samples=1000))
-    draws = estimate_draws(loss, case, guide, 40)
+    draws = zoo.estimate_draws(loss, case, guide, 40)
     with torch.no_grad():
         reference = case.reference()
     empty = reference == 0
     assert bool((draws[:, empty] == 0).all())
-    assert_unbiased(draws[:, ~empty], reference[~empty], bias_tol=0.05)
+    zoo.assert_unbiased(draws[:, ~empty], reference[~empty], bias_tol=0.05)

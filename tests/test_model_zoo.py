@@ -38,6 +38,7 @@ from tests._zoo import (
     ModelCase,
     assert_mean_loss_matches,
     assert_unbiased,
+    assert_uniform_estimate_unbiased,
     estimate_draws,
     factory_ids,
     grid_1d,
@@ -988,12 +989,7 @@ def test_uniform_estimate_is_unbiased(factory):
     case = factory()
     if case.strategy is Importance:
         pytest.skip("importance conditionals are consistent, not unbiased: see the auto test")
-    loss = MPTLoss(rate="uniform", num_masks=4, conditionals=case.conditionals())
-    draws = estimate_draws(loss, case, case.guide, 150)
-    with torch.no_grad():
-        reference = case.reference()
-    bias_tol = 0.0 if case.strategy is Exact else case.tol
-    assert_unbiased(draws, reference, bias_tol)
+    assert_uniform_estimate_unbiased(case, case.guide)
 
 
 @pytest.mark.parametrize("factory", SCORED, ids=factory_ids(SCORED))
