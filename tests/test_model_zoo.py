@@ -78,7 +78,8 @@ class ZooCase(ModelCase):
 
 def _quadrature_case(name, model, x, reference, num_points, *, tol=QUADRATURE_TOL, **settings):
     """A model ``conditionals="auto"`` scores by quadrature, checked under a rule of
-    ``num_points`` nodes per latent dimension."""
+    ``num_points`` nodes per latent dimension to ``QUADRATURE_TOL`` nats unless ``tol`` says
+    otherwise."""
     return ZooCase(
         name,
         model,
