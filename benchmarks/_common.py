@@ -6,7 +6,6 @@ interval when it is a GPU.
 """
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -14,32 +13,45 @@ import time
 
 import torch
 
+from pyro_mpt.reproduce._common import default_dtype as set_default_dtype
+
 __all__ = [
+    "DTYPES",
+    "TINY_BERT",
     "add_common_args",
+    "benchmark_main",
     "configure",
+    "constants",
+    "dtype_name",
     "environment",
     "format_table",
+    "forward_backward_ms",
+    "make_report",
     "median_ms",
+    "medians",
+    "results_table",
     "set_default_dtype",
     "synchronize",
     "time_block",
     "time_calls",
+    "tiny_bert",
     "write_json",
 ]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+#: The shape of the small ``BertForMaskedLM`` the transformers benchmarks time.
+TINY_BERT = dict(
+    hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024
+)
 
 
 def add_common_args(parser, steps=None, repeats=None):
     """Adds ``--device``, ``--threads``, ``--json`` and, when defaults are given, ``--steps``
     and ``--repeats`` to an :class:`argparse.ArgumentParser`."""
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads for the CPU (default: leave torch's choice)",
-    )
+    threads_help = "torch.set_num_threads for the CPU (default: leave torch's choice)"
+    parser.add_argument("--threads", type=int, help=threads_help)
     parser.add_argument("--json", metavar="PATH", default=None, help="write the figures here")
     if steps is not None:
         parser.add_argument(
@@ -68,17 +80,6 @@ def synchronize(device):
     """Waits for queued GPU work, so that wall-clock intervals cover it."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def set_default_dtype(dtype):
-    """Temporarily sets torch's default floating dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def time_block(fn, device, calls):
@@ -133,6 +134,41 @@ def median_ms(samples):
     return statistics.median(samples)
 
 
+def medians(times):
+    """name -> the median of that name's timings, for the output of :func:`time_calls`."""
+    return {name: median_ms(samples) for name, samples in times.items()}
+
+
+def dtype_name(dtype):
+    """``"float32"`` for ``torch.float32``, as the reports name dtypes."""
+    return str(dtype).replace("torch.", "")
+
+
+def tiny_bert(device, seed, vocab_size, max_positions):
+    """A ``BertForMaskedLM`` of shape :data:`TINY_BERT` with random weights drawn from
+    ``seed`` (nothing downloaded), in eval mode on ``device``, and how reports describe it."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab_size, max_position_embeddings=max_positions, **TINY_BERT)
+    hidden, layers = TINY_BERT["hidden_size"], TINY_BERT["num_hidden_layers"]
+    name = f"BertForMaskedLM hidden {hidden}, {layers} layers, vocab {vocab_size} (random weights)"
+    return BertForMaskedLM(config).to(device).eval(), name
+
+
+def constants(namespace, *names):
+    """The module constants ``names`` of ``namespace`` (a module's ``globals()``), keyed by
+    their names in lower case: the configuration a report records."""
+    return {name.lower(): namespace[name] for name in names}
+
+
+def make_report(device, results, config, **settings):
+    """A benchmark's report: ``{"config": config and the run's settings (steps, repeats,
+    ...), "environment": environment(device), "results": results}``."""
+    config = {**config, **settings}
+    return {"config": config, "environment": environment(device), "results": results}
+
+
 def format_table(headers, rows):
     """A plain-text table with right-aligned columns (the first left-aligned)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
@@ -145,6 +181,20 @@ def format_table(headers, rows):
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def results_table(results, columns, **context):
+    """:func:`format_table` with one row per result.
+
+    :param dict columns: header -> cell: a format string of the result's keys and of
+        ``context`` (e.g. ``"{ratio:.2f}x"``), or a function of the result.
+    """
+
+    def text(cell, result):
+        return cell(result) if callable(cell) else cell.format_map({**context, **result})
+
+    rows = [[text(cell, r) for cell in columns.values()] for r in results]
+    return format_table(list(columns), rows)
 
 
 def environment(device):
@@ -176,7 +226,7 @@ def write_json(path, payload):
 def benchmark_main(doc, argv, run, print_report, steps=None, repeats=None, options=()):
     """The command line of a benchmark: parses the common options and ``options``, runs
     ``run(device, steps=..., repeats=..., **those options)``, prints the report and writes
-    it as JSON when ``--json`` is given.
+    it as JSON when ``--json`` is given (and ``run`` returned a report, not None).
 
     :param str doc: the module docstring; its first paragraph describes the command.
     :param options: ``(flag, add_argument kwargs)`` pairs, e.g.
@@ -196,6 +246,6 @@ def benchmark_main(doc, argv, run, print_report, steps=None, repeats=None, optio
         kwargs["repeats"] = args.repeats
     report = run(device, **kwargs)
     print_report(report)
-    if args.json:
+    if args.json and report is not None:
         write_json(args.json, report)
     return report

@@ -27,7 +27,7 @@ Usage::
 """
 
 import torch
-from _common import benchmark_main, environment, format_table, median_ms, time_calls
+from _common import benchmark_main, make_report, medians, results_table, time_calls
 
 from pyro_mpt.ops.bernoulli import bernoulli_log_prob
 from pyro_mpt.ops.masks import masks_of_sizes, plain_masks_of_sizes
@@ -131,21 +131,24 @@ def run(device="cpu", steps=5, repeats=5, seed=0):
     device = torch.device(device)
     results = []
     for name, (fast, plain) in _cases(device, seed).items():
-        times = time_calls({"fast": fast, "plain": plain}, device, steps, repeats, warmup=1)
-        fast_ms, plain_ms = median_ms(times["fast"]), median_ms(times["plain"])
+        ms = medians(time_calls({"fast": fast, "plain": plain}, device, steps, repeats, warmup=1))
+        speedup = ms["plain"] / ms["fast"]
         results.append(
-            {"path": name, "fast_ms": fast_ms, "plain_ms": plain_ms, "speedup": plain_ms / fast_ms}
+            {"path": name, "fast_ms": ms["fast"], "plain_ms": ms["plain"], "speedup": speedup}
         )
-    config = {
-        "nodes": NUM_POINTS**2,
-        "images": NUM_IMAGES,
-        "pixels": NUM_PIXELS,
-        "samples": NUM_SAMPLES,
-        "steps": steps,
-        "repeats": repeats,
-        "target_speedup": TARGET,
-    }
-    return {"config": config, "environment": environment(device), "results": results}
+    config = dict(nodes=NUM_POINTS**2, images=NUM_IMAGES, pixels=NUM_PIXELS, samples=NUM_SAMPLES)
+    config["target_speedup"] = TARGET
+    return make_report(device, results, config, steps=steps, repeats=repeats)
+
+
+#: header -> cell of the table.
+COLUMNS = {
+    "path": "{path}",
+    "fast ms": "{fast_ms:.2f}",
+    "plain ms": "{plain_ms:.2f}",
+    "speedup": "{speedup:.2f}x",
+    f">= {TARGET}x": lambda r: "yes" if r["speedup"] >= TARGET else "no",
+}
 
 
 def print_report(report):
@@ -155,17 +158,7 @@ def print_report(report):
         f"({env['device']}, {env['threads']} threads; G={cfg['nodes']} N={cfg['images']} "
         f"D={cfg['pixels']} S={cfg['samples']}; median of {cfg['repeats']} x {cfg['steps']})"
     )
-    rows = [
-        (
-            r["path"],
-            f"{r['fast_ms']:.2f}",
-            f"{r['plain_ms']:.2f}",
-            f"{r['speedup']:.2f}x",
-            "yes" if r["speedup"] >= cfg["target_speedup"] else "no",
-        )
-        for r in report["results"]
-    ]
-    print(format_table(["path", "fast ms", "plain ms", "speedup", ">= 1.3x"], rows))
+    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):

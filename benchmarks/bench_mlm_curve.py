@@ -16,13 +16,7 @@ Usage::
 """
 
 import torch
-from _common import (
-    benchmark_main,
-    environment,
-    format_table,
-    median_ms,
-    time_calls,
-)
+from _common import benchmark_main, make_report, medians, results_table, time_calls, tiny_bert
 
 __all__ = ["main", "print_report", "run"]
 
@@ -31,6 +25,7 @@ NUM_SEQUENCES = 16
 RATES = [0.15, 0.4, 0.6, 0.85]
 NUM_MASKS = 2
 BATCH_SIZE = 32
+VOCAB = 1000
 
 
 class _IdsTokenizer:
@@ -42,22 +37,11 @@ class _IdsTokenizer:
 
 
 def _setup(device, seed):
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=256,
-    )
-    model = BertForMaskedLM(config).to(device).eval()
+    model, name = tiny_bert(device, seed, VOCAB, max_positions=256)
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(48, 129, (NUM_SEQUENCES,), generator=gen).tolist()
-    texts = [[2] + torch.randint(5, 1000, (n - 2,), generator=gen).tolist() + [3] for n in lengths]
-    return model, texts
+    texts = [[2] + torch.randint(5, VOCAB, (n - 2,), generator=gen).tolist() + [3] for n in lengths]
+    return model, name, texts
 
 
 def run(device="cpu", steps=1, repeats=5, seed=0):
@@ -65,7 +49,7 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
     from pyro_mpt.transformers import mlm_mpt_curve
 
     device = torch.device(device)
-    model, texts = _setup(device, seed)
+    model, name, texts = _setup(device, seed)
     tokenizer = _IdsTokenizer()
 
     def curve():
@@ -96,7 +80,8 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
             model(input_ids=ids, attention_mask=attention)
 
     times = time_calls({"mpt_curve": curve, "plain_loop": plain_loop}, device, steps, repeats, 1)
-    curve_ms, loop_ms = median_ms(times["mpt_curve"]), median_ms(times["plain_loop"])
+    ms = medians(times)
+    curve_ms, loop_ms = ms["mpt_curve"], ms["plain_loop"]
     rows = sum(ids.shape[0] for ids, _ in batches)
     tokens = sum(int(attention.sum()) for _, attention in batches)
     result = {
@@ -110,17 +95,19 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
         "tokens": tokens,
         "masked_sequences_per_s": rows / (curve_ms / 1e3),
     }
-    config = {
-        "model": "BertForMaskedLM hidden 256, 4 layers, vocab 1000 (random weights)",
-        "num_sequences": NUM_SEQUENCES,
-        "rates": RATES,
-        "num_masks": NUM_MASKS,
-        "batch_size": BATCH_SIZE,
-        "steps": steps,
-        "repeats": repeats,
-        "target_ratio": TARGET_RATIO,
-    }
-    return {"config": config, "environment": environment(device), "results": [result]}
+    config = dict(model=name, num_sequences=NUM_SEQUENCES, rates=RATES, num_masks=NUM_MASKS)
+    config.update(batch_size=BATCH_SIZE, target_ratio=TARGET_RATIO)
+    return make_report(device, [result], config, steps=steps, repeats=repeats)
+
+
+#: header -> cell of the table.
+COLUMNS = {
+    "mlm_mpt_curve ms": "{mpt_curve_ms:.0f}",
+    "plain loop ms": "{plain_loop_ms:.0f}",
+    "loop/curve": "{ratio_loop_over_curve:.3f}",
+    "target": ">= {target_ratio}",
+    "masked seq/s": "{masked_sequences_per_s:.0f}",
+}
 
 
 def print_report(report):
@@ -132,17 +119,7 @@ def print_report(report):
         f"sequences in {r['forward_passes']} batches of <= {cfg['batch_size']} "
         f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
     )
-    rows = [
-        (
-            f"{r['mpt_curve_ms']:.0f}",
-            f"{r['plain_loop_ms']:.0f}",
-            f"{r['ratio_loop_over_curve']:.3f}",
-            f">= {cfg['target_ratio']}",
-            f"{r['masked_sequences_per_s']:.0f}",
-        )
-    ]
-    headers = ["mlm_mpt_curve ms", "plain loop ms", "loop/curve", "target", "masked seq/s"]
-    print(format_table(headers, rows))
+    print(results_table(report["results"], COLUMNS, **cfg))
 
 
 def main(argv=None):

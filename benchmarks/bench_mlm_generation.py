@@ -17,13 +17,7 @@ import os
 import tempfile
 
 import torch
-from _common import (
-    benchmark_main,
-    environment,
-    format_table,
-    median_ms,
-    time_calls,
-)
+from _common import benchmark_main, make_report, medians, results_table, time_calls, tiny_bert
 
 __all__ = ["main", "print_report", "run"]
 
@@ -46,28 +40,13 @@ def _tokenizer(folder):
     return BertTokenizer.from_pretrained(folder, do_lower_case=False)
 
 
-def _model(device, seed):
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=128,
-    )
-    return BertForMaskedLM(config).to(device).eval()
-
-
 def run(device="cpu", steps=3, repeats=5, seed=0):
     """Times a forward pass and one step of each sampler; returns ``{"config",
     "environment", "results"}``."""
     from pyro_mpt.transformers import sample_mlm
 
     device = torch.device(device)
-    model = _model(device, seed)
+    model, model_name = tiny_bert(device, seed, VOCAB, max_positions=128)
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = _tokenizer(folder)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -105,12 +84,13 @@ def run(device="cpu", steps=3, repeats=5, seed=0):
     finally:
         handle.remove()
     times = time_calls(calls, device, steps, repeats, warmup=1)
-    forward_ms = median_ms(times["forward"])
+    ms_of = medians(times)
+    forward_ms = ms_of["forward"]
     results = []
     for name in calls:
         method, _, k = name.partition(" k=")
         k = int(k) if k else 1
-        ms = median_ms(times[name])
+        ms = ms_of[name]
         expected = 1 if method in ("forward", "parallel") else k
         results.append(
             {
@@ -125,16 +105,20 @@ def run(device="cpu", steps=3, repeats=5, seed=0):
                 "ratio_per_pass": ms / (forward_ms * expected),
             }
         )
-    config = {
-        "model": f"BertForMaskedLM hidden 256, 4 layers, vocab {VOCAB} (random weights)",
-        "num_sequences": NUM_SEQUENCES,
-        "length": LENGTH,
-        "block_sizes": list(BLOCK_SIZES),
-        "steps": steps,
-        "repeats": repeats,
-        "target_ratio": TARGET_RATIO,
-    }
-    return {"config": config, "environment": environment(device), "results": results}
+    config = dict(model=model_name, num_sequences=NUM_SEQUENCES, length=LENGTH)
+    config.update(block_sizes=list(BLOCK_SIZES), target_ratio=TARGET_RATIO)
+    return make_report(device, results, config, steps=steps, repeats=repeats)
+
+
+#: header -> cell of the table.
+COLUMNS = {
+    "call": "{call}",
+    "forward passes": "{passes} (expected {expected_passes})",
+    "ms": "{ms:.1f}",
+    "/forward": "{ratio_to_forward:.2f}",
+    "/(passes x forward)": "{ratio_per_pass:.2f}",
+    "target": "<= {target_ratio}",
+}
 
 
 def print_report(report):
@@ -145,19 +129,7 @@ def print_report(report):
         f"{cfg['num_sequences']} sequences of {cfg['length']} tokens "
         f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
     )
-    rows = [
-        (
-            r["call"],
-            f"{r['passes']} (expected {r['expected_passes']})",
-            f"{r['ms']:.1f}",
-            f"{r['ratio_to_forward']:.2f}",
-            f"{r['ratio_per_pass']:.2f}",
-            f"<= {cfg['target_ratio']}",
-        )
-        for r in report["results"]
-    ]
-    headers = ["call", "forward passes", "ms", "/forward", "/(passes x forward)", "target"]
-    print(format_table(headers, rows))
+    print(results_table(report["results"], COLUMNS, **cfg))
 
 
 def main(argv=None):

@@ -19,10 +19,12 @@ import torch
 from _common import (
     DTYPES,
     benchmark_main,
-    environment,
-    format_table,
+    constants,
+    dtype_name,
     forward_backward_ms,
+    make_report,
     median_ms,
+    results_table,
     set_default_dtype,
     time_calls,
 )
@@ -79,7 +81,7 @@ def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
     elbo_ms = median_ms(times["elbo"])
     mpt_ms = median_ms(times["mpt"])
     return {
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "elbo_step_ms": elbo_ms,
         "mpt_step_ms": mpt_ms,
         "ratio_mpt_over_elbo": mpt_ms / elbo_ms,
@@ -98,17 +100,25 @@ def run(device="cpu", steps=20, repeats=5, warmup=5, dtypes=("float32", "float64
     :returns: ``{"config": ..., "environment": ..., "results": [one dict per dtype]}``.
     """
     results = [run_dtype(DTYPES[name], device, steps, repeats, warmup, seed) for name in dtypes]
-    config = {
-        "num_data": NUM_DATA,
-        "num_features": NUM_FEATURES,
-        "latent_dim": LATENT_DIM,
-        "subsample_size": SUBSAMPLE_SIZE,
-        "steps": steps,
-        "repeats": repeats,
-        "warmup": warmup,
-        "target_ratio": TARGET_RATIO,
-    }
-    return {"config": config, "environment": environment(device), "results": results}
+    config = constants(
+        globals(), "NUM_DATA", "NUM_FEATURES", "LATENT_DIM", "SUBSAMPLE_SIZE", "TARGET_RATIO"
+    )
+    return make_report(device, results, config, steps=steps, repeats=repeats, warmup=warmup)
+
+
+#: header -> cell of the step table and of the forward/backward table.
+STEP_COLUMNS = {
+    "dtype": "{dtype}",
+    "ELBO ms/step": "{elbo_step_ms:.2f}",
+    "MPT ms/step": "{mpt_step_ms:.2f}",
+    "MPT/ELBO": "{ratio_mpt_over_elbo:.2f}x",
+    "target": "<= {target_ratio:.0f}x",
+}
+SPLIT_COLUMNS = {"dtype": "{dtype}"} | {
+    f"{loss.upper()} {short}": f"{{{loss}_{part}_ms:.2f}}"
+    for loss in ("mpt", "elbo")
+    for part, short in (("forward", "fwd"), ("backward", "bwd"))
+}
 
 
 def print_report(report):
@@ -121,30 +131,10 @@ def print_report(report):
         f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']} x "
         f"{cfg['steps']} steps)"
     )
-    rows = [
-        (
-            r["dtype"],
-            f"{r['elbo_step_ms']:.2f}",
-            f"{r['mpt_step_ms']:.2f}",
-            f"{r['ratio_mpt_over_elbo']:.2f}x",
-            f"<= {cfg['target_ratio']:.0f}x",
-        )
-        for r in report["results"]
-    ]
-    print(format_table(["dtype", "ELBO ms/step", "MPT ms/step", "MPT/ELBO", "target"], rows))
+    print(results_table(report["results"], STEP_COLUMNS, **cfg))
     print()
     print("differentiable_loss split (median ms per call)")
-    rows = [
-        (
-            r["dtype"],
-            f"{r['mpt_forward_ms']:.2f}",
-            f"{r['mpt_backward_ms']:.2f}",
-            f"{r['elbo_forward_ms']:.2f}",
-            f"{r['elbo_backward_ms']:.2f}",
-        )
-        for r in report["results"]
-    ]
-    print(format_table(["dtype", "MPT fwd", "MPT bwd", "ELBO fwd", "ELBO bwd"], rows))
+    print(results_table(report["results"], SPLIT_COLUMNS))
 
 
 def main(argv=None):

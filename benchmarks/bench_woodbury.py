@@ -24,9 +24,12 @@ import torch
 from _common import (
     DTYPES,
     benchmark_main,
-    environment,
+    constants,
+    dtype_name,
     format_table,
-    median_ms,
+    make_report,
+    medians,
+    results_table,
     set_default_dtype,
     time_calls,
 )
@@ -40,6 +43,7 @@ __all__ = ["dense_loop_conditionals", "main", "print_report", "run"]
 NUM_FEATURES = 512
 LATENT_DIM = 10
 BATCH = 256
+MASKS_PER_OBSERVATION = 1
 TARGET_SPEEDUP = 20.0
 
 
@@ -82,7 +86,9 @@ def _problem(device, dtype, seed):
     noise_var = 0.5 + uniform
     x = randn(BATCH, LATENT_DIM) @ weight.T + bias + noise_var.sqrt() * randn(BATCH, NUM_FEATURES)
     torch.manual_seed(seed)
-    masks, sizes = sample_masks(UniformRate(), 1, (BATCH,), NUM_FEATURES, device=device)
+    masks, sizes = sample_masks(
+        UniformRate(), MASKS_PER_OBSERVATION, (BATCH,), NUM_FEATURES, device=device
+    )
     return x, weight, bias, noise_var, ~masks[0], sizes[0]
 
 
@@ -127,17 +133,17 @@ def run_dtype(dtype, device="cpu", steps=10, repeats=5, seed=0, loop=True):
                 slow_fns["dense_loop"] = dense_loop
             slow = time_calls(slow_fns, device, 1, repeats, warmup=1)
     times = {**fast, **slow}
-    medians = {name: median_ms(samples) for name, samples in times.items()}
+    ms = medians(times)
     result = {
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "mean_mask_size": sizes.double().mean().item(),
         "max_abs_diff": diffs,
-        "ms": medians,
+        "ms": ms,
         "ms_repeats": times,
-        "speedup_vs_dense_batched": medians["dense_batched"] / medians["woodbury"],
+        "speedup_vs_dense_batched": ms["dense_batched"] / ms["woodbury"],
     }
     if loop:
-        result["speedup_vs_dense_loop"] = medians["dense_loop"] / medians["woodbury"]
+        result["speedup_vs_dense_loop"] = ms["dense_loop"] / ms["woodbury"]
     return result
 
 
@@ -147,16 +153,24 @@ def run(device="cpu", steps=10, repeats=5, dtypes=("float32", "float64"), seed=0
     :returns: ``{"config": ..., "environment": ..., "results": [one dict per dtype]}``.
     """
     results = [run_dtype(DTYPES[name], device, steps, repeats, seed, loop) for name in dtypes]
-    config = {
-        "num_features": NUM_FEATURES,
-        "latent_dim": LATENT_DIM,
-        "batch": BATCH,
-        "masks_per_observation": 1,
-        "steps": steps,
-        "repeats": repeats,
-        "target_speedup": TARGET_SPEEDUP,
-    }
-    return {"config": config, "environment": environment(device), "results": results}
+    names = "NUM_FEATURES", "LATENT_DIM", "BATCH", "MASKS_PER_OBSERVATION", "TARGET_SPEEDUP"
+    return make_report(device, results, constants(globals(), *names), steps=steps, repeats=repeats)
+
+
+def _speedup(key):
+    return lambda r: f"{r[key]:.3g}x" if key in r else "-"
+
+
+#: header -> cell of the timing table.
+TIMING_COLUMNS = {
+    "dtype": "{dtype}",
+    "woodbury ms": "{ms[woodbury]:.2f}",
+    "dense batched ms": "{ms[dense_batched]:.1f}",
+    "dense loop ms": lambda r: f"{r['ms']['dense_loop']:.1f}" if "dense_loop" in r["ms"] else "-",
+    "vs batched": _speedup("speedup_vs_dense_batched"),
+    "vs loop": _speedup("speedup_vs_dense_loop"),
+    "target": ">= {target_speedup:.0f}x",
+}
 
 
 def print_report(report):
@@ -168,38 +182,14 @@ def print_report(report):
         f"N={cfg['batch']}, one uniform-size mask per observation "
         f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
     )
-    rows = []
-    for r in report["results"]:
-        for name, diff in r["max_abs_diff"].items():
-            rows.append(
-                (r["dtype"], f"woodbury vs {name}", f"{diff['mean']:.2e}", f"{diff['var']:.2e}")
-            )
+    rows = [
+        (r["dtype"], f"woodbury vs {name}", f"{diff['mean']:.2e}", f"{diff['var']:.2e}")
+        for r in report["results"]
+        for name, diff in r["max_abs_diff"].items()
+    ]
     print(format_table(["dtype", "comparison", "max |d mean|", "max |d var|"], rows))
     print()
-    rows = []
-    for r in report["results"]:
-        ms = r["ms"]
-        rows.append(
-            (
-                r["dtype"],
-                f"{ms['woodbury']:.2f}",
-                f"{ms['dense_batched']:.1f}",
-                f"{ms['dense_loop']:.1f}" if "dense_loop" in ms else "-",
-                f"{r['speedup_vs_dense_batched']:.3g}x",
-                f"{r['speedup_vs_dense_loop']:.3g}x" if "speedup_vs_dense_loop" in r else "-",
-                f">= {cfg['target_speedup']:.0f}x",
-            )
-        )
-    headers = [
-        "dtype",
-        "woodbury ms",
-        "dense batched ms",
-        "dense loop ms",
-        "vs batched",
-        "vs loop",
-        "target",
-    ]
-    print(format_table(headers, rows))
+    print(results_table(report["results"], TIMING_COLUMNS, **cfg))
 
 
 def main(argv=None):
