@@ -31,6 +31,7 @@ __all__ = [
     "medians",
     "results_table",
     "set_default_dtype",
+    "svis",
     "synchronize",
     "time_block",
     "time_calls",
@@ -107,6 +108,18 @@ def time_calls(fns, device, steps, repeats, warmup=3):
         for name, fn in fns.items():
             times[name].append(time_block(fn, device, steps))
     return times
+
+
+def svis(module, losses, lr=1e-3):
+    """name -> an :class:`~pyro.infer.SVI` of ``module.model`` and ``module.guide`` under
+    that name's loss, each with its own Adam optimiser."""
+    import pyro
+    from pyro.infer import SVI
+
+    return {
+        name: SVI(module.model, module.guide, pyro.optim.Adam({"lr": lr}), loss=loss)
+        for name, loss in losses.items()
+    }
 
 
 def forward_backward_ms(loss_fn, module, data, device, calls):

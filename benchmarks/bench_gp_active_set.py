@@ -18,20 +18,16 @@ Usage::
     python benchmarks/bench_gp_active_set.py [--threads 2] [--json out.json]
 """
 
-import argparse
-
 import gpytorch
 import pyro
 import torch
 from _common import (
-    add_common_args,
-    configure,
-    environment,
-    format_table,
-    median_ms,
+    benchmark_main,
+    make_report,
+    medians,
+    results_table,
     set_default_dtype,
     time_calls,
-    write_json,
 )
 from pyro.infer import SVI
 
@@ -39,7 +35,7 @@ from pyro_mpt import MPTLoss
 from pyro_mpt.gp import MaskedPredictiveLogLikelihood
 from pyro_mpt.models import GPDecoder
 
-__all__ = ["run", "print_report"]
+__all__ = ["main", "print_report", "run"]
 
 NUM_DATA = 2048
 CONTEXT = 128
@@ -103,44 +99,38 @@ def _decoder_steps(device, num_outputs):
     return steps
 
 
+def _result(case, dtype, times, target):
+    ms = medians(times)
+    exact, active = ms["exact"], ms["active set"]
+    speedup = exact / active
+    return dict(
+        case=case, dtype=dtype, exact_ms=exact, active_ms=active, speedup=speedup, target=target
+    )
+
+
 def run(device, steps=2, repeats=3, dtypes=("float64", "float32"), num_outputs=784):
-    """Times the steps; returns a report dict."""
+    """Times the steps; returns ``{"config", "environment", "results"}``."""
     results = []
     for dtype in dtypes:
         with set_default_dtype(getattr(torch, dtype)):
-            timings = time_calls(_gp_steps(device), device, steps, repeats, warmup=1)
-        ms = {k: median_ms(v) for k, v in timings.items()}
-        results.append(
-            dict(
-                case="exact GP",
-                dtype=dtype,
-                exact_ms=ms["exact"],
-                active_ms=ms["active set"],
-                speedup=ms["exact"] / ms["active set"],
-                target=TARGET_SPEEDUP,
-            )
-        )
+            times = time_calls(_gp_steps(device), device, steps, repeats, warmup=1)
+        results.append(_result("exact GP", dtype, times, TARGET_SPEEDUP))
     with set_default_dtype(torch.float32):
-        timings = time_calls(_decoder_steps(device, num_outputs), device, 1, repeats, warmup=1)
-    ms = {k: median_ms(v) for k, v in timings.items()}
-    results.append(
-        dict(
-            case=f"GP decoder D={num_outputs}",
-            dtype="float32",
-            exact_ms=ms["exact"],
-            active_ms=ms["active set"],
-            speedup=ms["exact"] / ms["active set"],
-            target=None,
-        )
-    )
-    config = dict(
-        num_data=NUM_DATA,
-        context=CONTEXT,
-        steps=steps,
-        repeats=repeats,
-        target_speedup=TARGET_SPEEDUP,
-    )
-    return dict(config=config, results=results)
+        times = time_calls(_decoder_steps(device, num_outputs), device, 1, repeats, warmup=1)
+    results.append(_result(f"GP decoder D={num_outputs}", "float32", times, None))
+    config = dict(num_data=NUM_DATA, context=CONTEXT, target_speedup=TARGET_SPEEDUP)
+    return make_report(device, results, config, steps=steps, repeats=repeats)
+
+
+#: header -> cell of the table.
+COLUMNS = {
+    "case": "{case}",
+    "dtype": "{dtype}",
+    "exact ms": "{exact_ms:.1f}",
+    "active set ms": "{active_ms:.1f}",
+    "speed-up": "{speedup:.1f}x",
+    "target": lambda r: "-" if r["target"] is None else f">= {r['target']:.0f}x",
+}
 
 
 def print_report(report):
@@ -149,31 +139,12 @@ def print_report(report):
         f"Active set |R|={cfg['context']} vs exact MLL at N={cfg['num_data']}: ms per "
         f"training step (median of {cfg['repeats']} repeats)"
     )
-    rows = [
-        (
-            r["case"],
-            r["dtype"],
-            f"{r['exact_ms']:.1f}",
-            f"{r['active_ms']:.1f}",
-            f"{r['speedup']:.1f}x",
-            "-" if r["target"] is None else f">= {r['target']:.0f}x",
-        )
-        for r in report["results"]
-    ]
-    print(format_table(["case", "dtype", "exact ms", "active set ms", "speed-up", "target"], rows))
+    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=2, repeats=3)
-    parser.add_argument("--num-outputs", type=int, default=784, help="D of the GP decoder")
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, args.steps, args.repeats, num_outputs=args.num_outputs)
-    print_report(report)
-    if args.json:
-        write_json(args.json, {"environment": environment(device), "report": report})
-    return report
+    outputs = ("--num-outputs", {"type": int, "default": 784, "help": "D of the GP decoder"})
+    return benchmark_main(__doc__, argv, run, print_report, steps=2, repeats=3, options=[outputs])
 
 
 if __name__ == "__main__":

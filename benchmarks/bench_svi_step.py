@@ -26,9 +26,10 @@ from _common import (
     median_ms,
     results_table,
     set_default_dtype,
+    svis,
     time_calls,
 )
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import Trace_ELBO
 
 from pyro_mpt import MPTLoss
 from pyro_mpt.models import PPCA
@@ -65,15 +66,9 @@ def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
         )
         elbo = Trace_ELBO()
         mpt = MPTLoss(rate="uniform", num_masks=1)
-        svi_elbo = SVI(ppca.model, ppca.guide, pyro.optim.Adam({"lr": 1e-3}), loss=elbo)
-        svi_mpt = SVI(ppca.model, ppca.guide, pyro.optim.Adam({"lr": 1e-3}), loss=mpt)
-        times = time_calls(
-            {"elbo": lambda: svi_elbo.step(data), "mpt": lambda: svi_mpt.step(data)},
-            device,
-            steps,
-            repeats,
-            warmup,
-        )
+        svi = svis(ppca, {"elbo": elbo, "mpt": mpt})
+        fns = {name: (lambda s=s: s.step(data)) for name, s in svi.items()}
+        times = time_calls(fns, device, steps, repeats, warmup)
         calls = steps * repeats
         mpt_fwd, mpt_bwd = forward_backward_ms(mpt, ppca, data, device, calls)
         elbo_fwd, elbo_bwd = forward_backward_ms(elbo, ppca, data, device, calls)
