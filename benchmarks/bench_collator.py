@@ -20,7 +20,7 @@ import random
 import tempfile
 import warnings
 
-from _common import benchmark_main, environment, format_table, time_calls
+from _common import benchmark_main, make_report, medians, results_table, time_calls
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -111,26 +111,28 @@ def run(device, batch=32, steps=20, repeats=7):
             "mpt": lambda f=ours, x=our_examples: f(x),
         }
         times = time_calls(calls, device, steps, repeats)
-        hf_ms, mpt_ms = sorted(times["hf"])[repeats // 2], sorted(times["mpt"])[repeats // 2]
+        ms = medians(times)
         results.append(
             dict(
                 case=name,
-                hf_ms=hf_ms,
-                mpt_ms=mpt_ms,
-                ratio=mpt_ms / hf_ms,
+                hf_ms=ms["hf"],
+                mpt_ms=ms["mpt"],
+                ratio=ms["mpt"] / ms["hf"],
                 hf_all=times["hf"],
                 mpt_all=times["mpt"],
             )
         )
-    config = dict(
-        batch=batch,
-        steps=steps,
-        repeats=repeats,
-        target_ratio=TARGET_RATIO,
-        vocab_size=len(tokenizer),
-        lengths="64..128",
-    )
-    return dict(config=config, results=results, environment=environment(device))
+    config = dict(target_ratio=TARGET_RATIO, vocab_size=len(tokenizer), lengths="64..128")
+    return make_report(device, results, config, batch=batch, steps=steps, repeats=repeats)
+
+
+#: header -> cell of the table.
+COLUMNS = {
+    "features / rate": "{case}",
+    "HF ms": "{hf_ms:.3f}",
+    "MPT ms": "{mpt_ms:.3f}",
+    "MPT/HF": "{ratio:.2f}x",
+}
 
 
 def print_report(report):
@@ -140,11 +142,7 @@ def print_report(report):
         f"{cfg['vocab_size']}; median of {cfg['repeats']} x {cfg['steps']} batches; "
         f"target MPT/HF <= {cfg['target_ratio']})"
     )
-    rows = [
-        (r["case"], f"{r['hf_ms']:.3f}", f"{r['mpt_ms']:.3f}", f"{r['ratio']:.2f}x")
-        for r in report["results"]
-    ]
-    print(format_table(["features / rate", "HF ms", "MPT ms", "MPT/HF"], rows))
+    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):

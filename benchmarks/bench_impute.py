@@ -21,7 +21,7 @@ Usage::
 
 import pyro
 import torch
-from _common import benchmark_main, environment, median_ms, time_calls
+from _common import benchmark_main, environment, medians, time_calls
 
 from pyro_mpt import impute
 from pyro_mpt.conditionals import Exact
@@ -67,7 +67,7 @@ def _run(device, steps, repeats, seed):
         "closed form": lambda: closed_form_impute(x, missing, weight, loc, noise_var),
     }
     times = time_calls(fns, device, steps, repeats)
-    ms = {name: median_ms(samples) for name, samples in times.items()}
+    ms = medians(times)
     config = dict(num_features=NUM_FEATURES, latent_dim=LATENT_DIM, batch=BATCH, steps=steps,
                   repeats=repeats, target_ratio=TARGET_RATIO)  # fmt: skip
     return dict(config=config, environment=environment(device), ms=ms,

@@ -9,19 +9,11 @@ Usage::
     python benchmarks/bench_table1.py [--device cuda] [--smoke] [--json out.json]
 """
 
-import argparse
 import importlib
 import tempfile
 import time
 
-from _common import (
-    add_common_args,
-    configure,
-    environment,
-    format_table,
-    synchronize,
-    write_json,
-)
+from _common import benchmark_main, environment, format_table, synchronize
 
 __all__ = ["MODULE", "load", "main", "print_report", "run"]
 
@@ -78,16 +70,8 @@ def print_report(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser)
-    parser.add_argument("--smoke", action="store_true", help="time the smoke-size run instead")
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    report = run(device, smoke=args.smoke)
-    print_report(report)
-    if args.json and report is not None:
-        write_json(args.json, report)
-    return report
+    smoke = ("--smoke", {"action": "store_true", "help": "time the smoke-size run instead"})
+    return benchmark_main(__doc__, argv, run, print_report, options=[smoke])
 
 
 if __name__ == "__main__":
