@@ -41,6 +41,7 @@ def run_experiment(
     dtype=None,
     paper_reference=None,
     settings=None,
+    header=None,
 ):
     """Runs one reproduction and writes ``<name>.json`` and ``<name>.png`` into ``out_dir``.
 
@@ -53,6 +54,8 @@ def run_experiment(
     :param str paper_reference: the figure or table of the paper it reproduces.
     :param dict settings: further entries of the ``config`` field (fixed choices that are
         not sizes, e.g. a noise variance).
+    :param dict header: fields written ahead of ``config`` (e.g. a convention to read the
+        results by).
     :returns: the results dict, as written to JSON (with ``"outputs"``: the two paths).
     """
     common.check_size(smoke, full)
@@ -67,6 +70,7 @@ def run_experiment(
     results = dict(experiment=name)
     if paper_reference is not None:
         results["paper_reference"] = paper_reference
+    results.update(header or {})
     results["config"] = common.run_config(cfg, seed, smoke, full, device, **(settings or {}))
     results.update(shown.results)
     results["wall_seconds"] = total.elapsed

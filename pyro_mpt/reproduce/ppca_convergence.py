@@ -168,17 +168,10 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     """
     check_noise(noise)
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        functools.partial(_measure, noise=noise),
-        functools.partial(_report, noise=noise),
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config,
+        functools.partial(_measure, noise=noise), functools.partial(_report, noise=noise),
+        device, smoke, full, seed, progress,
         dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 1",
         settings=dict(noise=noise, noise_var=0.2, dtype="float64"),
-    )
+    )  # fmt: skip

@@ -120,17 +120,9 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
     """
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        _measure,
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config, _measure, _report,
+        device, smoke, full, seed, progress,
         dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 4",
         settings=dict(noise_var=0.2, share_masks=True, dtype="float64"),
-    )
+    )  # fmt: skip

@@ -156,20 +156,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
     """
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        _measure,
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config, _measure, _report,
+        device, smoke, full, seed, progress,
         dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 5 (left)",
         settings=dict(masks_per_step=1, curve_masks="per observation", dtype="float64"),
-    )
+    )  # fmt: skip
 
 
 def _entry(point):

@@ -30,10 +30,12 @@ independent noise of variance 0.2 per feature, as the model assumes (LML about �
 Five seeds; mean ± sample std across seeds, next to the paper's figures.
 """
 
+import functools
+
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report
+from pyro_mpt.reproduce._experiment import Report, run_experiment
 from pyro_mpt.reproduce._ppca import (
     check_noise,
     exact_log_marginal,
@@ -182,31 +184,21 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     per-observation masks with ``P = 10`` and ``100``. ``noise``: ``"paper"`` or ``"model"``
     data noise (see the module docstring). The other arguments are those of
     :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
-
-    The steps are those of ``run_experiment``, taken here because the result file states the
-    masks' :data:`CONVENTION` ahead of its ``config``, a field ``run_experiment`` does not place.
     """
     check_noise(noise)
-    common.check_size(smoke, full)
-    cfg = _config(smoke, full)
-    total = common.Stopwatch()
-    with common.float64():
-        device = common.resolve_device(device)
-        measured = _measure(cfg, device, seed, progress, noise)
-    shown = _report(cfg, measured, noise, smoke)
-    print(shown.table)
-    settings = dict(
-        noise_var=NOISE_VAR,
-        noise=noise,
-        noise_description=_noise_text(noise, NOISE_VAR, cfg["D"]),
-        dtype="float64",
-    )
-    results = dict(
-        experiment=NAME,
+
+    def report(cfg, measured):
+        return _report(cfg, measured, noise, smoke)
+
+    def settings(cfg):
+        noise_text = _noise_text(noise, NOISE_VAR, cfg["D"])
+        return dict(noise_var=NOISE_VAR, noise=noise, noise_description=noise_text, dtype="float64")
+
+    return run_experiment(
+        NAME, out_dir, _config, functools.partial(_measure, noise=noise), report,
+        device, smoke, full, seed, progress,
+        dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Table 1",
-        convention=CONVENTION,
-        config=common.run_config(cfg, seed, smoke, full, device, **settings),
-        **shown.results,
-        wall_seconds=total.elapsed,
-    )
-    return common.save_outputs(out_dir, NAME, results, shown.figure)
+        header=dict(convention=CONVENTION),
+        settings=settings(_config(smoke, full)),
+    )  # fmt: skip

@@ -246,20 +246,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         final_window=_window(cfg),
     )
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        functools.partial(_measure, masks=masks),
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config, functools.partial(_measure, masks=masks), _report,
+        device, smoke, full, seed, progress,
         dtype=torch.float64,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 2",
         settings=settings,
-    )
+    )  # fmt: skip
 
 
 def _figure(runs, masks, cfg, truth_lml):

@@ -109,14 +109,6 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
     """
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        functools.partial(_measure, out_dir=out_dir),
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
-    )
+        NAME, out_dir, _config, functools.partial(_measure, out_dir=out_dir), _report,
+        device, smoke, full, seed, progress,
+    )  # fmt: skip

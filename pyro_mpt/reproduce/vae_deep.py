@@ -195,16 +195,8 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
         dtype="float32",
     )
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        functools.partial(_measure, names=names),
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config, functools.partial(_measure, names=names), _report,
+        device, smoke, full, seed, progress,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (bottom row)",
         settings=settings,
-    )
+    )  # fmt: skip

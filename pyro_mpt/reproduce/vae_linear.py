@@ -255,20 +255,12 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
         threads=torch.get_num_threads(),
     )
     return run_experiment(
-        NAME,
-        out_dir,
-        _config,
-        _measure,
-        _report,
-        device=device,
-        smoke=smoke,
-        full=full,
-        seed=seed,
-        progress=progress,
+        NAME, out_dir, _config, _measure, _report,
+        device, smoke, full, seed, progress,
         dtype=torch.float32,
         paper_reference="Moreno-Muñoz et al. (2023), Fig. 3 (top row, MNIST)",
         settings=settings,
-    )
+    )  # fmt: skip
 
 
 #: Curve -> (its key in a run, line style): objectives light and thick, as in the paper.
