@@ -31,6 +31,13 @@ except ImportError:
 __all__ = ["main", "summary_rows"]
 
 
+def _row(label, measured, op, target, fmt=".2f", target_fmt=".0f", unit="x"):
+    """``(label, measured, target, meets)`` for a figure that should be ``op`` (``"<="`` or
+    ``">="``) its target."""
+    ok = measured <= target if op == "<=" else measured >= target
+    return label, f"{measured:{fmt}}{unit}", f"{op} {target:{target_fmt}}{unit}", _status(ok)
+
+
 def _status(ok):
     return "yes" if ok else "no"
 
@@ -42,15 +49,8 @@ def summary_rows(reports):
     if svi is not None:
         target = svi["config"]["target_ratio"]
         for r in svi["results"]:
-            ratio = r["ratio_mpt_over_elbo"]
-            rows.append(
-                (
-                    f"SVI step MPT/ELBO, {r['dtype']}",
-                    f"{ratio:.2f}x",
-                    f"<= {target:.0f}x",
-                    _status(ratio <= target),
-                )
-            )
+            label = f"SVI step MPT/ELBO, {r['dtype']}"
+            rows.append(_row(label, r["ratio_mpt_over_elbo"], "<=", target))
     woodbury = reports.get("woodbury")
     if woodbury is not None:
         target = woodbury["config"]["target_speedup"]
@@ -60,88 +60,43 @@ def summary_rows(reports):
                 ("speedup_vs_dense_loop", "dense loop"),
             ):
                 if key in r:
-                    rows.append(
-                        (
-                            f"Woodbury speed-up vs {label}, {r['dtype']}",
-                            f"{r[key]:.3g}x",
-                            f">= {target:.0f}x",
-                            _status(r[key] >= target),
-                        )
-                    )
+                    label = f"Woodbury speed-up vs {label}, {r['dtype']}"
+                    rows.append(_row(label, r[key], ">=", target, fmt=".3g"))
     table1 = reports.get("table1")
     if table1 is not None:
         target = table1["config"]["target_seconds"]
-        seconds = table1["seconds"]
-        rows.append(
-            (
-                "reproduce ppca-table1 (s)",
-                f"{seconds:.1f}",
-                f"<= {target:.0f}",
-                _status(seconds <= target),
-            )
-        )
+        label = "reproduce ppca-table1 (s)"
+        rows.append(_row(label, table1["seconds"], "<=", target, fmt=".1f", unit=""))
     elif "table1" in reports:
         rows.append(("reproduce ppca-table1 (s)", "n/a", "<= 60", "-"))
     vae_step = reports.get("vae_step")
-    if vae_step is not None:
-        for r in vae_step["results"]:
-            if r["target_ratio"] is not None:
-                rows.append(
-                    (
-                        f"{r['model']} VAE step MPT ({r['loss']})/ELBO, {r['dtype']}",
-                        f"{r['ratio_to_elbo']:.2f}x",
-                        f"<= {r['target_ratio']:.0f}x",
-                        _status(r["ratio_to_elbo"] <= r["target_ratio"]),
-                    )
-                )
+    for r in vae_step["results"] if vae_step is not None else []:
+        if r["target_ratio"] is not None:
+            label = f"{r['model']} VAE step MPT ({r['loss']})/ELBO, {r['dtype']}"
+            rows.append(_row(label, r["ratio_to_elbo"], "<=", r["target_ratio"]))
     gp = reports.get("gp_active_set")
-    if gp is not None:
-        for r in gp["results"]:
-            if r["target"] is not None:
-                rows.append(
-                    (
-                        f"GP active set |R|=128 vs exact MLL, N=2048, {r['dtype']}",
-                        f"{r['speedup']:.1f}x",
-                        f">= {r['target']:.0f}x",
-                        _status(r["speedup"] >= r["target"]),
-                    )
-                )
+    for r in gp["results"] if gp is not None else []:
+        if r["target"] is not None:
+            label = f"GP active set |R|=128 vs exact MLL, N=2048, {r['dtype']}"
+            rows.append(_row(label, r["speedup"], ">=", r["target"], fmt=".1f"))
     collator = reports.get("collator")
     if collator is not None:
         target = collator["config"]["target_ratio"]
         for r in collator["results"]:
-            rows.append(
-                (
-                    f"MPTDataCollator/HF collator, {r['case']}",
-                    f"{r['ratio']:.2f}x",
-                    f"<= {target}x",
-                    _status(r["ratio"] <= target),
-                )
-            )
+            label = f"MPTDataCollator/HF collator, {r['case']}"
+            rows.append(_row(label, r["ratio"], "<=", target, target_fmt=""))
     fast_paths = reports.get("fast_paths")
     if fast_paths is not None:
         target = fast_paths["config"]["target_speedup"]
         for r in fast_paths["results"]:
-            rows.append(
-                (
-                    f"fast path / plain version, {r['path']}",
-                    f"{r['speedup']:.2f}x",
-                    f">= {target}x",
-                    _status(r["speedup"] >= target),
-                )
-            )
+            label = f"fast path / plain version, {r['path']}"
+            rows.append(_row(label, r["speedup"], ">=", target, target_fmt=""))
     mlm_curve = reports.get("mlm_curve")
     if mlm_curve is not None:
         target = mlm_curve["config"]["target_ratio"]
         ratio = mlm_curve["results"][0]["ratio_loop_over_curve"]
-        rows.append(
-            (
-                "plain forward loop / mlm_mpt_curve",
-                f"{ratio:.2f}",
-                f">= {target}",
-                _status(ratio >= target),
-            )
-        )
+        label = "plain forward loop / mlm_mpt_curve"
+        rows.append(_row(label, ratio, ">=", target, target_fmt="", unit=""))
     return rows
 
 
@@ -155,36 +110,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = configure(args.device, args.threads)
 
+    # report key -> (benchmark module, keywords of its run besides the device)
+    runs = {
+        "svi_step": (bench_svi_step, dict(steps=args.svi_steps, repeats=args.repeats)),
+        "woodbury": (
+            bench_woodbury,
+            dict(steps=args.woodbury_steps, repeats=args.repeats, loop=not args.no_loop),
+        ),
+        "table1": (None if args.skip_table1 else bench_table1, {}),
+        "vae_step": (bench_vae_step, dict(repeats=args.repeats)),
+        "gp_active_set": (bench_gp_active_set, dict(repeats=args.repeats)),
+        "fast_paths": (bench_fast_paths, dict(repeats=args.repeats)),
+        "collator": (bench_collator, dict(repeats=args.repeats)),
+        "mlm_curve": (bench_mlm_curve, dict(repeats=args.repeats)),
+    }
     reports = {}
-    reports["svi_step"] = bench_svi_step.run(device, args.svi_steps, args.repeats)
-    bench_svi_step.print_report(reports["svi_step"])
-    print()
-    reports["woodbury"] = bench_woodbury.run(
-        device, args.woodbury_steps, args.repeats, loop=not args.no_loop
-    )
-    bench_woodbury.print_report(reports["woodbury"])
-    if not args.skip_table1:
-        print()
-        reports["table1"] = bench_table1.run(device)
-        bench_table1.print_report(reports["table1"])
-    print()
-    reports["vae_step"] = bench_vae_step.run(device, repeats=args.repeats)
-    bench_vae_step.print_report(reports["vae_step"])
-    print()
-    reports["gp_active_set"] = bench_gp_active_set.run(device, repeats=args.repeats)
-    bench_gp_active_set.print_report(reports["gp_active_set"])
-    print()
-    reports["fast_paths"] = bench_fast_paths.run(device, repeats=args.repeats)
-    bench_fast_paths.print_report(reports["fast_paths"])
-
-    if bench_collator is not None:
-        print()
-        reports["collator"] = bench_collator.run(device, repeats=args.repeats)
-        bench_collator.print_report(reports["collator"])
-    if bench_mlm_curve is not None:
-        print()
-        reports["mlm_curve"] = bench_mlm_curve.run(device, repeats=args.repeats)
-        bench_mlm_curve.print_report(reports["mlm_curve"])
+    for key, (module, kwargs) in runs.items():
+        if module is None:
+            continue
+        if reports:
+            print()
+        reports[key] = module.run(device, **kwargs)
+        module.print_report(reports[key])
 
     env = environment(device)
     print()
