@@ -1,46 +1,13 @@
-"""What the transformer reproductions share: the antibody sequences of ``bert-curve`` and
-``mlm-generation``; the repetitions over seeds and their ``mean ± sd`` cells of ``bert-rates``
-and ``mae-curve``; and the held-out metrics of a masked language model for ``bert-rates`` (the
-area under the MPT curve, the accuracy of masked-token predictions at a 15% rate, and a linear
-topic probe on mean final hidden states)."""
+"""The held-out metrics of a masked language model for ``bert-rates``: the area under the MPT
+curve, the accuracy of masked-token predictions at a 15% rate, and a linear topic probe on
+mean final hidden states."""
 
 import torch
 
 from pyro_mpt.reproduce import _common as common
 from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
-__all__ = ["ANTIBERTY", "alternating_chains", "evaluate_masked_lm", "spread_cell", "with_seeds"]
-
-#: The ``model`` entry of the AntiBERTy reproductions' configs.
-ANTIBERTY = "AntiBERTy_md_smooth (antiberty 0.1.3)"
-
-
-def alternating_chains():
-    """The names of :data:`~pyro_mpt.transformers.antiberty.ANTIBODY_SEQUENCES`, heavy and
-    light chains alternating, so that the first few hold both kinds."""
-    from pyro_mpt.transformers.antiberty import ANTIBODY_SEQUENCES
-
-    heavy = [n for n in ANTIBODY_SEQUENCES if n.endswith("_vh")]
-    light = [n for n in ANTIBODY_SEQUENCES if n.endswith("_vl")]
-    return [n for pair in zip(heavy, light) for n in pair]
-
-
-def with_seeds(cfg, seeds, seed):
-    """``cfg`` repeated ``seeds`` times (its own count when ``None``): sets ``cfg["seeds"]``
-    and ``cfg["run_seeds"]``, the seed of each repetition, derived from ``seed``."""
-    if seeds is not None:
-        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-            raise ValueError(f"seeds={seeds!r} must be a positive integer, e.g. seeds=3.")
-        cfg["seeds"] = seeds
-    cfg["run_seeds"] = [common.derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
-    return cfg
-
-
-def spread_cell(pair, digits, seeds, scale=1.0):
-    """A table cell: ``mean ± sd`` of a ``(mean, sd)`` pair over ``seeds`` seeds, or the
-    mean alone for one seed."""
-    mean, std = scale * pair[0], scale * pair[1]
-    return common.pm(mean, std, digits) if seeds > 1 else f"{mean:.{digits}f}"
+__all__ = ["evaluate_masked_lm"]
 
 
 def _batches(rows, size, device, pad_id):

@@ -30,6 +30,8 @@ __all__ = [
     "run_config",
     "save_outputs",
     "seed_everything",
+    "spread_cell",
+    "with_seeds",
 ]
 
 
@@ -247,3 +249,21 @@ def save_outputs(out_dir, name, results, fig):
     )
     results["outputs"] = dict(json=json_path, png=png_path)
     return results
+
+
+def with_seeds(cfg, seeds, seed):
+    """``cfg`` repeated ``seeds`` times (its own count when ``None``): sets ``cfg["seeds"]``
+    and ``cfg["run_seeds"]``, the seed of each repetition, derived from ``seed``."""
+    if seeds is not None:
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+            raise ValueError(f"seeds={seeds!r} must be a positive integer, e.g. seeds=3.")
+        cfg["seeds"] = seeds
+    cfg["run_seeds"] = [derived_seed(seed, 10, rep) for rep in range(cfg["seeds"])]
+    return cfg
+
+
+def spread_cell(pair, digits, seeds, scale=1.0):
+    """A table cell: ``mean ± sd`` of a ``(mean, sd)`` pair over ``seeds`` seeds, or the
+    mean alone for one seed."""
+    mean, std = scale * pair[0], scale * pair[1]
+    return pm(mean, std, digits) if seeds > 1 else f"{mean:.{digits}f}"

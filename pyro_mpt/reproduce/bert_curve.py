@@ -31,7 +31,7 @@ import math
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import ANTIBERTY, alternating_chains
+from pyro_mpt.reproduce._antibody_chains import ANTIBERTY, alternating_chains
 from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "PAPER_TABLE2", "run"]

@@ -51,7 +51,7 @@ import tempfile
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm, spread_cell, with_seeds
+from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
 from pyro_mpt.reproduce._experiment import Report
 
 __all__ = ["NAME", "SCHEMES", "run"]
@@ -214,7 +214,10 @@ def _report(cfg, runs, data):
         cells += [("acc15", 1, 100.0), ("probe", 1, 100.0)]
         rows.append(
             [name]
-            + [spread_cell(s[key], digits, cfg["seeds"], scale) for key, digits, scale in cells]
+            + [
+                common.spread_cell(s[key], digits, cfg["seeds"], scale)
+                for key, digits, scale in cells
+            ]
             + ["-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"]
         )
     title = (
@@ -256,7 +259,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     ``config`` ends with what the data gave (vocabulary size, training sequences).
     """
     common.check_size(smoke, full)
-    cfg = with_seeds(_config(smoke, full), seeds, seed)
+    cfg = common.with_seeds(_config(smoke, full), seeds, seed)
     device = common.resolve_device(device)
     total = common.Stopwatch()
     with common.default_dtype(torch.float32):

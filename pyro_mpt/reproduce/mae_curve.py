@@ -37,7 +37,6 @@ import statistics
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import spread_cell, with_seeds
 from pyro_mpt.reproduce._experiment import Report, run_experiment
 from pyro_mpt.reproduce._probe import linear_probe_accuracy
 
@@ -218,8 +217,8 @@ def _report(cfg, runs):
         cells += [(s["score_75"], 2), (s["score_highest_rate"], 2)]
         rows.append(
             [name]
-            + [spread_cell(pair, digits, cfg["seeds"]) for pair, digits in cells]
-            + [spread_cell(s["probe_accuracy"], 1, cfg["seeds"], 100)]
+            + [common.spread_cell(pair, digits, cfg["seeds"]) for pair, digits in cells]
+            + [common.spread_cell(s["probe_accuracy"], 1, cfg["seeds"], 100)]
             + ["-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"]
         )
     spread = f"{cfg['seeds']} seeds, mean ± sd" if cfg["seeds"] > 1 else "one seed"
@@ -261,7 +260,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     """
 
     def config(smoke, full):
-        return with_seeds(_config(smoke, full), seeds, seed)
+        return common.with_seeds(_config(smoke, full), seeds, seed)
 
     return run_experiment(
         NAME, out_dir, config, _measure, _report, device, smoke, full, seed, progress,

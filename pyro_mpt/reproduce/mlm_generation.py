@@ -31,7 +31,7 @@ per sequence. The real sequences are scored alike as a reference row.
 import torch
 
 from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import ANTIBERTY, alternating_chains
+from pyro_mpt.reproduce._antibody_chains import ANTIBERTY, alternating_chains
 from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
