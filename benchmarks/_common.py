@@ -1,8 +1,10 @@
-"""Timing, table and command-line helpers shared by the benchmark scripts.
+"""Timing, report, table and command-line helpers shared by the benchmark scripts.
 
-The scripts print figures; they never assert timings. Every timing is a median over
-repeats of :func:`time.perf_counter` intervals, with the device synchronised around each
-interval when it is a GPU.
+Each script is its configuration (module constants), ``run`` (measures, returns a JSON-able
+report made by :func:`make_report`), ``print_report`` (mostly :func:`print_results`) and a
+``main`` that is :func:`benchmark_main`. The scripts print figures; they never assert
+timings. Every timing is a median over repeats of :func:`time.perf_counter` intervals, with
+the device synchronised around each interval when it is a GPU.
 """
 
 import argparse
@@ -29,12 +31,13 @@ __all__ = [
     "make_report",
     "median_ms",
     "medians",
-    "results_table",
+    "print_results",
     "set_default_dtype",
     "svis",
     "synchronize",
     "time_block",
     "time_calls",
+    "time_svi_steps",
     "tiny_bert",
     "write_json",
 ]
@@ -142,6 +145,24 @@ def forward_backward_ms(loss_fn, module, data, device, calls):
     return statistics.median(forward), statistics.median(backward)
 
 
+def time_svi_steps(module, losses, batches, device, steps, repeats, warmup, split_calls):
+    """Times one SVI step of ``module`` under each loss (each with its own Adam optimiser) in
+    interleaved blocks, every step on the next of ``batches``; then splits each loss's
+    ``differentiable_loss`` on one batch into forward and backward, over ``split_calls``.
+
+    :returns: ``(times, splits)``: name -> :func:`time_calls` figures, and name ->
+        ``(forward ms, backward ms)``.
+    """
+    fns = {name: (lambda s=s: s.step(next(batches))) for name, s in svis(module, losses).items()}
+    times = time_calls(fns, device, steps, repeats, warmup)
+    batch = next(batches)
+    splits = {
+        name: forward_backward_ms(loss, module, batch, device, split_calls)
+        for name, loss in losses.items()
+    }
+    return times, splits
+
+
 def median_ms(samples):
     """The median of a list of timings."""
     return statistics.median(samples)
@@ -196,18 +217,25 @@ def format_table(headers, rows):
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
-def results_table(results, columns, **context):
-    """:func:`format_table` with one row per result.
+def print_results(report, columns, title=None, **context):
+    """Prints ``title``, then a :func:`format_table` with one row per result of ``report``.
 
-    :param dict columns: header -> cell: a format string of the result's keys and of
-        ``context`` (e.g. ``"{ratio:.2f}x"``), or a function of the result.
+    :param str columns: ``"header: cell"`` per column, separated by ``" | "``; each cell a
+        format string of the result's keys, the report's config and ``context`` (e.g.
+        ``"speed-up: {ratio:.2f}x"``); a function in ``context`` stands for its value at the
+        result.
+    :param str title: a format string of the config, the environment and ``context``.
     """
+    shared = {**report.get("environment", {}), **report["config"]}
+    if title is not None:
+        print(title.format_map({**shared, **context}))
+    headers, cells = zip(*(column.split(": ", 1) for column in columns.split(" | ")))
 
-    def text(cell, result):
-        return cell(result) if callable(cell) else cell.format_map({**context, **result})
+    def row(result):
+        values = {k: v(result) if callable(v) else v for k, v in context.items()}
+        return [cell.format_map({**shared, **values, **result}) for cell in cells]
 
-    rows = [[text(cell, r) for cell in columns.values()] for r in results]
-    return format_table(list(columns), rows)
+    print(format_table(headers, [row(r) for r in report["results"]]))
 
 
 def environment(device):

@@ -20,7 +20,7 @@ import random
 import tempfile
 import warnings
 
-from _common import benchmark_main, make_report, medians, results_table, time_calls
+from _common import benchmark_main, make_report, medians, print_results, time_calls
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -126,23 +126,14 @@ def run(device, batch=32, steps=20, repeats=7):
     return make_report(device, results, config, batch=batch, steps=steps, repeats=repeats)
 
 
-#: header -> cell of the table.
-COLUMNS = {
-    "features / rate": "{case}",
-    "HF ms": "{hf_ms:.3f}",
-    "MPT ms": "{mpt_ms:.3f}",
-    "MPT/HF": "{ratio:.2f}x",
-}
-
-
 def print_report(report):
-    cfg = report["config"]
-    print(
-        f"Collator cost per batch ({cfg['batch']} examples of {cfg['lengths']} tokens, vocab "
-        f"{cfg['vocab_size']}; median of {cfg['repeats']} x {cfg['steps']} batches; "
-        f"target MPT/HF <= {cfg['target_ratio']})"
+    print_results(
+        report,
+        "features / rate: {case} | HF ms: {hf_ms:.3f} | MPT ms: {mpt_ms:.3f} | "
+        "MPT/HF: {ratio:.2f}x",
+        "Collator cost per batch ({batch} examples of {lengths} tokens, vocab {vocab_size}; median "
+        "of {repeats} x {steps} batches; target MPT/HF <= {target_ratio})",
     )
-    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ Usage::
 """
 
 import torch
-from _common import benchmark_main, make_report, medians, results_table, time_calls
+from _common import benchmark_main, make_report, medians, print_results, time_calls
 
 from pyro_mpt.ops.bernoulli import bernoulli_log_prob
 from pyro_mpt.ops.masks import masks_of_sizes, plain_masks_of_sizes
@@ -141,24 +141,16 @@ def run(device="cpu", steps=5, repeats=5, seed=0):
     return make_report(device, results, config, steps=steps, repeats=repeats)
 
 
-#: header -> cell of the table.
-COLUMNS = {
-    "path": "{path}",
-    "fast ms": "{fast_ms:.2f}",
-    "plain ms": "{plain_ms:.2f}",
-    "speedup": "{speedup:.2f}x",
-    f">= {TARGET}x": lambda r: "yes" if r["speedup"] >= TARGET else "no",
-}
-
-
 def print_report(report):
-    cfg, env = report["config"], report["environment"]
-    print(
-        f"Fast paths against their plain versions, forward and backward, float32 "
-        f"({env['device']}, {env['threads']} threads; G={cfg['nodes']} N={cfg['images']} "
-        f"D={cfg['pixels']} S={cfg['samples']}; median of {cfg['repeats']} x {cfg['steps']})"
+    print_results(
+        report,
+        "path: {path} | fast ms: {fast_ms:.2f} | plain ms: {plain_ms:.2f} | "
+        "speedup: {speedup:.2f}x | >= 1.3x: {meets}",
+        "Fast paths against their plain versions, forward and backward, float32 ({device}, "
+        "{threads} threads; G={nodes} N={images} D={pixels} S={samples}; median of {repeats} x "
+        "{steps})",
+        meets=lambda r: "yes" if r["speedup"] >= report["config"]["target_speedup"] else "no",
     )
-    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):

@@ -25,7 +25,7 @@ from _common import (
     benchmark_main,
     make_report,
     medians,
-    results_table,
+    print_results,
     set_default_dtype,
     time_calls,
 )
@@ -122,24 +122,15 @@ def run(device, steps=2, repeats=3, dtypes=("float64", "float32"), num_outputs=7
     return make_report(device, results, config, steps=steps, repeats=repeats)
 
 
-#: header -> cell of the table.
-COLUMNS = {
-    "case": "{case}",
-    "dtype": "{dtype}",
-    "exact ms": "{exact_ms:.1f}",
-    "active set ms": "{active_ms:.1f}",
-    "speed-up": "{speedup:.1f}x",
-    "target": lambda r: "-" if r["target"] is None else f">= {r['target']:.0f}x",
-}
-
-
 def print_report(report):
-    cfg = report["config"]
-    print(
-        f"Active set |R|={cfg['context']} vs exact MLL at N={cfg['num_data']}: ms per "
-        f"training step (median of {cfg['repeats']} repeats)"
+    print_results(
+        report,
+        "case: {case} | dtype: {dtype} | exact ms: {exact_ms:.1f} | "
+        "active set ms: {active_ms:.1f} | speed-up: {speedup:.1f}x | target: {target_text}",
+        "Active set |R|={context} vs exact MLL at N={num_data}: ms per training step (median of "
+        "{repeats} repeats)",
+        target_text=lambda r: "-" if r["target"] is None else f">= {r['target']:.0f}x",
     )
-    print(results_table(report["results"], COLUMNS))
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ Usage::
 """
 
 import torch
-from _common import benchmark_main, make_report, medians, results_table, time_calls, tiny_bert
+from _common import benchmark_main, make_report, medians, print_results, time_calls, tiny_bert
 
 __all__ = ["main", "print_report", "run"]
 
@@ -100,26 +100,19 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
     return make_report(device, [result], config, steps=steps, repeats=repeats)
 
 
-#: header -> cell of the table.
-COLUMNS = {
-    "mlm_mpt_curve ms": "{mpt_curve_ms:.0f}",
-    "plain loop ms": "{plain_loop_ms:.0f}",
-    "loop/curve": "{ratio_loop_over_curve:.3f}",
-    "target": ">= {target_ratio}",
-    "masked seq/s": "{masked_sequences_per_s:.0f}",
-}
-
-
 def print_report(report):
     """Prints the timing table."""
-    cfg, env = report["config"], report["environment"]
     r = report["results"][0]
-    print(
-        f"mlm_mpt_curve vs plain forward loop: {cfg['model']}, {r['masked_sequences']} masked "
-        f"sequences in {r['forward_passes']} batches of <= {cfg['batch_size']} "
-        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
+    print_results(
+        report,
+        "mlm_mpt_curve ms: {mpt_curve_ms:.0f} | plain loop ms: {plain_loop_ms:.0f} | "
+        "loop/curve: {ratio_loop_over_curve:.3f} | target: >= {target_ratio} | "
+        "masked seq/s: {masked_sequences_per_s:.0f}",
+        "mlm_mpt_curve vs plain forward loop: {model}, {masked} masked sequences in {passes} "
+        "batches of <= {batch_size} ({device}, {threads} threads; median of {repeats})",
+        masked=r["masked_sequences"],
+        passes=r["forward_passes"],
     )
-    print(results_table(report["results"], COLUMNS, **cfg))
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ import os
 import tempfile
 
 import torch
-from _common import benchmark_main, make_report, medians, results_table, time_calls, tiny_bert
+from _common import benchmark_main, make_report, medians, print_results, time_calls, tiny_bert
 
 __all__ = ["main", "print_report", "run"]
 
@@ -110,26 +110,16 @@ def run(device="cpu", steps=3, repeats=5, seed=0):
     return make_report(device, results, config, steps=steps, repeats=repeats)
 
 
-#: header -> cell of the table.
-COLUMNS = {
-    "call": "{call}",
-    "forward passes": "{passes} (expected {expected_passes})",
-    "ms": "{ms:.1f}",
-    "/forward": "{ratio_to_forward:.2f}",
-    "/(passes x forward)": "{ratio_per_pass:.2f}",
-    "target": "<= {target_ratio}",
-}
-
-
 def print_report(report):
     """Prints the timing table."""
-    cfg, env = report["config"], report["environment"]
-    print(
-        f"sample_mlm, one Gibbs step vs one forward pass: {cfg['model']}, "
-        f"{cfg['num_sequences']} sequences of {cfg['length']} tokens "
-        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
+    print_results(
+        report,
+        "call: {call} | forward passes: {passes} (expected {expected_passes}) | ms: {ms:.1f} | "
+        "/forward: {ratio_to_forward:.2f} | /(passes x forward): {ratio_per_pass:.2f} | "
+        "target: <= {target_ratio}",
+        "sample_mlm, one Gibbs step vs one forward pass: {model}, {num_sequences} sequences of "
+        "{length} tokens ({device}, {threads} threads; median of {repeats})",
     )
-    print(results_table(report["results"], COLUMNS, **cfg))
 
 
 def main(argv=None):

@@ -14,6 +14,8 @@ Usage::
     python benchmarks/bench_svi_step.py [--device cuda] [--steps 20] [--json out.json]
 """
 
+import itertools
+
 import pyro
 import torch
 from _common import (
@@ -21,13 +23,11 @@ from _common import (
     benchmark_main,
     constants,
     dtype_name,
-    forward_backward_ms,
     make_report,
     median_ms,
-    results_table,
+    print_results,
     set_default_dtype,
-    svis,
-    time_calls,
+    time_svi_steps,
 )
 from pyro.infer import Trace_ELBO
 
@@ -64,15 +64,12 @@ def run_dtype(dtype, device="cpu", steps=20, repeats=5, warmup=5, seed=0):
             guide_covariance="diagonal",
             subsample_size=SUBSAMPLE_SIZE,
         )
-        elbo = Trace_ELBO()
-        mpt = MPTLoss(rate="uniform", num_masks=1)
-        svi = svis(ppca, {"elbo": elbo, "mpt": mpt})
-        fns = {name: (lambda s=s: s.step(data)) for name, s in svi.items()}
-        times = time_calls(fns, device, steps, repeats, warmup)
+        losses = {"elbo": Trace_ELBO(), "mpt": MPTLoss(rate="uniform", num_masks=1)}
+        batches = itertools.repeat(data)
         calls = steps * repeats
-        mpt_fwd, mpt_bwd = forward_backward_ms(mpt, ppca, data, device, calls)
-        elbo_fwd, elbo_bwd = forward_backward_ms(elbo, ppca, data, device, calls)
+        times, splits = time_svi_steps(ppca, losses, batches, device, steps, repeats, warmup, calls)
         pyro.clear_param_store()
+    (mpt_fwd, mpt_bwd), (elbo_fwd, elbo_bwd) = splits["mpt"], splits["elbo"]
     elbo_ms = median_ms(times["elbo"])
     mpt_ms = median_ms(times["mpt"])
     return {
@@ -101,35 +98,23 @@ def run(device="cpu", steps=20, repeats=5, warmup=5, dtypes=("float32", "float64
     return make_report(device, results, config, steps=steps, repeats=repeats, warmup=warmup)
 
 
-#: header -> cell of the step table and of the forward/backward table.
-STEP_COLUMNS = {
-    "dtype": "{dtype}",
-    "ELBO ms/step": "{elbo_step_ms:.2f}",
-    "MPT ms/step": "{mpt_step_ms:.2f}",
-    "MPT/ELBO": "{ratio_mpt_over_elbo:.2f}x",
-    "target": "<= {target_ratio:.0f}x",
-}
-SPLIT_COLUMNS = {"dtype": "{dtype}"} | {
-    f"{loss.upper()} {short}": f"{{{loss}_{part}_ms:.2f}}"
-    for loss in ("mpt", "elbo")
-    for part, short in (("forward", "fwd"), ("backward", "bwd"))
-}
-
-
 def print_report(report):
     """Prints the step table and the forward/backward table."""
-    cfg = report["config"]
-    env = report["environment"]
-    print(
-        f"SVI step, PPCA D={cfg['num_features']} K={cfg['latent_dim']} "
-        f"N={cfg['num_data']} batch={cfg['subsample_size']} "
-        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']} x "
-        f"{cfg['steps']} steps)"
+    print_results(
+        report,
+        "dtype: {dtype} | ELBO ms/step: {elbo_step_ms:.2f} | MPT ms/step: {mpt_step_ms:.2f} | "
+        "MPT/ELBO: {ratio_mpt_over_elbo:.2f}x | target: <= {target_ratio:.0f}x",
+        "SVI step, PPCA D={num_features} K={latent_dim} N={num_data} batch={subsample_size} "
+        "({device}, {threads} threads; median of {repeats} x {steps} steps)",
     )
-    print(results_table(report["results"], STEP_COLUMNS, **cfg))
     print()
-    print("differentiable_loss split (median ms per call)")
-    print(results_table(report["results"], SPLIT_COLUMNS))
+    split = [
+        f"{loss.upper()} {part[0]}wd: {{{loss}_{part}_ms:.2f}}"
+        for loss in ("mpt", "elbo")
+        for part in ("forward", "backward")
+    ]
+    title = "differentiable_loss split (median ms per call)"
+    print_results(report, " | ".join(["dtype: {dtype}"] + split), title)
 
 
 def main(argv=None):

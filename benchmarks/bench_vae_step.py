@@ -52,13 +52,12 @@ from _common import (
     constants,
     dtype_name,
     format_table,
-    forward_backward_ms,
     make_report,
     median_ms,
-    results_table,
+    print_results,
     set_default_dtype,
     svis,
-    time_calls,
+    time_svi_steps,
 )
 from pyro.infer import Trace_ELBO
 
@@ -151,15 +150,9 @@ def run_model(model_name, dtype, device="cpu", steps=3, repeats=3, warmup=1, see
     device = torch.device(device)
     names = LOSSES[model_name]
     with set_default_dtype(dtype), torch.device(device):
-        data, source, vae, losses, svi = _setup(model_name, names, dtype, device, seed)
+        data, source, vae, losses, _ = _setup(model_name, names, dtype, device, seed)
         batches = _batches(data)
-        fns = {name: (lambda s=s: s.step(next(batches))) for name, s in svi.items()}
-        times = time_calls(fns, device, steps, repeats, warmup)
-        batch = next(batches)
-        splits = {
-            name: forward_backward_ms(loss, vae, batch, device, steps)
-            for name, loss in losses.items()
-        }
+        times, splits = time_svi_steps(vae, losses, batches, device, steps, repeats, warmup, steps)
         pyro.clear_param_store()
     elbo_ms = median_ms(times["elbo"])
     rows = []
@@ -301,30 +294,20 @@ def _worst_miss(results):
     return max(missed, key=lambda r: r["ratio_to_elbo"] / r["target_ratio"], default=None)
 
 
-#: header -> cell of the step table.
-COLUMNS = {
-    "model": "{model}",
-    "dtype": "{dtype}",
-    "loss": "{loss}",
-    "ms/step": "{step_ms:.2f}",
-    "/ELBO": "{ratio_to_elbo:.2f}x",
-    "target": lambda r: "-" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x",
-    "met": _meets,
-    "fwd ms": "{forward_ms:.2f}",
-    "bwd ms": "{backward_ms:.2f}",
-}
-
-
 def print_report(report):
     """Prints the step table, the memory table and the profile, if any."""
     cfg = report["config"]
-    env = report["environment"]
-    print(
-        f"SVI step on binarised MNIST (N={cfg['num_data']}, D={cfg['num_features']}, batch "
-        f"{cfg['subsample_size']}), MPTLoss(rate='uniform') vs Trace_ELBO ({env['device']}, "
-        f"{env['threads']} threads; median of {cfg['repeats']} x {cfg['steps']} steps)"
+    print_results(
+        report,
+        "model: {model} | dtype: {dtype} | loss: {loss} | ms/step: {step_ms:.2f} | "
+        "/ELBO: {ratio_to_elbo:.2f}x | target: {target} | met: {met} | "
+        "fwd ms: {forward_ms:.2f} | bwd ms: {backward_ms:.2f}",
+        "SVI step on binarised MNIST (N={num_data}, D={num_features}, batch {subsample_size}), "
+        "MPTLoss(rate='uniform') vs Trace_ELBO ({device}, {threads} threads; median of "
+        "{repeats} x {steps} steps)",
+        target=lambda r: "-" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x",
+        met=_meets,
     )
-    print(results_table(report["results"], COLUMNS))
     print(
         f"quadrature: {cfg['quadrature_nodes']} nodes under the prior; importance S: S guide "
         f"samples per image; encode-decode: {cfg['encode_decode_iterations']} iterations."

@@ -29,7 +29,7 @@ from _common import (
     format_table,
     make_report,
     medians,
-    results_table,
+    print_results,
     set_default_dtype,
     time_calls,
 )
@@ -161,35 +161,30 @@ def _speedup(key):
     return lambda r: f"{r[key]:.3g}x" if key in r else "-"
 
 
-#: header -> cell of the timing table.
-TIMING_COLUMNS = {
-    "dtype": "{dtype}",
-    "woodbury ms": "{ms[woodbury]:.2f}",
-    "dense batched ms": "{ms[dense_batched]:.1f}",
-    "dense loop ms": lambda r: f"{r['ms']['dense_loop']:.1f}" if "dense_loop" in r["ms"] else "-",
-    "vs batched": _speedup("speedup_vs_dense_batched"),
-    "vs loop": _speedup("speedup_vs_dense_loop"),
-    "target": ">= {target_speedup:.0f}x",
-}
-
-
 def print_report(report):
     """Prints the agreement table and the timing table."""
-    cfg = report["config"]
-    env = report["environment"]
-    print(
-        f"Conditionals p(x_j | x_R), D={cfg['num_features']} K={cfg['latent_dim']} "
-        f"N={cfg['batch']}, one uniform-size mask per observation "
-        f"({env['device']}, {env['threads']} threads; median of {cfg['repeats']})"
-    )
     rows = [
         (r["dtype"], f"woodbury vs {name}", f"{diff['mean']:.2e}", f"{diff['var']:.2e}")
         for r in report["results"]
         for name, diff in r["max_abs_diff"].items()
     ]
+    print(
+        "Conditionals p(x_j | x_R), D={num_features} K={latent_dim} N={batch}, one uniform-size "
+        "mask per observation ({device}, {threads} threads; median of {repeats})".format_map(
+            {**report["environment"], **report["config"]}
+        )
+    )
     print(format_table(["dtype", "comparison", "max |d mean|", "max |d var|"], rows))
     print()
-    print(results_table(report["results"], TIMING_COLUMNS, **cfg))
+    print_results(
+        report,
+        "dtype: {dtype} | woodbury ms: {ms[woodbury]:.2f} | "
+        "dense batched ms: {ms[dense_batched]:.1f} | dense loop ms: {loop_ms} | "
+        "vs batched: {vs_batched} | vs loop: {vs_loop} | target: >= {target_speedup:.0f}x",
+        loop_ms=lambda r: f"{r['ms']['dense_loop']:.1f}" if "dense_loop" in r["ms"] else "-",
+        vs_batched=_speedup("speedup_vs_dense_batched"),
+        vs_loop=_speedup("speedup_vs_dense_loop"),
+    )
 
 
 def main(argv=None):

@@ -42,26 +42,26 @@ def _status(ok):
     return "yes" if ok else "no"
 
 
+def _results(reports, key):
+    """``(config, result)`` for each result of the report ``key``; none if it did not run."""
+    report = reports.get(key)
+    return [(report["config"], r) for r in report["results"]] if report is not None else []
+
+
 def summary_rows(reports):
     """One row per figure with a target: ``(benchmark, measured, target, meets target)``."""
     rows = []
-    svi = reports.get("svi_step")
-    if svi is not None:
-        target = svi["config"]["target_ratio"]
-        for r in svi["results"]:
-            label = f"SVI step MPT/ELBO, {r['dtype']}"
-            rows.append(_row(label, r["ratio_mpt_over_elbo"], "<=", target))
-    woodbury = reports.get("woodbury")
-    if woodbury is not None:
-        target = woodbury["config"]["target_speedup"]
-        for r in woodbury["results"]:
-            for key, label in (
-                ("speedup_vs_dense_batched", "dense batched"),
-                ("speedup_vs_dense_loop", "dense loop"),
-            ):
-                if key in r:
-                    label = f"Woodbury speed-up vs {label}, {r['dtype']}"
-                    rows.append(_row(label, r[key], ">=", target, fmt=".3g"))
+    for cfg, r in _results(reports, "svi_step"):
+        label = f"SVI step MPT/ELBO, {r['dtype']}"
+        rows.append(_row(label, r["ratio_mpt_over_elbo"], "<=", cfg["target_ratio"]))
+    for cfg, r in _results(reports, "woodbury"):
+        for key, method in (
+            ("speedup_vs_dense_batched", "dense batched"),
+            ("speedup_vs_dense_loop", "dense loop"),
+        ):
+            if key in r:
+                label = f"Woodbury speed-up vs {method}, {r['dtype']}"
+                rows.append(_row(label, r[key], ">=", cfg["target_speedup"], fmt=".3g"))
     table1 = reports.get("table1")
     if table1 is not None:
         target = table1["config"]["target_seconds"]
@@ -69,33 +69,23 @@ def summary_rows(reports):
         rows.append(_row(label, table1["seconds"], "<=", target, fmt=".1f", unit=""))
     elif "table1" in reports:
         rows.append(("reproduce ppca-table1 (s)", "n/a", "<= 60", "-"))
-    vae_step = reports.get("vae_step")
-    for r in vae_step["results"] if vae_step is not None else []:
+    for _, r in _results(reports, "vae_step"):
         if r["target_ratio"] is not None:
             label = f"{r['model']} VAE step MPT ({r['loss']})/ELBO, {r['dtype']}"
             rows.append(_row(label, r["ratio_to_elbo"], "<=", r["target_ratio"]))
-    gp = reports.get("gp_active_set")
-    for r in gp["results"] if gp is not None else []:
+    for _, r in _results(reports, "gp_active_set"):
         if r["target"] is not None:
             label = f"GP active set |R|=128 vs exact MLL, N=2048, {r['dtype']}"
             rows.append(_row(label, r["speedup"], ">=", r["target"], fmt=".1f"))
-    collator = reports.get("collator")
-    if collator is not None:
-        target = collator["config"]["target_ratio"]
-        for r in collator["results"]:
-            label = f"MPTDataCollator/HF collator, {r['case']}"
-            rows.append(_row(label, r["ratio"], "<=", target, target_fmt=""))
-    fast_paths = reports.get("fast_paths")
-    if fast_paths is not None:
-        target = fast_paths["config"]["target_speedup"]
-        for r in fast_paths["results"]:
-            label = f"fast path / plain version, {r['path']}"
-            rows.append(_row(label, r["speedup"], ">=", target, target_fmt=""))
-    mlm_curve = reports.get("mlm_curve")
-    if mlm_curve is not None:
-        target = mlm_curve["config"]["target_ratio"]
-        ratio = mlm_curve["results"][0]["ratio_loop_over_curve"]
+    for cfg, r in _results(reports, "collator"):
+        label = f"MPTDataCollator/HF collator, {r['case']}"
+        rows.append(_row(label, r["ratio"], "<=", cfg["target_ratio"], target_fmt=""))
+    for cfg, r in _results(reports, "fast_paths"):
+        label = f"fast path / plain version, {r['path']}"
+        rows.append(_row(label, r["speedup"], ">=", cfg["target_speedup"], target_fmt=""))
+    for cfg, r in _results(reports, "mlm_curve"):
         label = "plain forward loop / mlm_mpt_curve"
+        ratio, target = r["ratio_loop_over_curve"], cfg["target_ratio"]
         rows.append(_row(label, ratio, ">=", target, target_fmt="", unit=""))
     return rows
 
