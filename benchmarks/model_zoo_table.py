@@ -23,6 +23,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 # The zoo is written for float64 (as the test suite runs), and its factories run at import.
 torch.set_default_dtype(torch.float64)
 
+from _common import configure  # noqa: E402
+
 from pyro_mpt import MPTLoss, log_marginal  # noqa: E402
 from tests.test_model_zoo import ZOO  # noqa: E402
 
@@ -82,8 +84,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    configure("cpu", args.threads)
     pyro.enable_validation(True)
     logging.getLogger("pyro").setLevel(logging.WARNING)  # Pyro's max_plate_nesting guesses
     print(
