@@ -1,6 +1,7 @@
 """Held-out models: hand-written Pyro models of kinds the model zoo does not cover, each
 checked against an exact reference computed here (closed-form Gaussian marginals, trapezoid
-grids over the latent in float64).
+grids over the latent in float64). Long because each model and its reference is written
+out in full, so a reader sees exactly what is checked.
 
 For every scored model the tests check ``log_marginal`` under the strategy ``auto`` picks
 (and under a reference-quality rule), and that ``MPTLoss(rate="uniform").estimate`` averaged

@@ -1,4 +1,5 @@
-"""A zoo of hand-written Pyro models, each checked against an exact reference.
+"""A zoo of hand-written Pyro models, each checked against an exact reference. Long because
+every model and its reference is written out in full, so a reader sees exactly what is checked.
 
 Every model below is plain Pyro (no model of the package). A factory returns a
 :class:`ZooCase`: the model, its guide (or ``None``), its arguments, and either a function

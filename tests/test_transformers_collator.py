@@ -1,5 +1,6 @@
 """``MPTDataCollator``: mask sizes per rate schedule, uniform masks, BERT's 80/10/10
-corruption, whole words and spans, the weights D_i / M_i, and its errors."""
+corruption, whole words and spans, the weights D_i / M_i, and its errors. Over 300 lines
+because each of those options is checked against its exact distribution."""
 
 import math
 import os
