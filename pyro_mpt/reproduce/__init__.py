@@ -2,7 +2,9 @@
 
 Every module exposes ``run(out_dir, device="cpu", smoke=False, full=False, seed=0,
 progress=True) -> dict``, which prints a table, writes ``<name>.json`` and ``<name>.png``
-into ``out_dir`` and returns the results.
+into ``out_dir`` and returns the results. Each reads as config -> measure (train and
+evaluate) -> report, the flow :mod:`pyro_mpt.reproduce._experiment` runs; ``bert-rates`` and
+``gp-decoder`` take those steps themselves, because their result files keep older layouts.
 """
 
 import importlib
