@@ -225,7 +225,8 @@ class _BernoulliConditionals(torch.autograd.Function):
             disagree = context * orientation.disagreement
             weighted = torch.cat([context - disagree, disagree], -1)
             table_grad = table_conditionals_backward(grad, weighted, posterior, *saved)
-            signed_grad = _signed_table_grad(*table_grad.unflatten(-1, (2, -1)).unbind(-2), orientation)
+            grad_agree, grad_disagree = table_grad.unflatten(-1, (2, -1)).unbind(-2)
+            signed_grad = _signed_table_grad(grad_agree, grad_disagree, orientation)
         else:
             saved = _OrientedSaved(*saved)
             node_grad, signed_grad = _oriented_backward(grad, posterior, orientation, saved)
