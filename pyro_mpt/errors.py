@@ -2,7 +2,7 @@
 
 import numbers
 
-__all__ = ["NotApplicableError", "check_positive_int"]
+__all__ = ["ImportanceAccuracyWarning", "NotApplicableError", "check_positive_int"]
 
 
 class NotApplicableError(ValueError):
@@ -10,6 +10,15 @@ class NotApplicableError(ValueError):
 
     ``conditionals="auto"`` catches it to try the next strategy; any other ``ValueError`` is
     a problem with the model or its data and propagates at once.
+    """
+
+
+class ImportanceAccuracyWarning(UserWarning):
+    """Importance-sampled conditionals or log-marginals whose weights say they cannot be
+    trusted (Pareto k-hat above 0.7, or too few effective samples).
+
+    The message states the measured figures and the fix; the figures are also readable from
+    code (``MPTLoss.diagnostics``, ``SelfPredictive.diagnostics``).
     """
 
 

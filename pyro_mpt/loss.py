@@ -10,13 +10,17 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.util import warn_if_nan
 
 from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.importance import warn_if_unreliable
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, sample_masks
 
-__all__ = ["MPTLoss"]
+__all__ = ["GUIDE_LOSSES", "MPTLoss"]
+
+#: The values of ``MPTLoss(guide_loss=...)``.
+GUIDE_LOSSES = ("auto", "wake", "elbo", None)
 
 
 class MPTLoss(ELBO):
@@ -54,12 +58,18 @@ class MPTLoss(ELBO):
     :param int max_plate_nesting: bound on the number of nested plates in the model;
         guessed from a trace of the model and guide on the first call when left at infinity,
         and stored, as ``Trace_ELBO`` does.
-    :param str guide_loss: ``None`` (default): the guide gets whatever gradient the
-        strategy gives it (importance sampling reaches it; exact and quadrature
-        conditionals do not, and a one-time warning says so when the guide has
-        parameters); ``"elbo"``: the guide's parameters are trained by ``Trace_ELBO`` while
-        the model's parameters follow the MPT gradient (the guide then serves as an
-        importance proposal or for ``Predictive``).
+    :param str guide_loss: what trains the guide's parameters (the model's always follow
+        the MPT gradient). ``"wake"``: the wake-phase update of reweighted wake-sleep, which
+        moves the guide toward ``p(z | x_R)`` with the importance samples already drawn and
+        their weights detached (for strategies that propose from the guide, importance
+        sampling); ``"elbo"``: ``Trace_ELBO``'s gradient (the guide then serves as a
+        proposal or for ``Predictive``); ``None``: whatever gradient the MPT estimate gives
+        it (through reparameterised importance samples, a gradient that can raise the
+        ratio estimate without raising ``log p(x)``). ``"auto"`` (default): the one that
+        suits the strategy: ``"wake"`` for importance sampling, ``"elbo"`` for quadrature
+        nodes centred at the guide, else ``None`` (exact and prior-centred quadrature
+        conditionals do not reach the guide; a one-time warning says so when the guide has
+        parameters, and ``"elbo"`` trains it).
     :param bool retain_graph: as for ``Trace_ELBO``.
 
     Example::
@@ -90,7 +100,7 @@ class MPTLoss(ELBO):
         conditionals="auto",
         share_masks=False,
         max_plate_nesting=math.inf,
-        guide_loss=None,
+        guide_loss="auto",
         retain_graph=None,
     ):
         super().__init__(
@@ -100,14 +110,16 @@ class MPTLoss(ELBO):
         self.num_masks = check_num_masks(num_masks)
         self.conditionals = as_conditionals(conditionals)
         self.share_masks = bool(share_masks)
-        if guide_loss not in (None, "elbo"):
+        if guide_loss not in GUIDE_LOSSES:
             raise ValueError(
-                f"guide_loss must be None or 'elbo', got {guide_loss!r}. 'elbo' trains the "
-                f"guide's parameters by Trace_ELBO while the model's follow the MPT gradient."
+                f"guide_loss must be one of {', '.join(map(repr, GUIDE_LOSSES))}, got "
+                f"{guide_loss!r}. 'wake' trains the guide as an importance proposal, 'elbo' by "
+                f"Trace_ELBO, while the model's parameters follow the MPT gradient."
             )
         self.guide_loss = guide_loss
-        self._elbo = Trace_ELBO(max_plate_nesting=max_plate_nesting) if guide_loss else None
+        self._elbo = Trace_ELBO(max_plate_nesting=max_plate_nesting)
         self._warned_untrained_guide = False
+        self.diagnostics = None
 
     def __repr__(self):
         return (
@@ -169,21 +181,40 @@ class MPTLoss(ELBO):
         prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
         loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
         warn_if_nan(loss, "loss")
-        return loss
+        self.diagnostics = prepared.diagnostics
+        warn_if_unreliable(
+            prepared.diagnostics, "MPTLoss's conditionals", _model_key(model, args), stacklevel=5
+        )
+        return loss, prepared
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a differentiable scalar tensor.
 
-        With ``guide_loss="elbo"`` the result's value is the MPT loss and its gradient is
-        the MPT gradient for the model's parameters and the ELBO's for the guide's.
+        With ``guide_loss`` ``"wake"`` or ``"elbo"`` the result's value is the MPT loss and
+        its gradient is the MPT gradient for the model's parameters and the guide loss's for
+        the guide's.
         """
-        loss = self._mpt_loss(model, guide, args, kwargs)
-        if self.guide_loss is None:
+        loss, prepared = self._mpt_loss(model, guide, args, kwargs)
+        mode = self.guide_loss
+        if mode == "auto":
+            mode = _chosen(self.conditionals).guide_loss
+        proposal_loss = prepared.proposal_loss() if mode == "wake" else None
+        if mode == "wake" and proposal_loss is None:
+            raise ValueError(
+                f"guide_loss='wake' trains the guide on importance samples, but "
+                f"{_chosen(self.conditionals)!r} draws none from the guide. Use "
+                f"conditionals='importance', or guide_loss='elbo'."
+            )
+        if mode is None:
             self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
             return loss
         model_params, guide_params = self._split_params(model, guide, args, kwargs)
-        elbo = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
-        grads = _gradients(loss, model_params) + _gradients(elbo, guide_params)
+        if mode == "elbo":
+            guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
+        else:
+            guide_objective = proposal_loss
+        grads = _gradients(loss, model_params, retain_graph=True)
+        grads += _gradients(guide_objective, guide_params)
         params = model_params + guide_params
         # A surrogate whose value is the loss and whose gradient is the one computed above.
         surrogate = sum(((p * g).sum() for p, g in zip(params, grads) if g is not None), 0.0)
@@ -192,11 +223,12 @@ class MPTLoss(ELBO):
     def loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a float (no gradients are computed)."""
         with torch.no_grad():
-            return self._mpt_loss(model, guide, args, kwargs).item()
+            return self._mpt_loss(model, guide, args, kwargs)[0].item()
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """Computes the loss and back-propagates it into every parameter it depends on
-        (with ``guide_loss="elbo"``, the guide's parameters get the ELBO's gradient).
+        (with ``guide_loss`` ``"wake"`` or ``"elbo"``, the guide's parameters get that
+        loss's gradient).
 
         :returns: the loss as a float.
         """
@@ -268,12 +300,20 @@ def _unconstrained(trace):
     return params
 
 
-def _gradients(loss, params):
+def _gradients(loss, params, retain_graph=None):
     if not params:
         return []
     if not loss.requires_grad:
         return [None] * len(params)
-    return list(torch.autograd.grad(loss, params, allow_unused=True))
+    return list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain_graph))
+
+
+def _model_key(model, args):
+    """A model and the shapes of its tensor arguments, for warnings given once per such
+    pair (identified by name and ``id``, so that no model is kept alive)."""
+    function = getattr(model, "__func__", model)
+    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
+    return (getattr(function, "__qualname__", type(model).__name__), id(function), shapes)
 
 
 def _reaches(loss, params):

@@ -4,6 +4,7 @@ for it."""
 import logging
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -13,10 +14,12 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import Importance
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import ImportanceAccuracyWarning, NotApplicableError
 from pyro_mpt.infer.remembered_structure import call_signature
+from pyro_mpt.ops.mask_rates import as_rate_schedule
+from pyro_mpt.ops.masks import sample_masks
 
-__all__ = ["Auto", "STRATEGIES", "as_conditionals"]
+__all__ = ["ACCURACY_TOL", "Auto", "CONVERGENCE_TOL", "STRATEGIES", "as_conditionals"]
 
 logger = logging.getLogger("pyro_mpt")
 
@@ -29,13 +32,19 @@ STRATEGIES = {
     "encode-decode": EncodeDecode,
 }
 
-#: ``auto`` takes a quadrature rule when a rule with 1.5 times its nodes per dimension
-#: agrees with it on the log-marginal likelihood of nine observations in ten to this many
-#: nats: the full data give the narrowest posterior, the hardest of the rule's integrals.
+#: ``auto`` stops refining a quadrature rule when a rule with 1.5 times its nodes per
+#: dimension agrees with it on the log-marginal likelihood of nine observations in ten to
+#: this many nats: the full data give the narrowest posterior, the hardest of the rule's
+#: integrals.
 CONVERGENCE_TOL = 1e-3
+#: ``auto`` accepts a rule whose mean change under that refinement is below this many nats
+#: per observation: accurate on the data, even where a few observations' tails are not.
+ACCURACY_TOL = 1e-2
 #: The most quadrature nodes ``auto`` uses, and the most entries of the ``(G, N, D)``
 #: log-likelihood tensor it lets a finer rule make.
 MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
+#: Masks per observation on which ``auto`` measures importance sampling's weights.
+NUM_PROBE_MASKS = 4
 
 
 def _describe_model(model):
@@ -43,18 +52,37 @@ def _describe_model(model):
     return name if isinstance(name, str) else type(model).__name__
 
 
-class Auto(Conditionals):
-    """Picks the strategy for a model: ``"exact"`` for linear-Gaussian models; for latents
-    of dimension up to 3, a prior-centred quadrature rule that has converged (from 20 nodes
-    per dimension, refined by 1.5 times until a finer rule changes ``log p(x)`` by less than
-    :data:`CONVERGENCE_TOL`, within :data:`MAX_NODES` nodes and
-    :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries); ``"importance"`` otherwise, when a
-    guide is given; without one, the finest rule, with a warning that it is coarse.
-    ``"encode-decode"`` is never picked: it is an approximation, selectable by name.
+class _Rule(NamedTuple):
+    """A quadrature candidate: the rule, its prepared conditionals, and its measured error
+    (the mean and 90% quantile of the change of ``log p(x)`` under refinement, in nats)."""
 
-    The choice and its reason are logged once per model and argument shapes (logger
-    ``"pyro_mpt"``, level INFO) and remembered: later calls go straight to the chosen
-    strategy, and search again only if it no longer applies.
+    rule: object
+    prepared: object
+    mean_gap: float
+    tail_gap: float
+
+
+class Auto(Conditionals):
+    """Picks the strategy for a model, by measured accuracy:
+
+    1. ``"exact"`` for linear-Gaussian models.
+    2. For latents of dimension up to 3, Gauss-Hermite rules centred at the prior and, when
+       a guide with Normal latents is given, at the guide, each refined by 1.5 times its
+       nodes per dimension (from 20) until a finer rule changes ``log p(x)`` of nine
+       observations in ten by less than :data:`CONVERGENCE_TOL`, within :data:`MAX_NODES`
+       nodes and :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries. The rule with the
+       smallest mean change is taken if that change is below :data:`ACCURACY_TOL` nats.
+    3. ``"importance"`` (with a guide) if its weights on :data:`NUM_PROBE_MASKS` uniform
+       masks per observation pass the thresholds of
+       :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics`.
+    4. Otherwise the most accurate candidate, with a warning that states its figure: a
+       coarse rule (its change in nats), or importance sampling (its k-hat and ESS).
+
+    ``"encode-decode"`` is never picked: it is an approximation with no measure of its
+    error, selectable by name. The choice, and why each candidate before it was rejected,
+    is logged once per model and argument shapes (logger ``"pyro_mpt"``, level INFO) and
+    remembered: later calls go straight to the chosen strategy, and search again only if
+    it no longer applies.
 
     :ivar chosen: the strategy used by the last call, or None before the first.
     """
@@ -66,6 +94,11 @@ class Auto(Conditionals):
         self.reason = None
         self._chosen_for = None
         self._strategies = {}
+
+    @property
+    def guide_loss(self):
+        """The guide loss that suits the chosen strategy (None before the first call)."""
+        return None if self.chosen is None else self.chosen.guide_loss
 
     def _strategy(self, name):
         if name not in self._strategies:
@@ -102,54 +135,127 @@ class Auto(Conditionals):
         prepared = self._try(self._strategy("exact"), *call)
         if prepared is not None:
             return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
-        rule = self._strategy("quadrature")
-        state = torch.get_rng_state()
-        prepared = self._try(rule, *call)
-        coarse = None
-        if prepared is not None:
-            rule, prepared, gap = _converged_rule(rule, prepared, *call[:5], state)
-            if gap < CONVERGENCE_TOL:
-                reason = f"converged: 1.5 times its nodes change log p(x) by {gap:.1e} nats"
-                return self._choose(rule, key, model, reason, prepared)
-            coarse = (rule, prepared, gap)
+        best = self._best_rule(call)
+        if best is not None and best.tail_gap < CONVERGENCE_TOL:
+            reason = f"converged: 1.5 times its nodes change log p(x) by {best.tail_gap:.1e} nats"
+            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
+        if best is not None and best.mean_gap < ACCURACY_TOL:
+            reason = (
+                f"accurate: 1.5 times its nodes change log p(x) by {best.mean_gap:.1e} nats per "
+                f"observation on average ({best.tail_gap:.1e} for nine in ten)"
+            )
+            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
+        if best is not None:
             reasons.append(
-                f"  quadrature: {rule!r} is coarse here: a finer rule changes log p(x) by "
-                f"{gap:.2g} nats, and finer rules exceed {MAX_NODES} nodes or "
-                f"{MAX_LIKELIHOOD_ENTRIES} likelihood entries"
+                f"  quadrature: the best rule, {best.rule!r}, is coarse here: a finer rule "
+                f"changes log p(x) by {best.mean_gap:.2g} nats per observation, and finer rules "
+                f"exceed {MAX_NODES} nodes or {MAX_LIKELIHOOD_ENTRIES} likelihood entries"
             )
         importance = self._strategy("importance")
         prepared = self._try(importance, *call)
-        if prepared is not None:
-            return self._choose(importance, key, model, "a guide is given", prepared)
-        if coarse is None:
-            raise NotApplicableError(
-                "conditionals='auto' found no strategy for this model. Available strategies: "
-                "'exact', 'quadrature', 'importance'. Why each does not apply:\n"
-                + "\n".join(reasons)
+        diagnostics = None if prepared is None else _probe(prepared, args)
+        if diagnostics is not None and diagnostics.reliable():
+            reason = f"a guide is given and its weights pass: {diagnostics.describe()}"
+            return self._choose(importance, key, model, reason, prepared, reasons)
+        if diagnostics is not None:
+            reasons.append(f"  importance: its weights fail: {diagnostics.describe()}")
+        if best is not None and (diagnostics is None or best.mean_gap < COARSE_RULE_TOL):
+            warnings.warn(
+                f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but a "
+                f"finer rule changes its log p(x) by {best.mean_gap:.2g} nats per observation, "
+                f"so its conditionals are coarse. Give MPTLoss a guide that proposes well "
+                f"(importance sampling then applies), or a trained guide for "
+                f"Quadrature(center='guide').",
+                stacklevel=4,
             )
-        rule, prepared, gap = coarse
-        warnings.warn(
-            f"conditionals='auto' uses {rule!r} for {_describe_model(model)}, but a finer "
-            f"rule changes its log p(x) by {gap:.2g} nats, so its conditionals are coarse. Give "
-            f"MPTLoss a guide (importance sampling then applies), or pass "
-            f"Quadrature(center='guide') with a trained guide.",
-            stacklevel=4,
+            reason = "coarse, and nothing more accurate applies"
+            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
+        if diagnostics is not None:
+            warnings.warn(
+                f"conditionals='auto' uses {importance!r} for {_describe_model(model)}, but its "
+                f"weights fail: {diagnostics.describe()}; no other strategy applies. Its "
+                f"conditionals may be off by nats per observation. Use a guide that sees the "
+                f"hidden entries and MPTLoss(guide_loss='wake'), or more samples.",
+                ImportanceAccuracyWarning,
+                stacklevel=4,
+            )
+            reason = "its weights fail, and nothing more accurate applies"
+            return self._choose(importance, key, model, reason, prepared, reasons)
+        raise NotApplicableError(
+            "conditionals='auto' found no strategy for this model. Available strategies: "
+            "'exact', 'quadrature', 'importance'. Why each does not apply:\n" + "\n".join(reasons)
         )
-        return self._choose(rule, key, model, "coarse, and nothing else applies", prepared)
 
-    def _choose(self, strategy, key, model, reason, prepared):
+    def _best_rule(self, call):
+        """The most accurate quadrature rule, at the prior and (with a guide) at the guide,
+        each refined until converged or out of budget; None if quadrature does not apply."""
+        model, guide, args, kwargs, max_plate_nesting, reasons = call
+        candidates = []
+        centers = ("prior", "guide") if guide is not None else ("prior",)
+        for center in centers:
+            rule = Quadrature(center=center) if center == "guide" else self._strategy("quadrature")
+            state = torch.get_rng_state()
+            prepared = self._try(rule, *call)
+            if prepared is None:
+                continue
+            candidate = _converged_rule(rule, prepared, *call[:5], state)
+            candidates.append(candidate)
+            if candidate.tail_gap < CONVERGENCE_TOL:
+                break
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda c: c.mean_gap)
+        for candidate in candidates:
+            if candidate is not best:
+                reasons.append(
+                    f"  {candidate.rule!r}: changes log p(x) by {candidate.mean_gap:.2g} nats "
+                    f"per observation under refinement, more than {best.rule!r}"
+                )
+        return best
+
+    def _choose(self, strategy, key, model, reason, prepared, reasons=()):
         if self.chosen is not strategy or self._chosen_for != key:
+            rejected = "".join(f"\n{line}" for line in reasons)
+            if rejected:
+                rejected = "\nRejected before it:" + rejected
             logger.info(
-                "conditionals='auto' chose %r for %s: %s.", strategy, _describe_model(model), reason
+                "conditionals='auto' chose %r for %s: %s.%s",
+                strategy,
+                _describe_model(model),
+                reason,
+                rejected,
             )
         self.chosen, self._chosen_for, self.reason = strategy, key, reason
         return prepared
 
 
+#: With a guide whose importance weights fail, ``auto`` still prefers a coarse rule that a
+#: finer rule changes by less than this many nats per observation.
+COARSE_RULE_TOL = 0.5
+
+
+def _probe(prepared, args):
+    """The diagnostics of importance weights on :data:`NUM_PROBE_MASKS` uniform-size masks
+    per observation, leaving the random state as it found it."""
+    observed = prepared.observed
+    devices = [observed.value.device] if observed.value.is_cuda else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        masks, _ = sample_masks(
+            as_rate_schedule("uniform"),
+            NUM_PROBE_MASKS,
+            prepared.batch_shape,
+            prepared.num_features,
+            device=observed.value.device,
+            entries=observed.entries,
+        )
+        prepared.log_prob(masks)
+    return prepared.diagnostics
+
+
 def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
     """Refines a quadrature rule by 1.5 times its nodes per dimension until two successive
     rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
-    budget: ``(rule, prepared, gap)`` of the coarser rule of the last pair compared.
+    budget: a :class:`_Rule` for the coarser rule of the last pair compared.
 
     Every rule is prepared from the random ``state`` the first one was, so that a subsampled
     model scores the same observations under each; the state after the first is restored.
@@ -170,20 +276,23 @@ def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // per_node)
     with torch.no_grad():
         log_marginal = prepared.log_marginal()
-    gap = math.inf
+    mean_gap = tail_gap = math.inf
     while True:
         num_points = math.ceil(1.5 * rule.num_points)
         if num_points**dim > budget or num_points > MAX_POINTS:
-            return rule, prepared, gap
-        finer = Quadrature(num_points=num_points, max_latent_dim=rule.max_latent_dim)
+            return _Rule(rule, prepared, mean_gap, tail_gap)
+        finer = Quadrature(
+            num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
+        )
         torch.set_rng_state(state)
         finer_prepared = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
         with torch.no_grad():
             finer_log_marginal = finer_prepared.log_marginal()
             differences = (finer_log_marginal - log_marginal).abs().reshape(-1)
-            gap = float(differences.quantile(0.9))
-        if gap < CONVERGENCE_TOL:
-            return rule, prepared, gap
+            mean_gap = float(differences.mean())
+            tail_gap = float(differences.quantile(0.9))
+        if tail_gap < CONVERGENCE_TOL:
+            return _Rule(rule, prepared, mean_gap, tail_gap)
         rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
 
 

@@ -16,7 +16,13 @@ class SelfPredictive(ABC):
     :ivar scale: the log-probability scale per observation (plate subsampling).
     :ivar extra_log_prob: the model's ``pyro.factor`` terms that do not depend on the local
         latents, summed and scaled (added to the loss as ``Trace_ELBO`` adds them).
+    :ivar diagnostics: the accuracy figures of the last :meth:`log_prob` or
+        :meth:`log_marginal` call of an approximate strategy (e.g.
+        :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics`); None for
+        strategies whose conditionals are exact for their rule.
     """
+
+    diagnostics = None
 
     def __init__(self, observed, scale, extra_log_prob=0.0):
         self.observed = observed
@@ -51,6 +57,12 @@ class SelfPredictive(ABC):
         """
         raise NotImplementedError
 
+    def proposal_loss(self):
+        """A loss that trains the guide as a proposal for ``p(z | x_R)`` from the samples of
+        the last :meth:`log_prob` call, or None for strategies that draw nothing from the
+        guide. ``MPTLoss(guide_loss="wake")`` trains the guide's parameters on it."""
+        return None
+
     def log_marginal(self):
         """``log p(x)`` of each observation (of its observed entries), ``batch_shape``.
 
@@ -71,6 +83,9 @@ class Conditionals(ABC):
 
     #: The name accepted by ``MPTLoss(conditionals=...)``.
     name = None
+    #: What ``MPTLoss(guide_loss="auto")`` trains the guide by under this strategy: None
+    #: when the strategy does not use the guide.
+    guide_loss = None
 
     @abstractmethod
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):

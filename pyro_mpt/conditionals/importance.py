@@ -1,11 +1,16 @@
-"""Self-predictive conditionals by importance sampling with the guide as proposal."""
+"""Self-predictive conditionals by importance sampling with the guide as proposal, with the
+diagnostics of its weights (Pareto k-hat, effective sample size) and the wake-phase loss that
+trains the guide as a proposal."""
 
 import math
+import warnings
+from typing import NamedTuple
 
 import torch
+from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.errors import check_positive_int
+from pyro_mpt.errors import ImportanceAccuracyWarning, check_positive_int
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.guided_model import (
     observed_tensor,
@@ -16,6 +21,11 @@ from pyro_mpt.infer.guided_model import (
 )
 from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
+from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
+from pyro_mpt.ops.jackknife_importance import (
+    jackknife_importance_log_conditionals,
+    jackknife_importance_log_marginal,
+)
 from pyro_mpt.ops.self_normalised_importance import (
     check_fill,
     fill_masked,
@@ -23,21 +33,133 @@ from pyro_mpt.ops.self_normalised_importance import (
     importance_log_marginal,
 )
 
-__all__ = ["Importance", "ImportanceSelfPredictive"]
+__all__ = [
+    "Importance",
+    "ImportanceDiagnostics",
+    "ImportanceSelfPredictive",
+    "MAX_PARETO_K",
+    "MIN_EFFECTIVE_SAMPLES",
+]
+
+#: Above this Pareto k-hat the importance estimate cannot be trusted: its variance is
+#: infinite or its pre-asymptotic error is large (Vehtari et al., PSIS, 2024).
+MAX_PARETO_K = 0.7
+#: Below this many effective samples the self-normalised estimate rests on a handful of
+#: draws, and the ``-(1/ESS - 1/S)/2`` bias of each log-mean-exp term passes a tenth of a nat.
+MIN_EFFECTIVE_SAMPLES = 5.0
+
+DEBIAS = (None, "jackknife")
+
+
+class ImportanceDiagnostics(NamedTuple):
+    """The diagnostics of one batch of importance weights, detached.
+
+    One entry per (mask, observation) row: the weights are those of the proposal as an
+    approximation of ``p(z | x_R)`` for that row's context ``R``.
+
+    :ivar torch.Tensor pareto_k: Pareto k-hat of each row's weights (PSIS); above
+        :data:`MAX_PARETO_K` the estimate is unreliable.
+    :ivar torch.Tensor ess: Kish's effective sample size of each row, out of ``num_samples``.
+    :ivar int num_samples: ``S``.
+    """
+
+    pareto_k: torch.Tensor
+    ess: torch.Tensor
+    num_samples: int
+
+    @classmethod
+    def of(cls, log_weights, entries=None):
+        """The diagnostics of log-weights ``(S,) + rows``; rows where ``entries`` is False
+        (nothing to estimate) are NaN."""
+        log_weights = log_weights.detach()
+        k, ess = pareto_shape(log_weights), effective_sample_size(log_weights)
+        if entries is not None:
+            k = torch.where(entries, k, math.nan)
+            ess = torch.where(entries, ess, math.nan)
+        return cls(k, ess, log_weights.shape[0])
+
+    def summary(self):
+        """Plain numbers for messages and logs: the share of rows with k-hat above
+        :data:`MAX_PARETO_K`, the median and largest k-hat (NaN where ``S`` is too small
+        to fit a tail), and the median ESS."""
+
+        def finite(values):
+            return values[~values.isnan()].float()
+
+        k, ess = finite(self.pareto_k), finite(self.ess)
+        nan = math.nan
+        return dict(
+            unreliable=float((k > MAX_PARETO_K).float().mean()) if k.numel() else nan,
+            median_k=float(k.median()) if k.numel() else nan,
+            max_k=float(k.max()) if k.numel() else nan,
+            median_ess=float(ess.median()) if ess.numel() else nan,
+        )
+
+    def reliable(self):
+        """Whether the typical row passes both thresholds (median k-hat at most
+        :data:`MAX_PARETO_K`, median ESS at least :data:`MIN_EFFECTIVE_SAMPLES`)."""
+        figures = self.summary()
+        return not (
+            figures["median_k"] > MAX_PARETO_K or figures["median_ess"] < MIN_EFFECTIVE_SAMPLES
+        )
+
+    def describe(self):
+        """The figures in one sentence."""
+        f = self.summary()
+        ess = f"median effective sample size {f['median_ess']:.1f} of {self.num_samples}"
+        if math.isnan(f["median_k"]):
+            return f"{ess} (too few samples to fit the Pareto tail)"
+        return (
+            f"Pareto k-hat above {MAX_PARETO_K} for {100 * f['unreliable']:.0f}% of "
+            f"(observation, mask) pairs (median {f['median_k']:.2f}, max {f['max_k']:.2f}); "
+            f"{ess}"
+        )
+
+
+_WARNED = set()
+
+
+def warn_if_unreliable(diagnostics, what, key, stacklevel=3):
+    """Warns once per ``key`` (a model and its argument shapes) when ``diagnostics`` fail the
+    thresholds. The check reads the figures (a device synchronisation), so it runs only
+    while Pyro's validation is enabled (the default) and until the first warning."""
+    if diagnostics is None or key in _WARNED or not is_validation_enabled():
+        return
+    if diagnostics.reliable():
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"{what} by importance sampling cannot be trusted here: {diagnostics.describe()}. "
+        f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
+        f"observation, in either direction. Fix: use a guide that sees which entries are "
+        f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
+        f"(MPTLoss(guide_loss='wake')), raise Importance(num_samples=...), or use exact or "
+        f"quadrature conditionals where the model allows.",
+        ImportanceAccuracyWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class ImportanceSelfPredictive(SelfPredictive):
-    """Conditionals of one batch by self-normalised importance sampling."""
+    """Conditionals of one batch by self-normalised importance sampling.
 
-    def __init__(self, guided, num_samples, fill):
+    :ivar diagnostics: the :class:`ImportanceDiagnostics` of the last call of
+        :meth:`log_prob` or :meth:`log_marginal`, or None before the first.
+    """
+
+    def __init__(self, guided, num_samples, fill, debias=None):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_samples = num_samples
         self.fill = fill
+        self.debias = debias
+        self.diagnostics = None
+        self._proposal_terms = None
 
-    def _sample(self, filled):
-        """``(log p(z) - log q(z), l)`` at ``S`` guide samples on ``filled`` data:
-        shapes ``(S, P) + batch`` and ``(S, P) + batch + (D,)``."""
+    def _sample(self, filled, hidden):
+        """``(log p(z) - log q(z), l)`` at ``S`` guide samples on ``filled`` data, with
+        ``hidden`` the masked or missing entries: shapes ``(S, P) + batch`` and
+        ``(S, P) + batch + (D,)``. Keeps the guide trace for :meth:`proposal_loss`."""
         guided, num_samples = self.guided, self.num_samples
         guide_trace, model_trace = run_guided(guided, filled, num_samples)
         check_factors(guided.local, model_trace, "importance sampling")
@@ -46,28 +168,69 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_q = proposal_log_density(guide_trace, guided, lead)
         site = model_trace.nodes[self.observed.name]
         ll = log_prob(unwrap_independent(site["fn"]), site["value"])
+        self._proposal_terms = (guide_trace, lead)
         return log_p - log_q, observed_tensor(ll, guided, lead)
 
     def log_prob(self, masks):
         context = self.context(masks)
-        log_w, ll = self._sample(fill_masked(self.observed.value, ~context, self.fill))
+        log_w, ll = self._sample(fill_masked(self.observed.value, ~context, self.fill), ~context)
+        context_ll = torch.where(context, ll, 0.0).sum(-1)
+        log_joint = log_w + context_ll  # log p(z, x_R) - log q(z): weights toward p(z | x_R)
+        self._record(log_joint, self.observed.entries)
+        if self.debias == "jackknife":
+            return jackknife_importance_log_conditionals(log_w, ll, context)
         return importance_log_conditionals(log_w, ll, context)
+
+    def _record(self, log_joint, entries):
+        self.diagnostics = ImportanceDiagnostics.of(
+            log_joint, None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
+        )
+        self._log_joint = log_joint
+
+    def proposal_loss(self):
+        """The wake-phase loss of the guide for the samples of the last :meth:`log_prob`:
+        ``-sum_s wbar_s log q(z_s | x_R)`` with the self-normalised weights ``wbar`` toward
+        ``p(z | x_R)`` and the samples ``z_s`` detached (reweighted wake-sleep; Bornschein &
+        Bengio, 2015). Its gradient moves ``q`` toward ``p(z | x_R)`` (it is the gradient
+        of ``KL(p(z | x_R) || q)`` up to the estimator's error) and never rewards a larger
+        estimate of ``log p(x_j | x_R)``. Averaged over masks, summed over observations
+        (scaled like the loss); shape ``()``.
+        """
+        guide_trace, lead = self._proposal_terms
+        detached = guide_trace.copy()
+        for name, site in list(detached.nodes.items()):
+            if site["type"] == "sample" and not site["is_observed"]:
+                detached.nodes[name] = dict(site, value=site["value"].detach())
+        log_q = proposal_log_density(detached, self.guided, lead)
+        weights = torch.softmax(self._log_joint.detach(), 0)
+        per_row = -(weights * log_q).sum(0)  # (P,) + batch
+        entries = self.observed.entries
+        if entries is not None:
+            per_row = torch.where(entries.any(-1), per_row, 0.0)
+        return (self.scale * per_row.mean(0)).sum()
 
     def log_marginal(self):
         """The importance estimate of ``log p(x)`` of each observation, with the guide on
         the full data: ``LSE_s(log p(x, z_s) - log q(z_s | x)) - log S`` (a stochastic
-        lower bound in expectation, the IWAE bound), shape ``batch_shape``."""
+        lower bound in expectation, the IWAE bound; jackknife-corrected with
+        ``debias="jackknife"``), shape ``batch_shape``. Its weights' diagnostics are in
+        :attr:`diagnostics`."""
         entries = self.observed.entries
         value = self.observed.value
+        hidden = torch.zeros_like(value, dtype=torch.bool) if entries is None else ~entries
+        filled = fill_masked(value, hidden.unsqueeze(0), self.fill)
+        log_w, ll = self._sample(filled, hidden.unsqueeze(0))
+        if entries is not None:
+            ll = ll * entries.to(ll.dtype)
+        log_joint = log_w + ll.sum(-1)
+        self._record(log_joint, entries)
+        log_joint = log_joint[:, 0]
+        if self.debias == "jackknife":
+            result = jackknife_importance_log_marginal(log_joint)
+        else:
+            result = importance_log_marginal(log_joint)
         if entries is None:
-            filled = value.unsqueeze(0)
-        else:  # one "mask": the missing entries
-            filled = fill_masked(value, (~entries).unsqueeze(0), self.fill)
-        log_w, ll = self._sample(filled)
-        if entries is None:
-            return importance_log_marginal((log_w + ll.sum(-1))[:, 0])
-        ll = ll * entries.to(ll.dtype)
-        result = importance_log_marginal((log_w + ll.sum(-1))[:, 0])
+            return result
         # An observation with no observed entry has log p = 0 exactly, not its estimate.
         return torch.where(entries.any(-1), result, 0.0)
 
@@ -86,9 +249,20 @@ class Importance(Conditionals):
         \\log p(x_j \\mid x_R) \\approx \\operatorname{LSE}_s(\\log w_s + l_{sj})
             - \\operatorname{LSE}_s(\\log w_s).
 
-    Consistent for any model with a guide as ``S`` grows, biased at finite ``S`` like every
-    ratio estimate. Any likelihood that factorises over features and any latent prior work;
-    gradients reach the model and, through reparameterised samples, the guide.
+    Consistent for any model with a guide as ``S`` grows, but **biased at finite** ``S``: each
+    log-mean-exp term is biased down by about ``Var/(2S)`` and their difference either way,
+    so with ``rate="uniform"`` the MPT estimate is *not* unbiased for ``log p(x)``, as it is
+    with exact or quadrature conditionals. How far off it is depends on how well the guide
+    proposes for ``p(z | x_R)``: every call records the Pareto k-hat and effective sample
+    size of each (observation, mask) row in :attr:`ImportanceSelfPredictive.diagnostics`
+    (and ``MPTLoss.diagnostics``), and an :class:`~pyro_mpt.errors.ImportanceAccuracyWarning`
+    states the figures when the typical row fails (k-hat above :data:`MAX_PARETO_K` or fewer
+    than :data:`MIN_EFFECTIVE_SAMPLES` effective samples). ``debias="jackknife"`` removes the
+    ``1/S`` term of the bias (Nowozin, 2018) at the cost of ``S`` leave-one-out sums.
+    Any likelihood that factorises over features and any latent prior work; gradients reach
+    the model and, through reparameterised samples, the guide
+    (``MPTLoss(guide_loss="wake")``, the default for such guides, trains the guide as a
+    proposal instead).
 
     **Data conventions** (those of :class:`~pyro_mpt.conditionals.EncodeDecode`, which
     LinearVAE and VAE follow). The model and the guide take the observed data tensor as
@@ -101,6 +275,9 @@ class Importance(Conditionals):
     :param str fill: the value of masked features given to the guide: ``"zeros"`` or
         ``"mean"`` (each feature's mean over the batch, see
         :func:`~pyro_mpt.ops.self_normalised_importance.fill_masked`).
+    :param str debias: ``None`` (plain ratio estimate) or ``"jackknife"`` (bias of order
+        ``1/S^2`` instead of ``1/S``, see
+        :func:`~pyro_mpt.ops.jackknife_importance.jackknife_importance_log_conditionals`).
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as
@@ -119,14 +296,27 @@ class Importance(Conditionals):
     """
 
     name = "importance"
+    guide_loss = "wake"
 
-    def __init__(self, num_samples=64, fill="zeros"):
+    def __init__(self, num_samples=64, fill="zeros", debias=None):
         self.num_samples = check_positive_int("num_samples", num_samples)
         self.fill = check_fill(fill)
+        if debias not in DEBIAS:
+            raise ValueError(
+                f"debias must be None or 'jackknife', got {debias!r}. 'jackknife' cuts the "
+                f"finite-sample bias of the ratio estimate from order 1/S to 1/S^2."
+            )
+        if debias == "jackknife" and self.num_samples < 2:
+            raise ValueError(
+                f"debias='jackknife' leaves one sample out at a time and needs num_samples of "
+                f"at least 2, got num_samples={self.num_samples}."
+            )
+        self.debias = debias
 
     def __repr__(self):
-        return f"Importance(num_samples={self.num_samples}, fill={self.fill!r})"
+        debias = "" if self.debias is None else f", debias={self.debias!r}"
+        return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, "importance")
-        return ImportanceSelfPredictive(guided, self.num_samples, self.fill)
+        return ImportanceSelfPredictive(guided, self.num_samples, self.fill, self.debias)

@@ -89,6 +89,11 @@ class Quadrature(Conditionals):
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 
+    @property
+    def guide_loss(self):
+        """Nodes at the guide need a guide fitted to the posterior: ``"elbo"`` trains it."""
+        return "elbo" if self.center == "guide" else None
+
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         structure = self._structure.get(model, args, kwargs, max_plate_nesting)
         observed = structure.observed
