@@ -190,7 +190,7 @@ def test_a_guide_that_ignores_its_data_is_rejected():
         EncodeDecode().prepare(setup.ppca.model, free_parameters, (setup.x,), {})
     # LinearVAE's encoder starts at zero weights: the same q for every x, yet amortized.
     vae = LinearVAE(num_features=6, latent_dim=2)
-    assert torch.equal(vae.encoder_weight, torch.zeros(2, 6))
+    assert torch.equal(vae.encoder_weight, torch.zeros(2, 12))  # x and its hidden mask
     EncodeDecode().prepare(vae.model, vae.guide, (vae.sample(4),), {})
 
 

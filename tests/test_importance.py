@@ -177,7 +177,7 @@ def test_log_marginal_is_exact_with_the_exact_posterior_as_proposal():
 def test_bernoulli_linear_vae_agrees_with_quadrature():
     vae = LinearVAE(num_features=8, latent_dim=2, init_scale=1.5)
     with torch.no_grad():
-        vae.encoder_weight.copy_(0.3 * torch.randn(2, 8))
+        vae.encoder_weight.copy_(0.3 * torch.randn(2, 16))  # reads x and its hidden mask
     x = vae.sample(6)
     masks = masks_of_sizes(torch.randint(1, 9, (2, 6)), 8)
     quad = Quadrature(num_points=40).prepare(vae.model, None, (x,), {}).log_prob(masks)[masks]

@@ -33,9 +33,10 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         self.fill = fill
         self.refill = refill
 
-    def _decode(self, filled):
-        """The observed site's base distribution and value at ``z ~ q(z | filled)``."""
-        _, model_trace = run_guided(self.guided, filled, self.num_samples)
+    def _decode(self, filled, hidden):
+        """The observed site's base distribution and value at ``z ~ q(z | filled)``, the
+        guide told which entries are ``hidden``."""
+        _, model_trace = run_guided(self.guided, filled, self.num_samples, hidden=hidden)
         site = model_trace.nodes[self.observed.name]
         return unwrap_independent(site["fn"]), site["value"]
 
@@ -45,11 +46,11 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         hidden = ~self.context(masks)  # masked or missing
         filled = fill_masked(x, hidden, self.fill)  # (P,) + batch + (D,)
         for _ in range(self.num_iterations):
-            fn = self._decode(filled)[0]
+            fn = self._decode(filled, hidden)[0]
             refill = fn.mean if self.refill == "mean" else fn.sample()
             refill = observed_tensor(refill, self.guided, lead)
             filled = select_masked(hidden, refill, x)  # (S, P) + batch + (D,): one chain per sample
-        fn, value = self._decode(filled)
+        fn, value = self._decode(filled, hidden)
         return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
 
 

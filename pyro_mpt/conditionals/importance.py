@@ -161,7 +161,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         ``hidden`` the masked or missing entries: shapes ``(S, P) + batch`` and
         ``(S, P) + batch + (D,)``. Keeps the guide trace for :meth:`proposal_loss`."""
         guided, num_samples = self.guided, self.num_samples
-        guide_trace, model_trace = run_guided(guided, filled, num_samples)
+        guide_trace, model_trace = run_guided(guided, filled, num_samples, hidden=hidden)
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (num_samples, filled.shape[0])
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)

@@ -120,8 +120,9 @@ def _importance(prepared, call, hidden, num_samples, joint):
     guided, num_proposals = prepared.guided, prepared.num_samples
     x, observed = prepared.observed.value, prepared.observed
     context = prepared.context(hidden)
-    filled = fill_masked(x, hidden.unsqueeze(0), prepared.fill)  # (1,) + batch + (D,)
-    guide_trace, model_trace = run_guided(guided, filled, num_proposals)
+    unseen = (~context).unsqueeze(0)  # hidden or missing: what the guide must not read
+    filled = fill_masked(x, unseen, prepared.fill)  # (1,) + batch + (D,)
+    guide_trace, model_trace = run_guided(guided, filled, num_proposals, hidden=unseen)
     check_factors(guided.local, model_trace, "importance resampling")
     lead = (num_proposals, 1)
     log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
@@ -147,11 +148,13 @@ def _encode_decode(prepared, call, hidden, num_samples, joint):
     ``joint``)."""
     x, observed = prepared.observed.value, prepared.observed
     num_chains = num_samples if joint else num_samples * observed.num_features
-    filled = fill_masked(x, hidden.expand((num_chains,) + hidden.shape), prepared.fill)
+    unseen = ~prepared.context(hidden)  # hidden or missing: drawn by the chain
+    unseen = unseen.expand((num_chains,) + unseen.shape)
+    filled = fill_masked(x, unseen, prepared.fill)
     for _ in range(max(prepared.num_iterations, 1)):
-        _, model_trace = run_guided(prepared.guided, filled, 1)
+        _, model_trace = run_guided(prepared.guided, filled, 1, hidden=unseen)
         fn = model_trace.nodes[observed.name]["fn"]
-        filled = select_masked(hidden, _observation_draws(fn, observed, (1, num_chains))[0], x)
+        filled = select_masked(unseen, _observation_draws(fn, observed, (1, num_chains))[0], x)
     if joint:
         return filled
     # Feature j of draw s comes from chain (j, s): the chains are independent.

@@ -6,6 +6,7 @@ replaced, inside two extra plates, one over samples and one over masks, and repl
 model against the guide's latents.
 """
 
+import inspect
 from typing import NamedTuple
 
 import pyro
@@ -44,6 +45,8 @@ class GuidedModel(NamedTuple):
     :ivar ModelStructure local: what one model trace says about the model.
     :ivar torch.Size data_shape: the shape of the data argument ``args[0]``.
     :ivar int num_pad: size-1 dims between the extra plates and the data's batch dims.
+    :ivar bool takes_hidden: whether the guide declares a ``hidden`` parameter, and so is
+        told which entries of the filled data are hidden (see :func:`run_guided`).
     """
 
     model: object
@@ -53,6 +56,37 @@ class GuidedModel(NamedTuple):
     local: object
     data_shape: torch.Size
     num_pad: int
+    takes_hidden: bool = False
+
+
+def _takes_hidden(guide, args, kwargs):
+    """Whether ``guide`` declares a parameter named ``hidden`` that it can be given by
+    keyword; ``**kwargs`` does not count. A module's ``forward`` is read, not its
+    ``__call__``; bound methods, ``functools.partial`` and wrapped functions are followed.
+
+    :raises ValueError: if the call already gives the guide a ``hidden`` argument.
+    """
+    target = guide.forward if isinstance(guide, torch.nn.Module) else guide
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    parameter = signature.parameters.get("hidden")
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if parameter is None or parameter.kind not in keyword:
+        return False
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return True  # the call does not fit; the guide's own run will say why
+    if "hidden" in bound:
+        raise ValueError(
+            f"The guide {describe_guide(guide)} declares a parameter 'hidden', which is "
+            f"reserved for the mask of hidden entries that masked conditionals pass it, but "
+            f"the model's arguments already give it one. Rename that argument of the guide "
+            f"(and of the model)."
+        )
+    return True
 
 
 def describe_guide(guide):
@@ -97,7 +131,16 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
             f"(shape {tuple(full_shape)}), got {got}; subsampled data plates are not supported."
         )
     num_pad = max(0, local.max_plate_nesting - len(obs_fn.batch_shape))
-    guided = GuidedModel(model, guide, tuple(args), dict(kwargs), local, data.shape, num_pad)
+    guided = GuidedModel(
+        model,
+        guide,
+        tuple(args),
+        dict(kwargs),
+        local,
+        data.shape,
+        num_pad,
+        takes_hidden=_takes_hidden(guide, args, kwargs),
+    )
     if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
         # An autoguide reads the model on its first call: let it do so outside the plates
         # over samples and masks.
@@ -149,20 +192,38 @@ def _check_proposal(guide_trace, local, guide, what):
             )
 
 
-def run_guided(guided, filled, num_samples, replay_model=True):
+def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
     """Runs the guide on filled data and replays the model against its latents.
+
+    **Guides for masked inputs.** Filled data do not say which entries were filled: where 0
+    is a legal value, a zero-filled entry looks observed. So a guide that declares a
+    parameter named ``hidden`` (``def guide(x, hidden=None)``; ``guided.takes_hidden``) is
+    also given ``hidden=``, booleans of the shape of the data argument it gets, ``True`` at
+    the entries it must not read (masked, or missing in the model), and can compute
+    ``q(z | x_R)`` for any mask (partial-VAE style: the mask beside the filled input). It
+    gets all ``False`` when ``hidden`` is None here; ``hidden=None``, as in ordinary
+    ``Trace_ELBO`` training, means nothing is hidden. Only an explicitly named parameter
+    counts: a guide taking ``**kwargs`` (an autoguide) gets the filled data only.
 
     :param GuidedModel guided: the checked model and guide.
     :param torch.Tensor filled: data with features flattened, ``lead + batch + (D,)``, with
         ``lead = (P,)`` or ``(S, P)``.
     :param int num_samples: ``S``, the size of the plate over samples.
+    :param bool replay_model: whether to run the model against the guide's latents.
+    :param torch.Tensor hidden: booleans that broadcast to ``filled``, ``True`` at masked or
+        missing entries; ``None`` when nothing is hidden.
     :returns: ``(guide_trace, model_trace)``; every site has the batch dims
         ``(S, P) + batch``; ``model_trace`` is None unless ``replay_model``.
     """
     local = guided.local
     num_lead = filled.dim() - len(local.observed.batch_shape) - 1
     lead = filled.shape[:num_lead]
-    data = filled.reshape(lead + (1,) * guided.num_pad + guided.data_shape)
+    data_shape = lead + (1,) * guided.num_pad + guided.data_shape
+    data = filled.reshape(data_shape)
+    guide_kwargs = guided.kwargs
+    if guided.takes_hidden:
+        hidden = _hidden_like(hidden, filled)
+        guide_kwargs = {**guided.kwargs, "hidden": hidden.reshape(data_shape)}
     nesting = local.max_plate_nesting
     with (
         pyro.plate(_SAMPLE_PLATE, num_samples, dim=-(nesting + 2)),
@@ -170,7 +231,7 @@ def run_guided(guided, filled, num_samples, replay_model=True):
     ):
         try:
             guide_trace = poutine.trace(guided.guide).get_trace(
-                data, *guided.args[1:], **guided.kwargs
+                data, *guided.args[1:], **guide_kwargs
             )
         except (ValueError, RuntimeError, IndexError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -195,6 +256,19 @@ def run_guided(guided, filled, num_samples, replay_model=True):
                     f"and reshape with z.shape[:-1] rather than the data size."
                 ) from error
     return guide_trace, model_trace
+
+
+def _hidden_like(hidden, filled):
+    """``hidden`` as booleans of the shape of ``filled``: all ``False`` for ``None``."""
+    if hidden is None:
+        return torch.zeros(filled.shape, dtype=torch.bool, device=filled.device)
+    try:
+        return hidden.to(torch.bool).expand(filled.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}, which does not broadcast to the filled "
+            f"data's shape {tuple(filled.shape)}; pass one flag per entry of the data."
+        ) from None
 
 
 def _per_observation(tensor, lead, tail, site_name):

@@ -2,11 +2,17 @@
 
 Both models share one layout, on which the MPT conditionals rely:
 
-* ``model(x)`` and ``guide(x)`` take the data ``x`` of shape ``(N, D)`` as their first
-  argument, and put the local latent ``z`` (shape ``(N, K)``) in a ``pyro.plate("data", N)``
-  at ``dim=-1``; the observed site is ``"x"``, with the ``D`` features as one event.
-* :meth:`~LinearVAE.guide` encodes the ``x`` it is given, so feeding it a masked or filled
-  ``x`` changes the proposal for ``z``.
+* ``model(x)`` and ``guide(x, hidden=None)`` take the data ``x`` of shape ``(N, D)`` as
+  their first argument, and put the local latent ``z`` (shape ``(N, K)``) in a
+  ``pyro.plate("data", N)`` at ``dim=-1``; the observed site is ``"x"``, with the ``D``
+  features as one event.
+* :meth:`~LinearVAE.guide` encodes the ``x`` it is given together with ``hidden``, booleans
+  of the shape of ``x`` that are ``True`` at entries it must not read: the encoder's input is
+  ``x`` with its hidden entries set to 0 and, beside it, the hidden indicator (``2 D``
+  numbers per observation), so it can tell a hidden entry from an observed 0 and learn
+  :math:`q(z \\mid x_R)` for any set ``R`` of visible features (partial-VAE style).
+  ``hidden=None`` (ordinary ``Trace_ELBO`` training) means nothing is hidden; the masked
+  conditionals (``"importance"``, ``"encode-decode"``) pass the mask of every masked copy.
 * Every operation broadcasts over extra leading batch dimensions of ``x`` and ``z``: the
   model runs inside outer plates (e.g. ``pyro.plate("particles", S, dim=-2)``), with ``z``
   of shape ``(S, N, K)`` or ``(S, 1, N, K)``, and the guide accepts ``x`` of shape
@@ -52,6 +58,26 @@ class _AutoEncoderModel(PyroModule):
                 f" got {tuple(x.shape)}; pass one observation per row."
             )
 
+    def _check_hidden(self, x, hidden):
+        if hidden is None:
+            return
+        try:
+            torch.broadcast_shapes(hidden.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"hidden must broadcast to the shape of x, {tuple(x.shape)}, got "
+                f"{tuple(hidden.shape)}; pass one flag per entry of x (True where hidden)."
+            ) from None
+
+    def _encoder_input(self, x, hidden):
+        """The encoder's input, ``(..., 2 D)``: ``x`` with its hidden entries set to 0, and
+        the hidden indicator (all 0 for ``hidden=None``)."""
+        if hidden is None:
+            return torch.cat([x, torch.zeros_like(x)], -1)
+        x, hidden = torch.broadcast_tensors(x, hidden.to(torch.bool))
+        visible = torch.where(hidden, torch.zeros((), dtype=x.dtype, device=x.device), x)
+        return torch.cat([visible, hidden.to(x.dtype)], -1)
+
     def observation_dist(self, z):
         """The per-feature distribution of ``x`` given codes ``z`` of shape ``(..., K)``:
         ``Bernoulli(logits)`` or ``Normal(loc, scale)``, batch shape ``(..., D)``."""
@@ -69,11 +95,16 @@ class _AutoEncoderModel(PyroModule):
             pyro.sample("x", self.observation_dist(z).to_event(1), obs=self._select(x, idx))
 
     @pyro_method
-    def guide(self, x):
-        """The amortized encoder :math:`q(z \\mid x)`, computed from the ``x`` given."""
+    def guide(self, x, hidden=None):
+        """The amortized encoder :math:`q(z \\mid x_R)`, computed from the ``x`` given and
+        the mask of its ``hidden`` entries (booleans shaped like ``x``, ``True`` where
+        hidden; ``None``: nothing is hidden)."""
         self._check_data(x)
+        self._check_hidden(x, hidden)
         with self._plate(x) as idx:
-            loc, scale = self.encode(self._select(x, idx))
+            if hidden is not None:
+                hidden = self._select(hidden.expand(x.shape), idx)
+            loc, scale = self.encode(self._select(x, idx), hidden)
             pyro.sample("z", dist.Normal(loc, scale).to_event(1))
 
     @torch.no_grad()
@@ -99,9 +130,19 @@ class LinearVAE(_AutoEncoderModel):
         x_n \\mid z_n \\sim \\prod_{j=1}^{D} \\mathrm{Bernoulli}\\big(
             \\sigma(W z_n + b)_j\\big),
 
-    and :math:`q(z_n \\mid x_n) = \\mathcal{N}(A x_n + c, \\mathrm{diag}(s)^2)` with
+    and, with :math:`m_n \\in \\{0, 1\\}^D` the indicator of the entries of :math:`x_n` that
+    are hidden and :math:`R` the visible ones,
+
+    .. math::
+
+        q(z_n \\mid x_{n,R}) = \\mathcal{N}\\big(A_x ((1 - m_n) \\odot x_n) + A_m m_n + c,
+            \\mathrm{diag}(s)^2\\big),
+
+    with :math:`A = [A_x, A_m]` (``encoder_weight``, shape ``(K, 2 D)``) and
     :math:`s = \\mathrm{softplus}(\\rho) + 10^{-4}` a learnable vector shared by all
-    observations. With ``likelihood="normal"`` the observations are
+    observations and masks. With nothing hidden (:math:`m_n = 0`, ordinary ``Trace_ELBO``
+    training) this is :math:`\\mathcal{N}(A_x x_n + c, \\mathrm{diag}(s)^2)`. With
+    ``likelihood="normal"`` the observations are
     :math:`\\mathcal{N}(W z_n + b, \\sigma^2 I_D)` with a learnable scalar :math:`\\sigma`,
     which is :class:`~pyro_mpt.models.PPCA` with a mean-field amortized guide.
 
@@ -141,7 +182,8 @@ class LinearVAE(_AutoEncoderModel):
         self.weight = PyroParam(init_scale * torch.randn(D, K))
         self.bias = PyroParam(torch.zeros(D))
         self._init_noise(noise_scale)
-        self.encoder_weight = PyroParam(torch.zeros(K, D))
+        # The encoder reads [x with hidden entries zeroed, hidden indicator]: 2 D inputs.
+        self.encoder_weight = PyroParam(torch.zeros(K, 2 * D))
         self.encoder_bias = PyroParam(torch.zeros(K))
         # softplus(0.5413) = 1: the encoder starts at unit scale.
         self.encoder_scale_raw = PyroParam(torch.full((K,), 0.5413))
@@ -150,9 +192,10 @@ class LinearVAE(_AutoEncoderModel):
         """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
         return z @ self.weight.T + self.bias
 
-    def encode(self, x):
-        """``(loc, scale)`` of :math:`q(z \\mid x)`, each of shape ``(..., K)``."""
-        loc = x @ self.encoder_weight.T + self.encoder_bias
+    def encode(self, x, hidden=None):
+        """``(loc, scale)`` of :math:`q(z \\mid x_R)`, each of shape ``(..., K)``, for ``x``
+        of shape ``(..., D)`` whose entries are hidden where ``hidden`` is ``True``."""
+        loc = self._encoder_input(x, hidden) @ self.encoder_weight.T + self.encoder_bias
         scale = F.softplus(self.encoder_scale_raw) + _MIN_SCALE
         return loc, scale.expand(loc.shape)
 
@@ -177,9 +220,12 @@ class VAE(_AutoEncoderModel):
             \\sigma(f_\\theta(z_n))_j\\big)
         \\quad\\text{or}\\quad \\mathcal{N}\\big(f_\\theta(z_n), \\mathrm{diag}(\\sigma^2)\\big),
 
-    with :math:`q(z_n \\mid x_n) = \\mathcal{N}(\\mu_\\phi(x_n),
-    \\mathrm{diag}(\\mathrm{softplus}(\\rho_\\phi(x_n)) + 10^{-4})^2)`. Decoder and encoder
-    each have ``num_layers`` hidden layers of width ``hidden_dim``.
+    with :math:`q(z_n \\mid x_{n,R}) = \\mathcal{N}(\\mu_\\phi(u_n),
+    \\mathrm{diag}(\\mathrm{softplus}(\\rho_\\phi(u_n)) + 10^{-4})^2)`, where the encoder's
+    input :math:`u_n = [(1 - m_n) \\odot x_n, m_n]` is the data with its hidden entries set to
+    0 and their indicator :math:`m_n` beside it (:math:`m_n = 0` when nothing is hidden).
+    Decoder and encoder each have ``num_layers`` hidden layers of width ``hidden_dim``; the
+    encoder reads ``2 D`` inputs.
 
     The data layout (``x`` of shape ``(N, D)``, ``z`` local in ``pyro.plate("data")``,
     broadcasting over outer plates) is in :mod:`pyro_mpt.models.vae`'s module notes.
@@ -229,14 +275,15 @@ class VAE(_AutoEncoderModel):
         self.num_layers = num_layers
         D, K = self.num_features, self.latent_dim
         self.decoder = _mlp(K, hidden_dim, D, num_layers, activation)
-        self.encoder = _mlp(D, hidden_dim, 2 * K, num_layers, activation)
+        self.encoder = _mlp(2 * D, hidden_dim, 2 * K, num_layers, activation)
         self._init_noise(noise_scale, () if noise == "scalar" else (D,))
 
     def decode(self, z):
         """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
         return self.decoder(z)
 
-    def encode(self, x):
-        """``(loc, scale)`` of :math:`q(z \\mid x)`, each of shape ``(..., K)``."""
-        loc, raw = self.encoder(x).split(self.latent_dim, dim=-1)
+    def encode(self, x, hidden=None):
+        """``(loc, scale)`` of :math:`q(z \\mid x_R)`, each of shape ``(..., K)``, for ``x``
+        of shape ``(..., D)`` whose entries are hidden where ``hidden`` is ``True``."""
+        loc, raw = self.encoder(self._encoder_input(x, hidden)).split(self.latent_dim, dim=-1)
         return loc, F.softplus(raw) + _MIN_SCALE
