@@ -40,7 +40,10 @@ class MPTLoss(ELBO):
     where :math:`\\mathcal{S}_\\theta(x; M)` is the mean of
     :math:`\\frac{1}{M}\\sum_{j\\in\\mathcal{M}} \\log p_\\theta(x_j \\mid x_\\mathcal{R})` over
     masks of size ``M`` (Moreno-Muñoz et al., 2023, Proposition 1). With ``rate="uniform"``
-    (``M ~ Uniform{1..D}``) the estimate is unbiased for ``log p(x)``; with a fixed rate
+    (``M ~ Uniform{1..D}``) the estimate is unbiased for ``log p(x)`` when the conditionals
+    are exact (quadrature: up to its rule's error); with importance-sampled conditionals it
+    is consistent but biased, with encode-decode ones biased (see "How accurate are
+    approximate conditionals" in the docs, and ``diagnostics`` after a step); with a fixed rate
     (BERT's 0.15) it is biased by a constant that does not stop it from rising with
     ``log p(x)``. The loss is minus the sum of the estimates over the data plate, scaled like
     ``Trace_ELBO`` under subsampling, so both are in nats and directly comparable.
@@ -182,9 +185,7 @@ class MPTLoss(ELBO):
         loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
         warn_if_nan(loss, "loss")
         self.diagnostics = prepared.diagnostics
-        warn_if_unreliable(
-            prepared.diagnostics, "MPTLoss's conditionals", _model_key(model, args), stacklevel=5
-        )
+        warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return loss, prepared
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
@@ -306,14 +307,6 @@ def _gradients(loss, params, retain_graph=None):
     if not loss.requires_grad:
         return [None] * len(params)
     return list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain_graph))
-
-
-def _model_key(model, args):
-    """A model and the shapes of its tensor arguments, for warnings given once per such
-    pair (identified by name and ``id``, so that no model is kept alive)."""
-    function = getattr(model, "__func__", model)
-    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
-    return (getattr(function, "__qualname__", type(model).__name__), id(function), shapes)
 
 
 def _reaches(loss, params):

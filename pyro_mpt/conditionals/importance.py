@@ -119,10 +119,23 @@ class ImportanceDiagnostics(NamedTuple):
 _WARNED = set()
 
 
-def warn_if_unreliable(diagnostics, what, key, stacklevel=3):
-    """Warns once per ``key`` (a model and its argument shapes) when ``diagnostics`` fail the
-    thresholds. The check reads the figures (a device synchronisation), so it runs only
-    while Pyro's validation is enabled (the default) and until the first warning."""
+def _model_key(model, args):
+    """A model and the shapes of its tensor arguments (the model named and identified by
+    ``id``, so that no model is kept alive)."""
+    function = getattr(model, "__func__", model)
+    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
+    return (getattr(function, "__qualname__", type(model).__name__), id(function), shapes)
+
+
+def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
+    """Warns once per model and argument shapes when ``diagnostics`` fail the thresholds.
+    The check reads the figures (a device synchronisation), so it runs only while Pyro's
+    validation is enabled (the default) and until the first warning.
+
+    :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
+    :param str what: what was estimated, the subject of the message.
+    """
+    key = (what, _model_key(model, args))
     if diagnostics is None or key in _WARNED or not is_validation_enabled():
         return
     if diagnostics.reliable():

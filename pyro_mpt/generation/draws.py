@@ -11,7 +11,11 @@ import torch
 
 from pyro_mpt.conditionals.encode_decode import EncodeDecodeSelfPredictive
 from pyro_mpt.conditionals.exact import GaussianSelfPredictive
-from pyro_mpt.conditionals.importance import ImportanceSelfPredictive
+from pyro_mpt.conditionals.importance import (
+    ImportanceDiagnostics,
+    ImportanceSelfPredictive,
+    warn_if_unreliable,
+)
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureRuleSelfPredictive
 from pyro_mpt.infer.factors import check_factors
 from pyro_mpt.infer.guided_model import observed_tensor, run_guided, sites_log_density
@@ -130,6 +134,9 @@ def _importance(prepared, call, hidden, num_samples, joint):
     site = model_trace.nodes[observed.name]
     ll = observed_tensor(log_prob(unwrap_independent(site["fn"]), site["value"]), guided, lead)
     log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch
+    # Resampling is only as good as the weights: the same figures as the conditionals'.
+    diagnostics = ImportanceDiagnostics.of(log_w)
+    warn_if_unreliable(diagnostics, "Draws of hidden features", call[0], call[1], 6)
     if not joint:
         log_w = log_w.unsqueeze(-1).expand(log_w.shape + (observed.num_features,))
     index = mixture_component_sample(log_w, (num_samples,))
