@@ -1,6 +1,10 @@
-"""Mask-size schedules: uniform (unbiased), a fixed rate (BERT's 15%, MAE's 75%) and a
-random ratio (R2MAE), each drawing sizes from quantiles so that several masks per
-observation are stratified (:ref:`theory-rates`).
+"""Mask-size schedules: uniform (unbiased with exact conditionals), a fixed rate (BERT's 15%,
+MAE's 75%) and a random ratio (R2MAE), each drawing sizes from quantiles so that several
+masks per observation are stratified (:ref:`theory-rates`).
+
+"Unbiased" is over the draw of the masks, given the conditionals: for ``log p(x)`` when they
+are exact (and quadrature up to its rule's error); with importance-sampled conditionals the
+uniform schedule gives a consistent but biased estimate, with encode-decode a biased one.
 
 This module is pure tensor code: no Pyro effects.
 """
@@ -20,7 +24,8 @@ class RateSchedule:
     ``q ~ U[0, 1)`` draws a mask size.
     """
 
-    #: True when the MPT estimate under this schedule is unbiased for log p(x).
+    #: True when the MPT estimate under this schedule is unbiased for log p(x) with exact
+    #: conditionals.
     unbiased = False
 
     def sizes_from_quantiles(self, quantiles, num_features):
@@ -80,7 +85,9 @@ class RandomRate(RateSchedule):
 
 
 class UniformRate(RandomRate):
-    """The mask size is uniform on ``{1, ..., D}``: the MPT estimate is unbiased for log p(x)."""
+    """The mask size is uniform on ``{1, ..., D}``: the MPT estimate is unbiased for log p(x)
+    with exact conditionals (quadrature: up to its rule's error), consistent but biased with
+    importance-sampled ones."""
 
     def __init__(self):
         super().__init__(0.0, 1.0)
