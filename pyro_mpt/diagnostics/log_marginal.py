@@ -3,6 +3,7 @@
 import math
 
 from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.infer.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
 
@@ -19,6 +20,11 @@ def log_marginal(
     value); or any strategy whose prepared conditionals offer ``log_marginal()``.
 
     .. math:: \\log p(x_n) = \\log \\int p(x_n \\mid z)\\, p(z)\\, dz.
+
+    .. note:: Pyro's param store is left as it was found, whether the call returns or
+        raises: parameters first created here (a guide's or model's, sized by this ``x``)
+        are removed afterwards, and existing parameters keep their tensors, so training
+        with ``Trace_ELBO`` on other data goes on as before.
 
     :param callable model: the Pyro model.
     :param args: the model's arguments.
@@ -38,8 +44,9 @@ def log_marginal(
         torch.Size([10])
     """
     strategy = as_conditionals(conditionals)
-    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-    try:
-        return prepared.log_marginal()
-    except NotImplementedError as error:
-        raise ValueError(f"conditionals={strategy!r}: {error}") from None
+    with param_store_rollback(always=True):
+        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        try:
+            return prepared.log_marginal()
+        except NotImplementedError as error:
+            raise ValueError(f"conditionals={strategy!r}: {error}") from None

@@ -18,6 +18,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, plate_frames, unwrap_independent
+from pyro_mpt.infer.vectorized_run_check import check_guided_run
 
 __all__ = [
     "GuidedModel",
@@ -158,6 +159,7 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
             f"{describe_guide(guide)} samples no site {missing}. Sample them in the guide "
             f"(an amortized q(z | x)), or use conditionals='exact' or 'quadrature'."
         )
+    check_guided_run(guided, what)
     return guided
 
 

@@ -57,19 +57,41 @@ def distribution_mask(fn):
 
 
 @contextlib.contextmanager
-def param_store_rollback():
-    """Removes parameters that a failing call added to Pyro's param store.
+def param_store_rollback(always=False):
+    """Leaves Pyro's param store as the block found it if the block raises (no
+    half-initialised parameters), and with ``always=True`` also when it returns.
 
-    A call that raises leaves the store as it found it: no half-initialised parameters.
+    Parameters the block created are removed. A parameter that existed before gets its own
+    tensor back if the block deleted or replaced it (or changed its constraint), so its
+    value, its identity and any optimizer state keyed on it are kept; values changed in
+    place are not undone. Names keep their order.
+
+    :param bool always: restore the store on success too, not only on failure.
     """
     store = pyro.get_param_store()
-    before = set(store.keys())
+    # Read without get_state(), which strips the ``unconstrained`` attribute of the
+    # parameters that callers may hold.
+    params, constraints = dict(store.named_parameters()), dict(store._constraints)
     try:
         yield
     except BaseException:
-        for name in set(store.keys()) - before:
-            del store[name]
+        _restore_param_store(store, params, constraints)
         raise
+    if always:
+        _restore_param_store(store, params, constraints)
+
+
+def _restore_param_store(store, params, constraints):
+    """Puts back exactly ``params`` (name to unconstrained tensor) and their constraints,
+    unless the store holds just them already."""
+    now = dict(store.named_parameters())
+    if list(now) == list(params) and all(
+        now[name] is value and store._constraints[name] is constraints[name]
+        for name, value in params.items()
+    ):
+        return
+    store.clear()
+    store.set_state({"params": params, "constraints": constraints})
 
 
 def flatten_tail(tensor, num_dims):

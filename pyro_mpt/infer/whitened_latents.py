@@ -27,6 +27,7 @@ from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.model_structure import observed_in_run
 from pyro_mpt.infer.structure_checks import scale_mismatch
 from pyro_mpt.infer.trace_utils import narrow_broadcast_dims, unwrap_independent
+from pyro_mpt.infer.vectorized_run_check import check_run_at_points
 
 __all__ = [
     "PointsRun",
@@ -177,6 +178,8 @@ def run_at_points(model, args, kwargs, structure, points):
 
 #: Random points of the checks of :func:`_check_model_at_points`; the first two are compared.
 _NUM_CHECK_POINTS = 5
+#: The distance from the origin of the second check point, in prior standard deviations.
+_FAR_RADIUS = 5.0
 
 
 def _check_model_at_points(model, args, kwargs, structure):
@@ -184,33 +187,40 @@ def _check_model_at_points(model, args, kwargs, structure):
     and returns whether points shared by every observation may keep the observations' dims
     of size one (so a decoder runs once per point, not once per point and observation).
 
-    At two random points the model must run with an extra batch dim left of its plates, give
-    the same likelihood when run again (no randomness at fixed latents, such as dropout in
-    training mode) and when run among three more points (no statistics across the batch,
-    such as batch normalisation in training mode); otherwise a :class:`ValueError` says
-    what to change. The compact layout is used when the model runs so and gives the same
-    likelihood: a model that indexes, reshapes or concatenates its latents per observation
-    runs at full size. Nothing here touches the caller's random state.
+    At two random points, the second far out, the model must run with an extra batch dim
+    left of its plates, give the same likelihood when run again (no randomness at fixed
+    latents, such as dropout in training mode) and when run among three more points (no
+    statistics across the batch, such as batch normalisation in training mode), and give
+    the likelihood and prior densities of plain runs at those latent values
+    (:func:`~pyro_mpt.infer.vectorized_run_check.check_run_at_points`: no operation over a
+    fixed positive dim); otherwise a :class:`ValueError` says what to change. The compact
+    layout is used when the model runs so and gives the same likelihood: a model that
+    indexes, reshapes or concatenates its latents per observation runs at full size.
+    Nothing here touches the caller's random state.
     """
     generator = torch.Generator().manual_seed(0)
     first = structure.trace.nodes[structure.latents[0].name]["value"]
     points = torch.randn(_NUM_CHECK_POINTS, structure.latent_dim, generator=generator)
+    points[1] *= _FAR_RADIUS / points[1].norm()
     points = points.to(dtype=first.dtype, device=first.device)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
 
-        def log_prob_at(points, compact, same_state=True):
+        def run_at(points, compact, same_state=True):
             # From one random state a subsampled plate draws the same subsample.
             if same_state:
                 torch.set_rng_state(cpu_state)
                 for device, cuda_state in zip(devices, cuda_states):
                     torch.cuda.set_rng_state(cuda_state, device)
-            return _observed_log_prob(_run(model, args, kwargs, structure, points, compact))
+            return _run(model, args, kwargs, structure, points, compact)
+
+        def log_prob_at(points, compact, same_state=True):
+            return _observed_log_prob(run_at(points, compact, same_state))
 
         try:
-            full = log_prob_at(points[:2], False)
+            full_run = run_at(points[:2], False)
         except (RuntimeError, IndexError) as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ValueError(
@@ -221,6 +231,7 @@ def _check_model_at_points(model, args, kwargs, structure):
                 f"before concatenating (torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], "
                 f"-1)), and reshape with z.shape[:-1] rather than the data size."
             ) from error
+        full = _observed_log_prob(full_run)
         # From another random state: a model random at fixed latents (dropout) differs.
         # With a subsampled plate, another subsample would differ as well: no check then.
         again = full if _subsamples(structure) else log_prob_at(points[:2], False, False)
@@ -246,6 +257,7 @@ def _check_model_at_points(model, args, kwargs, structure):
             f"observation and latent value alone: call .eval() on BatchNorm modules, or use a "
             f"normalization without batch statistics (LayerNorm)."
         )
+    check_run_at_points(model, args, kwargs, structure, full_run.trace, 2)
     return compact is not None and _same(compact.expand_as(full), full)
 
 

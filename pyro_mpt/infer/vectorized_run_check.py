@@ -1,0 +1,330 @@
+"""Checks that a model run at many latent values at once scores each value as the model run
+alone does.
+
+Quadrature, the exact path's probes, importance sampling and encoding–decoding run the
+user's model once with extra batch dims left of its plates (one over latent points, or one
+over samples and one over masks), as Pyro's vectorized particles do. A model that does not
+broadcast over leading dims may still run without error and give wrong numbers: an operation
+over a fixed positive dim (``softmax(..., dim=1)``, ``x.shape[0]``, ``reshape(N, ...)``)
+acts on another dim once dims are added on the left. So, once per model structure, the
+vectorised run is compared with plain runs of the model, ``poutine.condition``-ed on the
+latent values that the vectorised run had at a few of its points, as a user would run it:
+the observed site's per-entry log-likelihood and each latent site's log-density must agree.
+
+The cost falls on the first call only. The points path compares the run at two check
+points that its first call per :class:`~pyro_mpt.infer.model_structure.ModelStructure` makes
+anyway: two plain model runs more. The guided path runs the guide and the model once at two
+samples of two copies of the data, and the model plainly twice, on the first call for each
+model, guide and argument shapes; it remembers those by weak reference
+(:class:`_CheckedCalls`), so later steps only look them up.
+"""
+
+import collections
+import weakref
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.util import site_is_subsample
+
+from pyro_mpt.infer.trace_utils import distribution_mask, unwrap_independent
+
+__all__ = [
+    "check_guided_run",
+    "check_run_at_points",
+    "compare_with_plain_runs",
+    "tolerance",
+]
+
+_FIX = (
+    "The model must broadcast over extra leading dims: an operation over a fixed positive dim "
+    "acts on another dim once dims are added on the left (softmax(..., dim=1), x.shape[0], "
+    "reshape(N, ...), torch.cat(..., dim=1), z[:, 0]). Count dims from the right: "
+    "softmax(..., dim=-1), x.shape[-2], z.reshape(z.shape[:-1] + (...)), "
+    "torch.cat(..., dim=-1), z[..., 0]."
+)
+
+
+def tolerance(dtype):
+    """The largest disagreement allowed between a vectorised and a plain run, relative to
+    ``1 + |log p|`` of the plain run: ``1e-5`` in float64, ``10 sqrt(eps)`` in lower
+    precision (``3.5e-3`` in float32).
+
+    A run at many latent values may take other kernels than a run at one (another blocking
+    of a batched matrix product, another convolution algorithm, TF32 on a GPU), so the two
+    differ by the rounding of the decoder's intermediate values: about ``eps`` per operation
+    on CPUs, up to ``1e-3`` of a logit under TF32's 10-bit mantissa, which moves a
+    log-probability by at most that much times its own size plus one. Broadcasting mistakes
+    move log-probabilities by whole nats, orders of magnitude above either bound.
+
+    :param torch.dtype dtype: the dtype of the log-probabilities compared.
+    """
+    return max(1e-5, 10 * torch.finfo(dtype).eps ** 0.5)
+
+
+def _entry_log_prob(site):
+    """The per-entry log-density of a site, its base distribution's ``log_prob`` at its
+    value, and how many of its dims lie right of the plates (``.to_event`` dims)."""
+    fn = site["fn"]
+    base = unwrap_independent(fn)
+    return base.log_prob(site["value"]), len(fn.event_shape) - len(base.event_shape)
+
+
+def _counted(site, num_right):
+    """Booleans that broadcast to the site's per-entry log-density, ``False`` where a mask
+    (``poutine.mask``, ``.mask(...)``) says the entry does not count; or None."""
+    fn = site["fn"]
+    mask = distribution_mask(fn)
+    if mask is not None:
+        num_base = len(unwrap_independent(fn).event_shape)
+        if num_base:
+            mask = mask.flatten(-num_base).all(-1)
+    site_mask = site["mask"]
+    if site_mask is not None:
+        site_mask = torch.as_tensor(site_mask, dtype=torch.bool)
+        site_mask = site_mask.reshape(site_mask.shape + (1,) * num_right)
+        mask = site_mask if mask is None else mask & site_mask
+    return mask
+
+
+class _Mismatch(Exception):
+    """A vectorised tensor whose shape does not reduce to the plain run's."""
+
+
+def _at(tensor, index, num_plates, num_right, shape):
+    """The slice of a vectorised run's ``tensor`` at ``index`` of its leading dims, shaped as
+    the plain run's ``shape``.
+
+    The vectorised tensor has ``len(index)`` leading dims, then the model's ``num_plates``
+    plate dims and ``num_right`` dims right of them, possibly broadcast (size one, or
+    absent on the left); the plain one has at most ``num_plates`` plate dims.
+    """
+    total = len(index) + num_plates + num_right
+    if tensor.dim() > total:
+        raise _Mismatch
+    tensor = tensor.reshape((1,) * (total - tensor.dim()) + tuple(tensor.shape))
+    tensor = tensor[tuple(i if size > 1 else 0 for i, size in zip(index, tensor.shape))]
+    extra = tensor.dim() - len(shape)
+    if extra < 0 or any(size != 1 for size in tensor.shape[:extra]):
+        raise _Mismatch
+    try:
+        return tensor.reshape(tensor.shape[extra:]).expand(shape)
+    except RuntimeError:
+        raise _Mismatch from None
+
+
+def _disagreement(vectorised, plain, mask):
+    """``|a - b| / (1 + |b|)`` per entry: 0 where both are the same infinity or NaN or the
+    entry does not count, infinite where only one is finite."""
+    same = (vectorised == plain) | (vectorised.isnan() & plain.isnan())
+    error = (vectorised - plain).abs() / (1 + plain.abs())
+    error = torch.where(same, 0.0, error.nan_to_num(nan=float("inf")))
+    if mask is not None:
+        error = torch.where(mask, error, 0.0)
+    return error
+
+
+def _shape_error(name, vectorised, plain, how):
+    return ValueError(
+        f"Site {name!r} has shape {tuple(vectorised.shape)} when {how}, which does not "
+        f"reduce to its shape {tuple(plain.shape)} in a plain run of the model at one of "
+        f"those latent values. {_FIX}"
+    )
+
+
+def _compare_site(name, vectorised_site, plain_site, index, num_plates, how, observed):
+    """:raises ValueError: if the site's per-entry log-density at ``index`` of the
+    vectorised run differs from the plain run's beyond :func:`tolerance`."""
+    plain, num_right = _entry_log_prob(plain_site)
+    vectorised_full, _ = _entry_log_prob(vectorised_site)
+    try:
+        vectorised = _at(vectorised_full, index, num_plates, num_right, plain.shape)
+    except _Mismatch:
+        raise _shape_error(name, vectorised_full, plain, how) from None
+    mask = _counted(plain_site, num_right)
+    error = _disagreement(vectorised, plain, mask)
+    tol = tolerance(plain.dtype)
+    if not error.numel() or float(error.max()) <= tol:
+        return
+    worst = tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
+    kind = "log-likelihood" if observed else "log-density"
+    difference = vectorised - plain
+    if mask is not None:
+        difference = torch.where(mask, difference, 0.0)
+    summed = difference.sum(tuple(range(-num_right, 0))) if num_right else difference
+    summed = summed.nan_to_num(nan=float("inf")).abs().max()
+    raise ValueError(
+        f"{'Observed' if observed else 'Latent'} site {name!r} has {kind} "
+        f"{float(vectorised[worst]):.6g} at entry {worst} when {how}, but "
+        f"{float(plain[worst]):.6g} when the model runs alone at the same latent values "
+        f"(poutine.condition on one point): they differ by "
+        f"{float(difference[worst].abs()):.3g} nats there and by up to {float(summed):.3g} "
+        f"nats per observation (tolerance {tol:.1e} relative to 1 + |log p|), so every "
+        f"integral of the latents would be silently wrong. {_FIX}"
+    )
+
+
+def _point_values(trace, structure, index):
+    """The plain run's ``condition`` data: each latent (and missing-entry) site's value in
+    the vectorised run at ``index``, shaped as in the structure trace, and the subsample of
+    every subsampled plate, so the plain run sees the same observations."""
+    num_plates = structure.max_plate_nesting
+    data = {}
+    for name in structure.latent_names + tuple(structure.missing_names):
+        first = structure.trace.nodes[name]
+        value = trace.nodes[name]["value"]
+        try:
+            data[name] = _at(
+                value, index, num_plates, len(first["fn"].event_shape), first["value"].shape
+            )
+        except _Mismatch:
+            raise _shape_error(name, value, first["value"], "the values are read") from None
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and site_is_subsample(site):
+            data[name] = site["value"]
+    return data
+
+
+def compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how):
+    """Compares a vectorised run of ``model`` with plain runs at some of its points.
+
+    For each index into the run's leading dims, the model runs once with no extra plate,
+    conditioned on the latent values the vectorised run had there; the observed site's
+    per-entry log-likelihood and each latent site's log-density must agree with the
+    vectorised run's at that index. Nothing here touches the caller's random state or
+    builds a graph.
+
+    :param callable model: the model, run as ``model(*args, **kwargs)``.
+    :param structure: its :class:`~pyro_mpt.infer.model_structure.ModelStructure`.
+    :param trace: the vectorised run's trace: every site has leading dims, one per entry of
+        each index, left of the model's ``structure.max_plate_nesting`` plate dims.
+    :param list indices: tuples indexing the leading dims, one per point to compare.
+    :param str how: how the vectorised run came about, for the error message (e.g.
+        ``"MPTLoss runs the model at several latent values at once"``).
+    :raises ValueError: naming the site, the size of the disagreement, the likely cause
+        and the fix.
+    """
+    x = structure.observed.value
+    devices = [x.device] if x.device.type == "cuda" else []
+    num_plates = structure.max_plate_nesting
+    names = (structure.observed.name,) + structure.latent_names
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), pyro.validation_enabled(False):
+        for index in indices:
+            conditioned = poutine.condition(model, data=_point_values(trace, structure, index))
+            plain = poutine.trace(conditioned).get_trace(*args, **kwargs)
+            for name in names:
+                _compare_site(
+                    name,
+                    trace.nodes[name],
+                    plain.nodes[name],
+                    index,
+                    num_plates,
+                    how,
+                    observed=name == structure.observed.name,
+                )
+
+
+def check_run_at_points(model, args, kwargs, structure, trace, num_points):
+    """Compares a run of ``model`` at whitened points with a plain run at each point.
+
+    :param trace: the run's trace (:mod:`~pyro_mpt.infer.whitened_latents`), whose sites
+        have one leading dim over the points, left of the model's plates.
+    :param int num_points: how many points it ran at.
+    :raises ValueError: as :func:`compare_with_plain_runs`.
+    """
+    how = (
+        "MPTLoss runs the model at several latent values at once (an extra batch dim left "
+        "of its plates, as Pyro's vectorized particles do)"
+    )
+    indices = [(q,) for q in range(num_points)]
+    compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how)
+
+
+def _reference(value):
+    """A reference to ``value`` that keeps it alive only if it cannot be referenced weakly."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
+class _CheckedCalls:
+    """The (model, guide, argument shapes) calls already checked, most recent last.
+
+    Objects are recorded by ``id`` and confirmed by weak reference, so the record keeps no
+    model, guide or data alive and a new object that reuses a freed one's ``id`` is new.
+    """
+
+    def __init__(self, size=64):
+        self.size = size
+        self._entries = collections.OrderedDict()
+
+    @staticmethod
+    def _parts(model, guide, args, kwargs, max_plate_nesting):
+        objects, description = [], []
+        for fn in (model, guide):
+            objects += [getattr(fn, "__func__", fn), getattr(fn, "__self__", None)]
+        for value in list(args) + [kwargs[k] for k in sorted(kwargs)]:
+            if torch.is_tensor(value):
+                description.append((tuple(value.shape), value.dtype, value.device))
+            else:
+                objects.append(value)
+        key = (
+            tuple(id(o) for o in objects),
+            tuple(description),
+            tuple(sorted(kwargs)),
+            max_plate_nesting,
+        )
+        return key, objects
+
+    def seen(self, *call):
+        """Whether this call was recorded; it is recorded from now on."""
+        key, objects = self._parts(*call)
+        references = self._entries.get(key)
+        if references is not None and all(r() is o for r, o in zip(references, objects)):
+            self._entries.move_to_end(key)
+            return True
+        self._entries[key] = [_reference(o) for o in objects]
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return False
+
+    def forget(self, *call):
+        """Drops the record of a call (one whose check failed)."""
+        self._entries.pop(self._parts(*call)[0], None)
+
+
+_CHECKED = _CheckedCalls()
+
+
+def check_guided_run(guided, what):
+    """Compares the model replayed at a guide's samples (two samples of two copies of the
+    full data, through :func:`~pyro_mpt.infer.guided_model.run_guided`) with plain runs at
+    two of them; once per model, guide and argument shapes.
+
+    :param guided: a :class:`~pyro_mpt.infer.guided_model.GuidedModel`.
+    :param str what: the strategy's name, for the error message.
+    :raises ValueError: as :func:`compare_with_plain_runs`.
+    """
+    from pyro_mpt.infer.guided_model import run_guided  # it calls this check
+
+    local = guided.local
+    call = (guided.model, guided.guide, guided.args, guided.kwargs, local.max_plate_nesting)
+    if _CHECKED.seen(*call):
+        return
+    value = local.observed.value
+    devices = [value.device] if value.device.type == "cuda" else []
+    how = (
+        f"conditionals={what!r} runs the model at the guide's samples (two extra batch "
+        f"dims left of its plates, over samples and masks, as Pyro's vectorized particles do)"
+    )
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            _, trace = run_guided(guided, value.expand((2,) + value.shape), 2)
+        compare_with_plain_runs(
+            guided.model, guided.args, guided.kwargs, local, trace, [(0, 0), (1, 1)], how
+        )
+    except BaseException:
+        _CHECKED.forget(*call)
+        raise
