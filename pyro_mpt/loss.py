@@ -140,7 +140,8 @@ class MPTLoss(ELBO):
         For an observation with missing entries (a mask on the observed site, or
         ``obs_mask``) it estimates ``log p(x_observed)``; for one masked out entirely it is 0.
 
-        :returns: a tensor of the data plate's batch shape (differentiable).
+        :returns: a tensor of the data plate's batch shape (differentiable). The accuracy
+            figures of approximate conditionals are in :attr:`diagnostics` afterwards.
         """
         return self._prepare_and_estimate(model, guide, args, kwargs)[1]
 
@@ -155,7 +156,10 @@ class MPTLoss(ELBO):
                     read_structure(model, args, kwargs)
                     self._guess_max_plate_nesting(model, guide or _no_guide, args, kwargs)
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
-            return prepared, self._estimate(prepared)
+            estimates = self._estimate(prepared)
+        self.diagnostics = prepared.diagnostics
+        warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
+        return prepared, estimates
 
     def _estimate(self, prepared):
         observed = prepared.observed
@@ -184,8 +188,6 @@ class MPTLoss(ELBO):
         prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
         loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
         warn_if_nan(loss, "loss")
-        self.diagnostics = prepared.diagnostics
-        warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return loss, prepared
 
     def differentiable_loss(self, model, guide, *args, **kwargs):

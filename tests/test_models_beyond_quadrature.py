@@ -221,12 +221,13 @@ def test_reference_is_trustworthy(case_name):
 #                          -0.13 +- 0.07, right
 #
 # The deep models' errors come from proposals that miss p(z | x_R): the encoder reads the
-# zero-filled masked entries as observed zeros. Their weights pass the typical-row test
-# (VAE: median k-hat 0.60, 36% of rows above 0.7). In the mixtures q(c | x_fill) puts no
-# mass on the component an observation belongs to; no sample lands there, so the weights
-# look healthy (k-hat below 0.7) while the estimate is off by up to 10 nats. More samples
-# help slowly: the VAE is still 1.3 nats off on one observation at S = 8192, the D = 1
-# mixture 10 nats off at S = 1024.
+# zero-filled masked entries as observed zeros (VAE: median k-hat 0.60, 36% of rows above
+# 0.7, past the 20% share that flags a batch). In the mixtures q(c | x_fill) put no mass on
+# the component an observation belongs to, and no sample landed there: -2.40 and -0.72 nats
+# on average, up to 10 nats, with healthy-looking weights. Proposals for discrete latents
+# are now mixed with a uniform choice (pyro_mpt.infer.defensive_proposal), which makes the
+# mixtures right: with 300 calls, errors within -0.07 +- 0.03 (D = 1) and -0.10 +- 0.06
+# (D = 4), median ESS 25 and 50 of 64.
 # --------------------------------------------------------------------------------------
 
 MPT_EXPECTED = [
@@ -236,10 +237,10 @@ MPT_EXPECTED = [
     ("semi_supervised_vae", "importance64", FLAGGED),
     ("sparse_gamma_def", "auto", FLAGGED),
     ("sparse_gamma_def", "importance64", FLAGGED),
-    ("gaussian_mixture_d1", "auto", FLAGGED),
-    ("gaussian_mixture_d1", "importance64", FLAGGED),
-    ("gaussian_mixture_d4", "auto", FLAGGED),
-    ("gaussian_mixture_d4", "importance64", FLAGGED),
+    ("gaussian_mixture_d1", "auto", RIGHT),
+    ("gaussian_mixture_d1", "importance64", RIGHT),
+    ("gaussian_mixture_d4", "auto", RIGHT),
+    ("gaussian_mixture_d4", "importance64", RIGHT),
     ("eight_schools_normal", "auto", RIGHT),
     ("eight_schools_normal", "importance64", RIGHT),
     ("eight_schools_t", "auto", RIGHT),

@@ -3,6 +3,7 @@
 import math
 
 from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.importance import warn_if_unreliable
 from pyro_mpt.infer.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
@@ -31,7 +32,10 @@ def log_marginal(
     :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`.
     :param callable guide: the guide, for strategies that use one.
     :param kwargs: the model's keyword arguments.
-    :returns: a tensor of the data plate's batch shape (differentiable).
+    :returns: a tensor of the data plate's batch shape (differentiable). An importance
+        estimate whose weights fail the thresholds of
+        :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics` comes with an
+        :class:`~pyro_mpt.errors.ImportanceAccuracyWarning` stating them.
     :raises ValueError: if the strategy does not apply to the model or gives no
         log-marginal likelihood.
 
@@ -47,6 +51,8 @@ def log_marginal(
     with param_store_rollback(always=True):
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         try:
-            return prepared.log_marginal()
+            result = prepared.log_marginal()
         except NotImplementedError as error:
             raise ValueError(f"conditionals={strategy!r}: {error}") from None
+    warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 3)
+    return result

@@ -16,6 +16,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.defensive_proposal import defensive_discrete
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, plate_frames, unwrap_independent
 from pyro_mpt.infer.vectorized_run_check import check_guided_run
@@ -232,7 +233,7 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
         pyro.plate(_MASK_PLATE, lead[-1], dim=-(nesting + 1)),
     ):
         try:
-            guide_trace = poutine.trace(guided.guide).get_trace(
+            guide_trace = poutine.trace(defensive_discrete(guided.guide)).get_trace(
                 data, *guided.args[1:], **guide_kwargs
             )
         except (ValueError, RuntimeError, IndexError) as error:
