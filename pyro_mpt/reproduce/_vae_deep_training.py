@@ -1,94 +1,176 @@
-"""The rows of ``vae-deep`` and how one is trained: each row's likelihood, MPT rate,
-conditionals and encoder objective (:data:`METHODS`, :data:`GAUSSIAN_METHODS`), its loss
-(:func:`make_loss`), the importance-sampling LML that evaluates it
-(:func:`mean_log_marginal`), and its training loop with the per-epoch records
-(:func:`train_row`)."""
+"""The rows of ``vae-deep`` and how one is trained: each row's group (likelihood and latent
+size) and objective (:data:`ALL_METHODS`), its loss (:func:`make_loss`), the cheap
+per-epoch LML with the run's own encoder (:func:`mean_log_marginal`), one training run
+with its per-epoch records (:func:`train_run`), and the interleaved timing of one step of
+every row against a ``Trace_ELBO`` step (:func:`step_seconds`)."""
+
+import contextlib
+import statistics
+import warnings
 
 import pyro
 import torch
-from pyro.infer import Trace_ELBO
+from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import EncodeDecode, Importance
+from pyro_mpt.conditionals import Importance
 from pyro_mpt.models import VAE
 from pyro_mpt.reproduce import _common as common
 
 __all__ = [
     "ALL_METHODS",
     "GAUSSIAN_METHODS",
+    "GROUPS",
     "METHODS",
+    "OBJECTIVES",
+    "SMALL_LATENT_METHODS",
+    "count_warnings",
+    "describe_loss",
     "make_loss",
     "mean_log_marginal",
-    "train_row",
+    "new_vae",
+    "own_random_numbers",
+    "step_seconds",
+    "train_run",
+    "unavailable",
 ]
 
-
-def _method(likelihood, rate, conditionals, encoder="ELBO", **more):
-    """One row: its likelihood, MPT rate, conditionals, encoder objective and further options."""
-    return dict(
-        likelihood=likelihood, rate=rate, conditionals=conditionals, encoder=encoder, **more
-    )
-
-
-#: Rows of the Bernoulli VAE on binarised pixels: name -> how it is trained. ``rate`` is the
-#: MPT rate (``None`` for the ELBO), ``conditionals`` one of ``"encode-decode"`` (refill with
-#: the decoder mean), ``"encode-decode-sample"`` (refill with a draw) or ``"importance"``,
-#: ``encoder`` what trains the encoder.
-METHODS = {
-    "ELBO": _method("bernoulli", None, None),
-    "MPT 33%": _method("bernoulli", 0.33, "encode-decode"),
-    "MPT uniform": _method("bernoulli", "uniform", "encode-decode"),
-    "MPT 33%, encoder by MPT": _method("bernoulli", 0.33, "encode-decode", encoder="MPT"),
+#: Groups of rows: name -> (likelihood, latent size). Rows of one group share the data and,
+#: per seed, the initialisation; they are compared with the group's ELBO row.
+GROUPS = {
+    "Bernoulli K=2": ("bernoulli", 2),
+    "Bernoulli K=16": ("bernoulli", 16),
+    "Gaussian K=16": ("normal", 16),
 }
 
-#: Rows of the Gaussian VAE on grey pixels (the paper's model), as :data:`METHODS`, with
-#: ``num_masks`` masks per observation and step where it is not 1.
-#: ``Gaussian MPT 33%, encode-decode`` is the paper's configuration.
-GAUSSIAN_METHODS = {
-    "Gaussian ELBO": _method("normal", None, None),
-    "Gaussian MPT 33%, encode-decode": _method("normal", 0.33, "encode-decode-sample"),
-    "Gaussian MPT 33%, encode-decode, 4 masks": _method(
-        "normal", 0.33, "encode-decode-sample", num_masks=4
-    ),
-    "Gaussian MPT uniform, encode-decode": _method("normal", "uniform", "encode-decode-sample"),
-    "Gaussian MPT 33%, importance": _method("normal", 0.33, "importance"),
-    "Gaussian MPT uniform, importance": _method("normal", "uniform", "importance"),
+#: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss). ``"iwae"`` is
+#: ``RenyiELBO(alpha=0)`` with as many particles as the MPT rows' importance samples.
+OBJECTIVES = {
+    "ELBO": ("elbo", None),
+    "IWAE": ("iwae", None),
+    "MPT, guide_loss=None": ("mpt", None),
+    "MPT, guide_loss='elbo'": ("mpt", "elbo"),
+    "MPT, guide_loss='wake'": ("mpt", "wake"),
 }
 
-#: Every row, Bernoulli then Gaussian.
-ALL_METHODS = {**METHODS, **GAUSSIAN_METHODS}
+
+def _rows(group):
+    likelihood, latent = GROUPS[group]
+    return {
+        f"{group}: {label}": dict(
+            group=group,
+            likelihood=likelihood,
+            latent_dim=latent,
+            label=label,
+            loss_kind=loss_kind,
+            guide_loss=guide_loss,
+        )
+        for label, (loss_kind, guide_loss) in OBJECTIVES.items()
+    }
+
+
+#: The Bernoulli rows at latent size 16 (those ``vae-compare`` runs): name -> row.
+METHODS = _rows("Bernoulli K=16")
+#: The Bernoulli rows at latent size 2, where quadrature checks the held-out LML.
+SMALL_LATENT_METHODS = _rows("Bernoulli K=2")
+#: The Gaussian rows on grey pixels (the paper's likelihood).
+GAUSSIAN_METHODS = _rows("Gaussian K=16")
+#: Every row, group by group in the order of :data:`GROUPS`.
+ALL_METHODS = {**SMALL_LATENT_METHODS, **METHODS, **GAUSSIAN_METHODS}
 
 
 def make_loss(method, cfg):
-    """The training loss of one row (a dict of :data:`METHODS` or :data:`GAUSSIAN_METHODS`):
-    ``Trace_ELBO`` or an ``MPTLoss`` whose ``guide_loss`` is ``"elbo"`` unless the row's
-    encoder is trained by MPT."""
-    if method["rate"] is None:
-        return Trace_ELBO()
-    kind = method["conditionals"]
-    if kind == "importance":
-        conditionals = Importance(num_samples=cfg["train_samples"], fill="mean")
-    elif kind in ("encode-decode", "encode-decode-sample"):
-        refill = "sample" if kind == "encode-decode-sample" else "mean"
-        conditionals = EncodeDecode(num_iterations=cfg["iterations"], refill=refill)
-    else:
-        raise ValueError(
-            f"conditionals must be 'encode-decode', 'encode-decode-sample' or 'importance', "
-            f"got {kind!r}."
+    """The training loss of one row (a value of :data:`ALL_METHODS`): ``Trace_ELBO``, the
+    IWAE bound ``RenyiELBO(alpha=0, num_particles=S)``, or
+    ``MPTLoss(rate="uniform", conditionals=Importance(num_samples=S), guide_loss=...)``,
+    with ``S = cfg["train_samples"]``."""
+    kind, samples = method["loss_kind"], cfg["train_samples"]
+    if kind == "elbo":
+        return Trace_ELBO(max_plate_nesting=1)
+    if kind == "iwae":
+        return RenyiELBO(
+            alpha=0, num_particles=samples, vectorize_particles=True, max_plate_nesting=1
         )
-    guide_loss = "elbo" if method["encoder"] == "ELBO" else None
-    return MPTLoss(
-        rate=method["rate"],
-        num_masks=method.get("num_masks", 1),
-        conditionals=conditionals,
-        guide_loss=guide_loss,
+    if kind == "mpt":
+        return MPTLoss(
+            rate="uniform",
+            conditionals=Importance(num_samples=samples),
+            guide_loss=method["guide_loss"],
+            max_plate_nesting=1,
+        )
+    raise ValueError(
+        f"loss_kind must be 'elbo', 'iwae' or 'mpt', got {kind!r}; pick a row of ALL_METHODS."
     )
+
+
+def describe_loss(method, cfg):
+    """The row's loss as the result file records it (its constructor call)."""
+    kind, samples = method["loss_kind"], cfg["train_samples"]
+    if kind == "elbo":
+        return "Trace_ELBO()"
+    if kind == "iwae":
+        return f"RenyiELBO(alpha=0, num_particles={samples}, vectorize_particles=True)"
+    return repr(make_loss(method, cfg))
+
+
+def unavailable(method, cfg):
+    """Why this ``MPTLoss`` cannot build the row's loss (an option it does not accept yet),
+    or ``None`` when it can."""
+    try:
+        make_loss(method, cfg)
+    except ValueError as error:
+        if method["loss_kind"] == "mpt" and "guide_loss" in str(error):
+            return f"guide_loss={method['guide_loss']!r} is not accepted here: {error}"
+        raise
+    return None
+
+
+def new_vae(method, cfg, init_seed, like):
+    """A VAE of the row's likelihood and latent size, initialised from ``init_seed``, in the
+    dtype and on the device of ``like``. Clears Pyro's param store first: VAE parameters
+    live there under fixed names, so only the newest VAE may be used."""
+    pyro.clear_param_store()
+    common.seed_everything(init_seed)
+    vae = VAE(
+        784,
+        latent_dim=method["latent_dim"],
+        hidden_dim=cfg["hidden"],
+        likelihood=method["likelihood"],
+        noise_scale=cfg["noise_scale"],
+    )
+    return vae.to(device=like.device, dtype=like.dtype)
+
+
+@contextlib.contextmanager
+def count_warnings(category_name, counts, key):
+    """Counts in ``counts[key]`` the warnings whose class is named ``category_name`` (the
+    importance diagnostics' ``ImportanceAccuracyWarning``, which this library may not have
+    yet) raised inside the block, and passes every other warning on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        yield
+    for item in caught:
+        if type(item.message).__name__ == category_name:
+            counts[key] = counts.get(key, 0) + 1
+        else:
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+
+
+@contextlib.contextmanager
+def own_random_numbers(seed, device):
+    """Runs the block on torch random numbers seeded by ``seed`` and restores the state of
+    the CPU (and of ``device``, a GPU) afterwards, so that evaluating changes no training."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def mean_log_marginal(vae, x, num_samples, chunk):
     """Mean importance estimate of ``log p(x)`` per observation (``num_samples`` guide
-    samples on the full data), in chunks of ``chunk`` observations, on its own random
-    numbers so that evaluating does not change the training."""
+    samples on the full data: the IWAE bound with the model's own encoder), in chunks of
+    ``chunk`` observations, on its own random numbers so that evaluating does not change
+    the training."""
     total = 0.0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for part in x.split(chunk):
@@ -99,60 +181,99 @@ def mean_log_marginal(vae, x, num_samples, chunk):
     return total / x.shape[0]
 
 
-def train_row(name, data, cfg, seed, bar):
-    """Trains row ``name`` from the shared initialisation on ``data[likelihood]``
-    (``(training, evaluation subset, held-out)``) and records its curves per epoch, the
-    held-out LML at the end and the learned noise scale (Gaussian rows)."""
-    method = ALL_METHODS[name]
-    x, x_eval, x_test = data[method["likelihood"]]
-    pyro.clear_param_store()
-    common.seed_everything(common.derived_seed(seed, 1))  # the same initialisation for every method
-    vae = VAE(
-        784,
-        latent_dim=cfg["K"],
-        hidden_dim=cfg["hidden"],
-        likelihood=method["likelihood"],
-        noise_scale=cfg["noise_scale"],
-    )
-    vae = vae.to(device=x.device, dtype=x.dtype)  # float32 whatever the default dtype
+def _step(loss_fn, vae, optimizer, batch):
+    """One Adam step on ``batch``; returns the objective per observation before the step."""
+    optimizer.zero_grad()
+    value = loss_fn.loss_and_grads(vae.model, vae.guide, batch)
+    optimizer.step()
+    return -value / batch.shape[0]
+
+
+def train_run(method, data, cfg, seeds, bar=None):
+    """Trains one row from its group's initialisation for one seed.
+
+    :param dict method: a value of :data:`ALL_METHODS`.
+    :param tuple data: ``(training images, training subset, held-out subset)``; the
+        subsets are evaluated after every epoch.
+    :param dict seeds: ``init`` (the group's initialisation), ``batches`` (the order of the
+        mini-batches, shared by the rows), ``evaluation`` (the random numbers of the
+        per-epoch LML).
+    :returns: ``(record, state)``: the per-epoch record (objective, own-encoder LML of both
+        subsets, seconds) and the trained parameters.
+    """
+    x, x_train_eval, x_eval = data
+    vae = new_vae(method, cfg, seeds["init"], x)
     optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
     loss_fn = make_loss(method, cfg)
+    counts = {}
 
     def evaluate():
-        return (
-            mean_log_marginal(vae, x_eval, cfg["eval_samples"], cfg["eval_chunk"]),
-            mean_log_marginal(vae, x_test, cfg["eval_samples"], cfg["eval_chunk"]),
-        )
+        with (
+            own_random_numbers(seeds["evaluation"], x.device),
+            count_warnings("ImportanceAccuracyWarning", counts, "evaluation"),
+        ):
+            return tuple(
+                mean_log_marginal(vae, part, cfg["eval_samples"], cfg["eval_chunk"])
+                for part in (x_train_eval, x_eval)
+            )
 
-    initial, initial_test = evaluate()
-    common.seed_everything(common.derived_seed(seed, 2))  # the same mini-batches for every method
-    objective, lml, test_lml, seconds = [], [], [], []
+    initial, initial_held_out = evaluate()
+    common.seed_everything(seeds["batches"])
+    record = dict(objective=[], log_marginal=[], held_out_log_marginal=[], seconds_per_epoch=[])
     for _ in range(cfg["epochs"]):
-        values = []
-        with common.Stopwatch() as clock:
-            for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"]):
-                optimizer.zero_grad()
-                loss = loss_fn.differentiable_loss(vae.model, vae.guide, x[idx]) / len(idx)
-                loss.backward()
-                optimizer.step()
-                values.append(-float(loss.detach()))
-        seconds.append(clock.seconds)
-        objective.append(sum(values) / len(values))
-        train_value, test_value = evaluate()
-        lml.append(train_value)
-        test_lml.append(test_value)
-        bar.update()
-        bar.set_postfix_str(f"{name}: held-out LML {test_value:.1f}")
-    final = mean_log_marginal(vae, x_test, cfg["final_samples"], max(1, cfg["eval_chunk"] // 4))
-    noise = None if method["likelihood"] != "normal" else float(vae.noise_scale.detach())
-    pyro.clear_param_store()
-    return dict(
-        objective=objective,
-        log_marginal=lml,
-        held_out_log_marginal=test_lml,
+        with (
+            common.Stopwatch() as clock,
+            count_warnings("ImportanceAccuracyWarning", counts, "training"),
+        ):
+            values = [
+                _step(loss_fn, vae, optimizer, x[idx])
+                for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"])
+            ]
+        record["seconds_per_epoch"].append(clock.seconds)
+        record["objective"].append(sum(values) / len(values))
+        train_value, held_out_value = evaluate()
+        record["log_marginal"].append(train_value)
+        record["held_out_log_marginal"].append(held_out_value)
+        if bar is not None:
+            bar.update()
+            bar.set_postfix_str(f"{method['label']}: held-out LML {held_out_value:.1f}")
+    record.update(
         initial_log_marginal=initial,
-        initial_held_out_log_marginal=initial_test,
-        test_log_marginal=final,
-        noise_scale=noise,
-        seconds_per_epoch=seconds,
+        initial_held_out_log_marginal=initial_held_out,
+        importance_warnings={k: counts.get(k, 0) for k in ("training", "evaluation")},
     )
+    if method["likelihood"] == "normal":
+        record["noise_scale"] = float(vae.noise_scale.detach())
+    state = {k: v.detach().clone() for k, v in vae.state_dict().items()}
+    pyro.clear_param_store()
+    return record, state
+
+
+def step_seconds(methods, cfg, x, init_seed):
+    """Median seconds of one training step (loss, gradients, Adam) of each row of one group
+    and of a ``Trace_ELBO`` step (key ``"Trace_ELBO"``), on one mini-batch of ``x``.
+
+    The losses take turns, ``cfg["timing_rounds"]`` rounds of ``cfg["timing_steps"]`` steps
+    each after two warm-up steps, so that a slow spell of the machine touches every loss
+    alike; the median over the rounds discards the spells.
+    """
+    first = next(iter(methods.values()))
+    losses = {"Trace_ELBO": Trace_ELBO(max_plate_nesting=1)}
+    losses.update((name, make_loss(m, cfg)) for name, m in methods.items())
+    vae = new_vae(first, cfg, init_seed, x)
+    optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
+    batch = x[: cfg["batch"]]
+    seconds = {name: [] for name in losses}
+    with own_random_numbers(init_seed, x.device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # counted in the training runs, not here
+        for loss_fn in losses.values():
+            for _ in range(2):
+                _step(loss_fn, vae, optimizer, batch)
+        for _ in range(cfg["timing_rounds"]):
+            for name, loss_fn in losses.items():
+                with common.Stopwatch() as clock:
+                    for _ in range(cfg["timing_steps"]):
+                        _step(loss_fn, vae, optimizer, batch)
+                seconds[name].append(clock.seconds / cfg["timing_steps"])
+    pyro.clear_param_store()
+    return {name: statistics.median(values) for name, values in seconds.items()}
