@@ -27,6 +27,7 @@ from pyro_mpt.ops.jackknife_importance import (
     jackknife_importance_log_conditionals,
     jackknife_importance_log_marginal,
 )
+from pyro_mpt.ops.masks import masked_sum
 from pyro_mpt.ops.self_normalised_importance import (
     check_fill,
     fill_masked,
@@ -196,8 +197,8 @@ class ImportanceSelfPredictive(SelfPredictive):
     def log_prob(self, masks):
         context = self.context(masks)
         log_w, ll = self._sample(fill_masked(self.observed.value, ~context, self.fill), ~context)
-        context_ll = torch.where(context, ll, 0.0).sum(-1)
-        log_joint = log_w + context_ll  # log p(z, x_R) - log q(z): weights toward p(z | x_R)
+        # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
+        log_joint = log_w.detach() + masked_sum(ll.detach(), context)
         self._record(log_joint, self.observed.entries)
         if self.debias == "jackknife":
             return jackknife_importance_log_conditionals(log_w, ll, context)

@@ -19,7 +19,7 @@ from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.defensive_proposal import defensive_discrete
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, plate_frames, unwrap_independent
-from pyro_mpt.infer.vectorized_run_check import check_guided_run
+from pyro_mpt.infer.vectorized_run_check import CheckedCalls, check_guided_run
 
 __all__ = [
     "GuidedModel",
@@ -148,6 +148,25 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
         # over samples and masks.
         with torch.no_grad(), poutine.block():
             guide(*args, **kwargs)
+    if not _PROPOSAL_CHECKED.seen(model, guide, args, kwargs, max_plate_nesting):
+        try:
+            _check_guide(guided, what)
+        except BaseException:
+            _PROPOSAL_CHECKED.forget(model, guide, args, kwargs, max_plate_nesting)
+            raise
+    check_guided_run(guided, what)
+    return guided
+
+
+#: The (model, guide, argument shapes) whose guide has passed :func:`_check_guide`: the
+#: check runs the guide, so it runs once per such call, not every step.
+_PROPOSAL_CHECKED = CheckedCalls()
+
+
+def _check_guide(guided, what):
+    """The guide runs on filled copies of the data and proposes every local latent from a
+    density of its own."""
+    local, guide = guided.local, guided.guide
     with torch.no_grad():
         value = local.observed.value
         guide_trace, _ = run_guided(guided, value.expand((2,) + value.shape), 1, False)
@@ -160,8 +179,6 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
             f"{describe_guide(guide)} samples no site {missing}. Sample them in the guide "
             f"(an amortized q(z | x)), or use conditionals='exact' or 'quadrature'."
         )
-    check_guided_run(guided, what)
-    return guided
 
 
 def _check_proposal(guide_trace, local, guide, what):

@@ -30,6 +30,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_mpt.infer.trace_utils import distribution_mask, unwrap_independent
 
 __all__ = [
+    "CheckedCalls",
     "check_guided_run",
     "check_run_at_points",
     "compare_with_plain_runs",
@@ -248,7 +249,7 @@ def _reference(value):
         return lambda: value
 
 
-class _CheckedCalls:
+class CheckedCalls:
     """The (model, guide, argument shapes) calls already checked, most recent last.
 
     Objects are recorded by ``id`` and confirmed by weak reference, so the record keeps no
@@ -295,7 +296,7 @@ class _CheckedCalls:
         self._entries.pop(self._parts(*call)[0], None)
 
 
-_CHECKED = _CheckedCalls()
+_CHECKED = CheckedCalls()
 
 
 def check_guided_run(guided, what):
