@@ -86,6 +86,8 @@ def test_wake_trains_the_guide_and_leaves_the_model_gradient():
             loc = z.unsqueeze(-1) * A + B + shift
             pyro.sample("x", dist.Normal(loc, PSI.sqrt()).to_event(1), obs=x)
 
+    # A first call checks the guide (a run that draws random numbers); later calls do not.
+    MPTLoss(conditionals=Importance(num_samples=32)).loss(model, _global_guide, x)
     grads = {}
     for guide_loss in (None, "wake"):
         pyro.set_rng_seed(3)
