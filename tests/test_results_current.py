@@ -64,7 +64,9 @@ def differences(fresh, committed, path=""):
         if isinstance(committed, bool) or isinstance(fresh, bool):
             same = committed is fresh
         else:
-            same = math.isclose(fresh, committed, rel_tol=1e-9, abs_tol=1e-12)
+            # Float32 experiments (the BERT curves) move by a few 1e-7 across builds of torch
+            # and transformers that sum in another order; any real change is far larger.
+            same = math.isclose(fresh, committed, rel_tol=2e-6, abs_tol=1e-12)
     else:
         same = fresh == committed
     return [] if same else [f"{path}: now {fresh!r}, committed {committed!r}"]
