@@ -117,7 +117,7 @@ class OrderingLogLikelihoods(NamedTuple):
         if s["num_orderings"] < 2:
             text = f"{head}; one ordering shows no spread (use num_orderings >= 2)"
         elif s["max_spread"] <= _ROUNDING * max(1.0, abs(s["mean"])):
-            text = f"{head}, the same for every ordering up to rounding: the conditionals are coherent"
+            text = f"{head}, the same for every ordering up to rounding: coherent conditionals"
         else:
             text = (
                 f"{head}; its spread across orderings is {s['spread']:.4g} +/- "
