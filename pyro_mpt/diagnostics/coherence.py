@@ -23,8 +23,9 @@ __all__ = ["OrderingLogLikelihoods", "ordering_log_likelihoods"]
 
 # Elements of the largest intermediate tensor per chunk of masks (about 160 MB in float64).
 _CHUNK_ELEMENTS = 2 * 10**7
-# A spread below this fraction of |log p(x)| (at least 1 nat) is rounding, not incoherence.
-_ROUNDING = 1e-8
+# A spread below this many machine epsilons of |log p(x)| (at least 1 nat) is rounding, not
+# incoherence: about 2e-13 in float64 and 1e-4 in float32.
+_ROUNDING_EPSILONS = 1000
 
 
 class OrderingLogLikelihoods(NamedTuple):
@@ -107,6 +108,11 @@ class OrderingLogLikelihoods(NamedTuple):
             "gap": gap,
         }
 
+    def _rounding(self, mean):
+        """The largest spread that rounding explains, in nats."""
+        eps = torch.finfo(self.values.dtype).eps if self.values.is_floating_point() else 0.0
+        return _ROUNDING_EPSILONS * eps * max(1.0, abs(mean))
+
     def describe(self):
         """One sentence saying what the orderings found, in nats per observation."""
         s = self.summary()
@@ -116,14 +122,14 @@ class OrderingLogLikelihoods(NamedTuple):
         )
         if s["num_orderings"] < 2:
             text = f"{head}; one ordering shows no spread (use num_orderings >= 2)"
-        elif s["max_spread"] <= _ROUNDING * max(1.0, abs(s["mean"])):
+        elif s["max_spread"] <= self._rounding(s["mean"]):
             text = f"{head}, the same for every ordering up to rounding: coherent conditionals"
         else:
             text = (
                 f"{head}; its spread across orderings is {s['spread']:.4g} +/- "
                 f"{s['spread_se']:.2g} nats (standard deviation per observation, averaged; at "
-                f"most {s['max_spread']:.4g}): the conditionals are not coherent, and the spread "
-                f"is a lower bound on their error"
+                f"most {s['max_spread']:.4g}): the conditionals are not coherent (no one joint "
+                f"distribution has them)"
             )
         if s["log_marginal"] is not None:
             text += (
