@@ -3,7 +3,8 @@
 The same rate schedules as :class:`pyro_mpt.MPTLoss` (``"uniform"``, a fixed rate, a
 ``(lo, hi)`` range) applied to masked language models (BERT, RoBERTa) and to ViT-MAE, with
 their MPT curves (:func:`mlm_mpt_curve`, :func:`mae_mpt_curve`, each an
-:class:`~pyro_mpt.MPTCurve`) as diagnostics. Needs the optional extra::
+:class:`~pyro_mpt.MPTCurve`) and the chain-rule coherence of a masked language model
+(:func:`mlm_ordering_log_likelihoods`) as diagnostics. Needs the optional extra::
 
     pip install "pyro-mpt[transformers]"
 
@@ -31,6 +32,10 @@ __all__ += ["MPTTrainer", "masked_token_log_probs", "mpt_mlm_loss", "mpt_sequenc
 from pyro_mpt.transformers.mlm_curve import mlm_mpt_curve  # noqa: E402
 
 __all__ += ["mlm_mpt_curve"]
+
+from pyro_mpt.transformers.mlm_coherence import mlm_ordering_log_likelihoods  # noqa: E402
+
+__all__ += ["mlm_ordering_log_likelihoods"]
 
 from pyro_mpt.transformers.mae_training import mae_loss, train_mae  # noqa: E402
 from pyro_mpt.transformers.vit_mae_curve import mae_mpt_curve  # noqa: E402
