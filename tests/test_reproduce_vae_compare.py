@@ -25,7 +25,7 @@ LINEAR = dict(
     outputs=dict(json="vae-linear.json", png="vae-linear.png"),
 )
 DEEP = dict(
-    config=dict(N=60, eval_samples=7),
+    config=dict(N=60, eval_samples=7, iterations=3),  # encode-decode rows, before seeds
     runs={
         "ELBO": dict(
             log_marginal=[-300.0, -250.0, -210.5],
@@ -52,6 +52,12 @@ KEYS = ("model", "objective", "log_marginal", "held_out_log_marginal", "seconds_
 def test_rows_take_the_final_figures_and_the_mean_epoch_time():
     rows = vae_compare.comparison_rows(LINEAR, DEEP)
     assert [tuple(row[k] for k in KEYS) for row in rows] == EXPECTED
+
+
+def test_deep_rows_of_the_seeded_layout_are_named_for_importance_sampling():
+    seeded = dict(DEEP, config=dict(N=60, eval_samples=7))
+    models = [row["model"] for row in vae_compare.comparison_rows(LINEAR, seeded)]
+    assert models[2:] == ["deep VAE (importance)"] * 2
 
 
 def test_run_passes_its_options_on_and_writes_the_table(tmp_path, monkeypatch, capsys):

@@ -50,9 +50,11 @@ def vae_compare_block(ctx):
         f"{nodes['eval']}×{nodes['eval']} nodes on {lin['num_eval_train']} training images. "
         + _vae_compare_deep_text(ctx, deep)
     )
+    deep_k = deep["K"] if "K" in deep else deep["groups"]["Bernoulli K=16"]["latent_dim"]
     labels = {
         "linear VAE (quadrature)": f"linear VAE, K={lin['K']} (quadrature)",
-        "deep VAE (encode-decode)": f"deep VAE, K={deep['K']} (encode–decode)",
+        "deep VAE (encode-decode)": f"deep VAE, K={deep_k} (encode–decode)",
+        "deep VAE (importance)": f"deep VAE, K={deep_k} (importance)",
     }
     rows, previous = [], None
     for r in res["rows"]:
