@@ -11,10 +11,10 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
-from pyro_mpt.conditionals.importance import Importance
+from pyro_mpt.conditionals.importance import Importance, warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
-from pyro_mpt.errors import ImportanceAccuracyWarning, NotApplicableError
+from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.remembered_structure import call_signature
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import sample_masks
@@ -45,6 +45,13 @@ ACCURACY_TOL = 1e-2
 MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
 #: Masks per observation on which ``auto`` measures importance sampling's weights.
 NUM_PROBE_MASKS = 4
+
+
+def _gap_text(rule):
+    """What refining a :class:`_Rule` showed, in words."""
+    if math.isinf(rule.mean_gap):
+        return "no finer rule fits the node and memory budget, so its error is unmeasured"
+    return f"a finer rule changes its log p(x) by {rule.mean_gap:.2g} nats per observation"
 
 
 def _describe_model(model):
@@ -147,8 +154,7 @@ class Auto(Conditionals):
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if best is not None:
             reasons.append(
-                f"  quadrature: the best rule, {best.rule!r}, is coarse here: a finer rule "
-                f"changes log p(x) by {best.mean_gap:.2g} nats per observation, and finer rules "
+                f"  quadrature: {best.rule!r} is coarse here: {_gap_text(best)}, and finer rules "
                 f"exceed {MAX_NODES} nodes or {MAX_LIKELIHOOD_ENTRIES} likelihood entries"
             )
         importance = self._strategy("importance")
@@ -161,24 +167,17 @@ class Auto(Conditionals):
             reasons.append(f"  importance: its weights fail: {diagnostics.describe()}")
         if best is not None and (diagnostics is None or best.mean_gap < COARSE_RULE_TOL):
             warnings.warn(
-                f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but a "
-                f"finer rule changes its log p(x) by {best.mean_gap:.2g} nats per observation, "
-                f"so its conditionals are coarse. Give MPTLoss a guide that proposes well "
-                f"(importance sampling then applies), or a trained guide for "
-                f"Quadrature(center='guide').",
+                f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
+                f"{_gap_text(best)}, so its conditionals may be coarse. Give MPTLoss a guide "
+                f"that proposes well "
+                f"(importance sampling then applies).",
                 stacklevel=4,
             )
             reason = "coarse, and nothing more accurate applies"
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if diagnostics is not None:
-            warnings.warn(
-                f"conditionals='auto' uses {importance!r} for {_describe_model(model)}, but its "
-                f"weights fail: {diagnostics.describe()}; no other strategy applies. Its "
-                f"conditionals may be off by nats per observation. Use a guide that sees the "
-                f"hidden entries and MPTLoss(guide_loss='wake'), or more samples.",
-                ImportanceAccuracyWarning,
-                stacklevel=4,
-            )
+            what = "conditionals='auto' (importance sampling, the only strategy that applies)"
+            warn_if_unreliable(diagnostics, what, model, args, stacklevel=5)
             reason = "its weights fail, and nothing more accurate applies"
             return self._choose(importance, key, model, reason, prepared, reasons)
         raise NotApplicableError(
@@ -187,31 +186,21 @@ class Auto(Conditionals):
         )
 
     def _best_rule(self, call):
-        """The most accurate quadrature rule, at the prior and (with a guide) at the guide,
-        each refined until converged or out of budget; None if quadrature does not apply."""
+        """The prior-centred quadrature rule, refined until converged or out of budget, as
+        a :class:`_Rule`; None if quadrature does not apply.
+
+        Rules centred at the guide are not candidates: their nodes sit where ``q(z | x)``
+        of the *full* data puts its mass, and the conditionals of heavily masked inputs,
+        whose ``p(z | x_R)`` is far broader, fall outside them while the full-data
+        ``log p(x)`` that the refinement checks stays right.
+        """
         model, guide, args, kwargs, max_plate_nesting, reasons = call
-        candidates = []
-        centers = ("prior", "guide") if guide is not None else ("prior",)
-        for center in centers:
-            rule = Quadrature(center=center) if center == "guide" else self._strategy("quadrature")
-            state = torch.get_rng_state()
-            prepared = self._try(rule, *call)
-            if prepared is None:
-                continue
-            candidate = _converged_rule(rule, prepared, *call[:5], state)
-            candidates.append(candidate)
-            if candidate.tail_gap < CONVERGENCE_TOL:
-                break
-        if not candidates:
+        rule = self._strategy("quadrature")
+        state = torch.get_rng_state()
+        prepared = self._try(rule, *call)
+        if prepared is None:
             return None
-        best = min(candidates, key=lambda c: c.mean_gap)
-        for candidate in candidates:
-            if candidate is not best:
-                reasons.append(
-                    f"  {candidate.rule!r}: changes log p(x) by {candidate.mean_gap:.2g} nats "
-                    f"per observation under refinement, more than {best.rule!r}"
-                )
-        return best
+        return _converged_rule(rule, prepared, *call[:5], state)
 
     def _choose(self, strategy, key, model, reason, prepared, reasons=()):
         if self.chosen is not strategy or self._chosen_for != key:

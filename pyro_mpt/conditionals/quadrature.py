@@ -52,9 +52,11 @@ class Quadrature(Conditionals):
     :param str center: where the nodes go. ``"prior"`` places them under the latent prior.
         ``"guide"`` centres and scales them per observation at the guide's ``q(z | x)``
         (the weights absorb the density ratio, so the rule still integrates against the
-        prior): far more accurate when the posterior is much narrower than the prior, as
-        for images with hundreds of pixels. Needs ``Normal`` priors and a guide with
-        ``Normal`` latents; no gradient flows into the guide.
+        prior): far more accurate for ``log p(x)`` when the posterior is much narrower than
+        the prior, as for images with hundreds of pixels. The nodes are placed for the full
+        data, so the conditionals of heavily masked inputs, whose posterior is broader, can
+        fall outside them: ``conditionals="auto"`` never picks this rule. Needs ``Normal``
+        priors and a guide with ``Normal`` latents; no gradient flows into the guide.
 
     .. note:: Latents must have ``Normal``, ``MultivariateNormal`` or transformed-normal
         (e.g. ``LogNormal``) priors, possibly depending on other latents, and sit inside
