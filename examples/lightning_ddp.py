@@ -1,11 +1,17 @@
 """Data-parallel training of a Pyro model by masked pre-training, with PyTorch Lightning.
 
-The model is an ordinary :class:`~pyro.nn.PyroModule` with no reference to Lightning.
-``MPTLoss()(model, guide)`` turns the MPT objective into a :class:`torch.nn.Module`, which a
-``LightningModule`` calls as its loss, and Lightning's DDP strategy averages the gradients
-of the processes. Each process reads its own shard of the data through a
-:class:`~torch.utils.data.DistributedSampler` and draws its own masks: its random number
-generator is seeded with ``seed + rank``. See ``docs/scaling.rst``.
+This is the pattern of Pyro's own Lightning example (``examples/svi_lightning.py`` in Pyro)
+with one change, the loss: ``loss_fn = MPTLoss()(model, guide)`` where Pyro has
+``Trace_ELBO()(model, guide)``. Everything else is as there: one ``pyro.set_rng_seed`` for
+every process, module-local parameters, an ``AutoNormal`` guide, a plain ``DataLoader`` that
+Lightning shards over the processes, one mini-batch through the loss to create the guide's
+parameters before the optimiser is built, and a ``LightningModule`` that returns
+``loss_fn(*batch)``. ``MPTLoss`` draws different masks on every process by itself, and gives
+the guide's parameters, which exact conditionals do not use, a zero gradient so that
+``DistributedDataParallel`` finds every parameter used. See ``docs/scaling.rst``.
+
+The model is probabilistic PCA rather than Pyro's regression: MPT integrates out a latent
+per observation, and the regression has global latents only.
 
 Two processes on the CPU (gloo backend)::
 
@@ -22,6 +28,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroParam
 
 from pyro_mpt import MPTLoss
@@ -37,10 +44,10 @@ INSTALL_HINT = 'pip install "pyro-mpt[lightning]"'
 class PPCA(PyroModule):
     """Probabilistic PCA, ``z_n ~ N(0, I_K)``, ``x_n | z_n ~ N(W z_n + mu, sigma^2 I_D)``.
 
-    Like Pyro's own Lightning example, the data plate has the size of the whole data set and
-    takes mini-batches that the data loader has already cut: a plate that subsampled by
-    itself would draw the same indices on every process. ``MPTLoss`` then scales each
-    batch's estimate by ``num_data / len(x)``, as ``Trace_ELBO`` does.
+    The data plate has the size of the whole data set and takes the mini-batch it is given,
+    which the data loader of each process has cut from that process's shard: a plate that
+    subsampled by itself would draw the same indices on every process. ``MPTLoss`` then
+    scales each batch's estimate by ``num_data / len(x)``, as ``Trace_ELBO`` does.
     """
 
     def __init__(self, num_data, num_features, latent_dim):
@@ -58,24 +65,14 @@ class PPCA(PyroModule):
             pyro.sample("x", dist.Normal(loc, self.noise_scale).to_event(1), obs=x)
 
 
-class NoGuide(PyroModule):
-    """``MPTLoss`` integrates the linear-Gaussian latent out exactly and never runs a guide;
-    ``MPTLoss()(model, guide)`` still takes one."""
-
-    def forward(self, x):
-        pass
-
-
-def step_seed(seed, rank, step, world_size):
-    """The seed of process ``rank`` at optimiser step ``step`` under ``--reseed-each-step``:
-    distinct for every pair ``(rank, step)``."""
-    return seed + rank + world_size * step
+def step_seed(seed, step):
+    """The seed of every process at optimiser step ``step`` under ``--reseed-each-step``."""
+    return seed + 1 + step
 
 
 def make_data(args):
-    """Synthetic data from a PPCA with ``K = latent_dim`` and noise scale 0.5, in the
-    default dtype; the same on every process, since each one runs this script with the same
-    seed."""
+    """Synthetic data from a PPCA with ``K = latent_dim`` and noise scale 0.5, in the default
+    dtype, from a generator of its own (the global one is left to the model and the masks)."""
     generator = torch.Generator().manual_seed(args.seed)
     weight = torch.randn(args.num_features, args.latent_dim, generator=generator)
     z = torch.randn(args.num_data, args.latent_dim, generator=generator)
@@ -84,84 +81,92 @@ def make_data(args):
 
 
 def make_model(args):
-    """The model and guide in the default dtype, initialised from ``args.seed`` (identical
-    on every process; DDP broadcasts rank 0's parameters in any case)."""
+    """The model and its ``AutoNormal`` guide, after ``pyro.set_rng_seed(args.seed)``: the
+    same on every process (DDP broadcasts rank 0's parameters in any case). The guide's
+    parameters are created by the first call of the loss."""
     pyro.set_rng_seed(args.seed)
-    return PPCA(args.num_data, args.num_features, args.latent_dim), NoGuide()
+    model = PPCA(args.num_data, args.num_features, args.latent_dim)
+    return model, AutoNormal(model)
 
 
 if pl is not None:
 
-    class MPTLightningModule(pl.LightningModule):
-        """A ``LightningModule`` whose loss is ``MPTLoss()(model, guide)``.
+    class PyroLightningModule(pl.LightningModule):
+        """A ``LightningModule`` whose loss is a Pyro objective turned into a module.
 
-        :param loss_fn: the ``ELBOModule`` returned by ``MPTLoss()(model, guide)``.
-        :param dataset: the whole training set; each process reads its own shard.
-        :param args: the command-line options (seed, batch size, optimiser, ...).
+        :param loss_fn: ``MPTLoss()(model, guide)`` (or any ``ELBO()(model, guide)``).
+        :param float lr: Adam's learning rate.
         """
 
-        def __init__(self, loss_fn, dataset, args):
+        def __init__(self, loss_fn, lr):
             super().__init__()
             self.loss_fn = loss_fn
-            self.dataset = dataset
+            self.model = loss_fn.model
+            self.guide = loss_fn.guide
+            self.lr = lr
+            self.predictive = pyro.infer.Predictive(self.model, guide=self.guide, num_samples=1)
+
+        def forward(self, *args):
+            return self.predictive(*args)
+
+        def training_step(self, batch, batch_idx):
+            # Minus the estimate of log p of the whole data set from this process's batch;
+            # DDP averages the processes' gradients.
+            loss = self.loss_fn(*batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.loss_fn.parameters(), lr=self.lr)
+
+    class RecordingLightningModule(PyroLightningModule):
+        """:class:`PyroLightningModule` that can reseed every process alike at each step and
+        saves each process's first step (its batch, loss, gradient and parameters) for
+        ``tests/test_lightning_ddp.py``.
+
+        :param args: the command-line options (``reseed_each_step``, ``dump``, ``optimizer``).
+        """
+
+        def __init__(self, loss_fn, args):
+            super().__init__(loss_fn, args.learning_rate)
             self.args = args
-
-        def train_dataloader(self):
-            # A shard per process; the plate in the model knows the size of the whole set.
-            sampler = torch.utils.data.DistributedSampler(
-                self.dataset,
-                num_replicas=self.trainer.world_size,
-                rank=self.global_rank,
-                shuffle=True,
-                seed=self.args.seed,
-            )
-            return torch.utils.data.DataLoader(
-                self.dataset, batch_size=self.args.batch_size, sampler=sampler
-            )
-
-        def on_fit_start(self):
-            # Independent masks on every process: a different seed per rank.
-            pyro.set_rng_seed(self.args.seed + self.global_rank)
+            self._dump = {}
 
         def on_train_batch_start(self, batch, batch_idx):
             if self.args.reseed_each_step:
-                world_size = self.trainer.world_size
-                pyro.set_rng_seed(
-                    step_seed(self.args.seed, self.global_rank, self.global_step, world_size)
-                )
+                # The same seed on every process, as one pyro.set_rng_seed gives.
+                pyro.set_rng_seed(step_seed(self.args.seed, self.global_step))
 
         def training_step(self, batch, batch_idx):
-            (x,) = batch
-            # loss_fn(x) is minus an unbiased estimate of log p of the whole data set from
-            # this shard; divided by its size, nats per observation. DDP averages the
-            # processes' gradients, so the step follows the mean over the global batch.
-            loss = self.loss_fn(x) / self.args.num_data
-            self.log("train_loss", loss)
-            if self.args.dump is not None:
-                self._dump = {"x": x.detach().clone(), "loss": loss.detach().clone()}
+            loss = super().training_step(batch, batch_idx)
+            if self.global_step == 0:
+                self._dump.update(x=batch[0].detach().clone(), loss=loss.detach().clone())
             return loss
 
         def on_before_optimizer_step(self, optimizer):
             # The gradients here are already averaged over the processes.
-            if self.args.dump is not None and self.global_step == 0:
+            if self.global_step == 0:
                 self._dump["params_before"] = _named(self.loss_fn.named_parameters())
                 self._dump["grads"] = {
-                    name: p.grad.detach().clone() for name, p in self.loss_fn.named_parameters()
+                    name: None if p.grad is None else p.grad.detach().clone()
+                    for name, p in self.loss_fn.named_parameters()
                 }
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step == 1:  # the first optimiser step has been taken
+                self._dump["params_after"] = _named(self.loss_fn.named_parameters())
 
         def on_train_end(self):
             if self.args.dump is not None:
-                self._dump["params_after"] = _named(self.loss_fn.named_parameters())
-                self._dump["world_size"] = self.trainer.world_size
+                self._dump.update(world_size=self.trainer.world_size, steps=self.global_step)
                 os.makedirs(self.args.dump, exist_ok=True)
                 path = os.path.join(self.args.dump, f"rank{self.global_rank}.pt")
                 torch.save(self._dump, path)
 
         def configure_optimizers(self):
-            params = self.loss_fn.parameters()
             if self.args.optimizer == "sgd":
-                return torch.optim.SGD(params, lr=self.args.learning_rate)
-            return torch.optim.Adam(params, lr=self.args.learning_rate)
+                return torch.optim.SGD(self.loss_fn.parameters(), lr=self.lr)
+            return super().configure_optimizers()
 
 
 def _named(named_parameters):
@@ -175,19 +180,18 @@ def build_parser():
     parser.add_argument("--latent-dim", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=256, help="per process")
     parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-epochs", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    # For tests/test_lightning_ddp.py.
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument(
         "--reseed-each-step",
         action="store_true",
-        help=(
-            "seed every process afresh at every step with seed + rank + world_size * step, "
-            "so that its masks can be drawn again outside the run (tests)"
-        ),
+        help="seed every process alike afresh at every step, so that a test can draw the "
+        "masks again outside the run",
     )
-    parser.add_argument("--max-epochs", type=int, default=5)
-    parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--dump", metavar="DIR", help="save each process's first step here")
     # pl.Trainer arguments.
     parser.add_argument("--accelerator", default="auto")
@@ -208,7 +212,18 @@ def main(argv=None):
     data = make_data(args)
     model, guide = make_model(args)
     loss_fn = MPTLoss()(model, guide)
-    plan = MPTLightningModule(loss_fn, torch.utils.data.TensorDataset(data), args)
+    recording = args.dump is not None or args.reseed_each_step or args.optimizer != "adam"
+    if recording:
+        plan = RecordingLightningModule(loss_fn, args)
+    else:
+        plan = PyroLightningModule(loss_fn, args.learning_rate)
+
+    dataset = torch.utils.data.TensorDataset(data)
+    dataloader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size)
+    # The guide's parameters are created on its first run: one mini-batch through the loss
+    # before configure_optimizers collects the parameters.
+    loss_fn(*dataset[: args.batch_size])
+
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     trainer = pl.Trainer(
         accelerator=args.accelerator,
@@ -216,13 +231,12 @@ def main(argv=None):
         devices=devices,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
-        use_distributed_sampler=False,  # train_dataloader builds its own
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(plan)
+    trainer.fit(plan, train_dataloaders=dataloader)
     if trainer.global_rank == 0:
         with torch.no_grad():
             loss = loss_fn(data) / args.num_data

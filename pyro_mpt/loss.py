@@ -15,7 +15,7 @@ from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.ops.masks import check_num_masks, sample_masks
+from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
 
 __all__ = ["GUIDE_LOSSES", "MPTLoss"]
 
@@ -178,6 +178,8 @@ class MPTLoss(ELBO):
             prepared.num_features,
             device=observed.value.device,
             entries=observed.entries,
+            # The global generator in one process; each data-parallel process a seed of its own.
+            generator=process_generator(observed.value.device),
         )
         if self.share_masks:
             masks = masks.reshape((self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:])
@@ -210,7 +212,7 @@ class MPTLoss(ELBO):
             )
         if mode is None:
             self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
-            return loss
+            return _with_zero_gradients(loss, guide)
         model_params, guide_params = self._split_params(model, guide, args, kwargs)
         if mode == "elbo":
             guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
@@ -309,6 +311,31 @@ def _gradients(loss, params, retain_graph=None):
     if not loss.requires_grad:
         return [None] * len(params)
     return list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain_graph))
+
+
+def _with_zero_gradients(loss, guide):
+    """``loss``, plus 0 with a zero gradient for each parameter of the guide module that it
+    does not reach, under :mod:`torch.distributed`: ``DistributedDataParallel`` stops at the
+    next step when a parameter of the module it wraps got no gradient, and conditionals that
+    integrate the latents out never use the guide. One process gets ``loss`` itself."""
+    if not (
+        loss.requires_grad
+        and isinstance(guide, torch.nn.Module)
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
+        return loss
+    leaves, stack, seen = set(), [loss.grad_fn], set()
+    while stack:  # the leaves of the autograd graph (a walk: nothing is computed)
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaves.add(id(getattr(node, "variable", None)))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    unreached = [p for p in guide.parameters() if p.requires_grad and id(p) not in leaves]
+    # An empty slice sums to exactly 0 whatever the values, and its gradient is zeros.
+    return sum((p.reshape(-1)[:0].sum() for p in unreached), loss)
 
 
 def _reaches(loss, params):

@@ -9,11 +9,13 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed
 
 from pyro_mpt.errors import check_positive_int
 
 __all__ = [
     "check_num_masks",
+    "process_generator",
     "sample_masks",
     "masks_of_sizes",
     "plain_masks_of_sizes",
@@ -43,7 +45,7 @@ def sort_rows(keys, use_numpy=None):
     return keys.sort(dim=-1).values
 
 
-def masks_of_sizes(sizes, num_features, entries=None):
+def masks_of_sizes(sizes, num_features, entries=None, generator=None):
     """Uniformly random masks with the given sizes.
 
     :param torch.Tensor sizes: integer mask sizes, any shape ``S``.
@@ -51,12 +53,15 @@ def masks_of_sizes(sizes, num_features, entries=None):
     :param torch.Tensor entries: optional booleans broadcastable to ``S + (D,)``: masks are
         drawn among the ``True`` entries only (the observed entries of an observation with
         missing ones).
+    :param torch.Generator generator: where the random keys come from, on the device of
+        ``sizes``; ``None`` for torch's global generator.
     :returns: a boolean tensor of shape ``S + (D,)``, ``True`` at masked features; each row
         is uniform among the masks of its size.
     """
     if entries is not None:
         # float64 keys, and +inf at entries that cannot be masked.
-        keys = torch.rand(sizes.shape + (num_features,), dtype=torch.float64, device=sizes.device)
+        shape = sizes.shape + (num_features,)
+        keys = torch.rand(shape, dtype=torch.float64, device=sizes.device, generator=generator)
         keys = keys.masked_fill(~entries.expand(keys.shape), math.inf)
         threshold = keys.sort(-1).values.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
         return (keys <= threshold) & (sizes > 0).unsqueeze(-1) & entries
@@ -64,12 +69,13 @@ def masks_of_sizes(sizes, num_features, entries=None):
     # finds each row's M-th smallest key. 16-bit keys are the cheapest to draw, sort and
     # compare; they tie often in long rows, which take float32 keys instead.
     dtype = torch.int16 if num_features <= _MAX_FEATURES_FOR_SHORT_KEYS else torch.float32
-    masks, tied = _masks_below_threshold(sizes, num_features, dtype)
+    masks, tied = _masks_below_threshold(sizes, num_features, dtype, generator)
     # A tie between the M-th and the next key would mask one feature too many: those rows
     # (about 1 row in 100 of 784 features with 16-bit keys, 1 in 40000 with float32 keys) are
     # drawn again with float64 keys.
     if bool(tied.any()):
-        masks[tied] = _masks_below_threshold(sizes[tied], num_features, torch.float64)[0]
+        redrawn = _masks_below_threshold(sizes[tied], num_features, torch.float64, generator)
+        masks[tied] = redrawn[0]
     return masks
 
 
@@ -88,21 +94,21 @@ def plain_masks_of_sizes(sizes, num_features):
 _MAX_FEATURES_FOR_SHORT_KEYS = 4096
 
 
-def _random_keys(shape, dtype, device):
+def _random_keys(shape, dtype, device, generator=None):
     """Independent uniform keys: ``torch.rand`` for floating dtypes; for ``int16``, the four
     16-bit pieces of uniform 64-bit integers, four times fewer draws than ``torch.rand``."""
     if dtype.is_floating_point:
-        return torch.rand(shape, dtype=dtype, device=device)
+        return torch.rand(shape, dtype=dtype, device=device, generator=generator)
     size = math.prod(shape)
     bits = torch.empty(-(-size // 4), dtype=torch.int64, device=device)
-    bits.random_(-(2**63), None)  # every one of the 64 bits uniform
+    bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
     return bits.view(torch.int16)[:size].reshape(shape)
 
 
-def _masks_below_threshold(sizes, num_features, dtype):
+def _masks_below_threshold(sizes, num_features, dtype, generator=None):
     """Masks of the given sizes from random keys, and which rows' M-th and (M+1)-th keys
     tie."""
-    keys = _random_keys(sizes.shape + (num_features,), dtype, sizes.device)
+    keys = _random_keys(sizes.shape + (num_features,), dtype, sizes.device, generator)
     sorted_keys = sort_rows(keys)
     index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
     threshold = sorted_keys.gather(-1, index)
@@ -115,10 +121,13 @@ def _masks_below_threshold(sizes, num_features, dtype):
     return masks, tied & ~empty
 
 
-def sample_masks(schedule, num_masks, batch_shape, num_features, device=None, entries=None):
+def sample_masks(
+    schedule, num_masks, batch_shape, num_features, device=None, entries=None, generator=None
+):
     """Draws ``num_masks`` stratified masks per observation.
 
-    :param RateSchedule schedule: the mask-size schedule.
+    :param RateSchedule schedule: the mask-size schedule; sizes come from its
+        ``sizes_from_quantiles``.
     :param int num_masks: masks per observation.
     :param torch.Size batch_shape: observation batch shape (``()`` to share masks across
         the batch, as in the paper's own experiments).
@@ -126,19 +135,48 @@ def sample_masks(schedule, num_masks, batch_shape, num_features, device=None, en
     :param torch.Tensor entries: optional booleans ``batch_shape + (D,)``, ``True`` at the
         observed entries of observations with missing ones: each observation's mask size is
         drawn for its own count of observed entries, and its mask among them.
+    :param torch.Generator generator: where the masks come from, on ``device``; ``None`` for
+        torch's global generator (see :func:`process_generator`).
     :returns: ``(masks, sizes)``: a boolean tensor of shape
         ``(num_masks,) + batch_shape + (D,)`` and the long tensor of mask sizes.
     """
     batch_shape = torch.Size(batch_shape)
-    if entries is None:
-        sizes = schedule.sample_sizes(num_masks, batch_shape, num_features, device)
-        return masks_of_sizes(sizes, num_features), sizes
-    counts = entries.sum(-1)
-    shift = torch.rand(batch_shape, dtype=torch.float64, device=device)
+    # One uniform shift per observation, spread over num_masks strata of [0, 1).
+    shift = torch.rand(batch_shape, dtype=torch.float64, device=device, generator=generator)
     strata = torch.arange(num_masks, dtype=torch.float64, device=device)
     quantiles = (strata.reshape((num_masks,) + (1,) * len(batch_shape)) + shift) / num_masks
+    counts = num_features if entries is None else entries.sum(-1)
     sizes = schedule.sizes_from_quantiles(quantiles, counts)
-    return masks_of_sizes(sizes, num_features, entries), sizes
+    return masks_of_sizes(sizes, num_features, entries, generator), sizes
+
+
+def process_generator(device=None):
+    """The generator that this process's masks should come from: ``None`` (torch's global
+    generator) in a single process, and under :mod:`torch.distributed` with several
+    processes a fresh one per call, seeded with a draw from torch's global CPU generator
+    plus the process's rank.
+
+    Data-parallel processes are usually seeded alike (Pyro's and Lightning's recipes), so
+    masks drawn from the global generator would be the same on every process, and the
+    processes' estimates correlated. Seeded this way, each process draws masks of its own,
+    independent of the others', and one seed still reproduces every process's masks, as
+    reseeding the global generator does, at the cost of one draw from the CPU generator
+    (no device synchronisation).
+
+    :param device: the device of the masks, and of the generator (the CPU when ``None``).
+    :returns: a :class:`torch.Generator` or ``None``.
+    """
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    if distributed.get_world_size() < 2:
+        return None
+    # A 62-bit base, the same on processes whose global generators are in the same state.
+    # (A CPU generator keeps the low 32 bits of a seed: processes still differ at every step,
+    # and two steps' seeds coincide about once in 4e9 pairs of steps.)
+    base = int(torch.randint(2**62, (), dtype=torch.int64, device="cpu"))
+    generator = torch.Generator(device=device if device is not None else "cpu")
+    return generator.manual_seed(base + distributed.get_rank())
 
 
 def select_masked(masks, masked, unmasked):
