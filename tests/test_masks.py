@@ -136,8 +136,8 @@ def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
 
     random_keys = masks_module._random_keys
 
-    def coarse_keys(shape, dtype, device):
-        keys = random_keys(shape, dtype, device)
+    def coarse_keys(shape, dtype, device, generator=None):
+        keys = random_keys(shape, dtype, device, generator)
         # 16-bit keys on a grid of 8 values: ties in every row; float64 keys untouched.
         return keys // 8192 * 8192 if dtype == torch.int16 else keys
 
