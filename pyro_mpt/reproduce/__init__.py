@@ -69,6 +69,11 @@ EXPERIMENTS = {
         "pyro_mpt.reproduce.gibbs_mixing",
         "Block Gibbs on PPCA and a bimodal model: ESS vs k, joint vs product, and size-k MPT",
     ),
+    "coherence": (
+        "pyro_mpt.reproduce.coherence",
+        "Chain-rule sums over orderings: exact PPCA, a deep VAE's importance and encode-decode, "
+        "AntiBERTy",
+    ),
 }
 
 
