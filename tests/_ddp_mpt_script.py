@@ -1,10 +1,12 @@
 """Two-process ``MPTTrainer`` run, launched by ``tests/test_transformers_trainer.py`` with
 ``torchrun --nproc_per_node=2`` (CPU, gloo).
 
-Phase ``exact``: one SGD step with gradient accumulation over a fixed, pre-masked data set;
-rank 0 saves the initial and the updated weights so that the test can compare the update
-with one process on the whole batch. Phase ``smoke``: a few steps with ``MPTDataCollator``
-on a toy corpus; rank 0 saves the logged losses.
+Phase ``exact``: one SGD step with gradient accumulation over a fixed, pre-masked data set,
+per token and per sequence; rank 0 saves the initial and the updated weights so that the test
+can compare each update with one process on the whole batch. Phase ``recipe``: the recipe of
+``docs/scaling.rst`` (:func:`train_recipe`, shown there as it is here), a few steps with
+``MPTDataCollator`` on a toy corpus; rank 0 saves the logged losses. Phase ``masks``: each
+rank saves the masks that a seeded collator and a default one draw on the same examples.
 
 The launcher puts the repository root on ``PYTHONPATH`` (this script imports ``tests``).
 """
@@ -100,39 +102,87 @@ def sgd_step_trainer(model, rows, out_dir, gradient_accumulation_steps, **kwargs
 def exact_phase(out_dir, vocab_dir):
     data = torch.load(os.path.join(out_dir, "batch.pt"))
     rows = [{k: v[i] for k, v in data.items()} for i in range(data["input_ids"].shape[0])]
-    model = tiny_bert(VOCAB_SIZE)
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        torch.save(model.state_dict(), os.path.join(out_dir, "initial.pt"))
-    sgd_step_trainer(model, rows, out_dir, gradient_accumulation_steps=2).train()
-    if rank == 0:
-        torch.save(model.state_dict(), os.path.join(out_dir, "updated.pt"))
+    for normalize in ("tokens", "sequences"):
+        model = tiny_bert(VOCAB_SIZE)  # the same weights each time
+        if rank == 0 and normalize == "tokens":
+            torch.save(model.state_dict(), os.path.join(out_dir, "initial.pt"))
+        trainer = sgd_step_trainer(
+            model, rows, out_dir, gradient_accumulation_steps=2, normalize=normalize
+        )
+        trainer.train()
+        if rank == 0:
+            torch.save(model.state_dict(), os.path.join(out_dir, f"updated_{normalize}.pt"))
 
 
-def smoke_phase(out_dir, vocab_dir):
+def train_recipe(output_dir, vocab_dir):
+    """Pre-trains a masked language model by MPT on every process of ``torchrun``."""
     tokenizer = transformers.BertTokenizerFast.from_pretrained(vocab_dir)
-    rows = [tokenizer(text) for text in toy_texts(32)]
-    model = tiny_bert(len(tokenizer))
-    args = arguments(out_dir, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3)
-    trainer = MPTTrainer(
-        model=model,
-        args=args,
-        train_dataset=ListDataset(rows),
-        data_collator=MPTDataCollator(tokenizer, rate="uniform"),
+    train_dataset = [tokenizer(text) for text in toy_texts(32)]
+    args = transformers.TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,  # per process
+        max_steps=3,
+        learning_rate=1e-3,
+        seed=0,  # the same on every process
+        use_cpu=True,  # two CPU processes with gloo; on GPUs leave out both lines
+        ddp_backend="gloo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
     )
-    trainer.train()
-    if int(os.environ.get("RANK", "0")) == 0:
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        info = dict(losses=losses, world_size=trainer.args.world_size)
-        with open(os.path.join(out_dir, "smoke.json"), "w", encoding="utf-8") as handle:
+    # A seed of the collator's own, mixed with each process's rank: the processes draw
+    # different masks, and args.seed reproduces all of them.
+    collator = MPTDataCollator(tokenizer, rate="uniform", seed=args.seed)
+    trainer = MPTTrainer(
+        model=tiny_bert(len(tokenizer)),  # any *ForMaskedLM
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=collator,
+    )
+    trainer.train()  # loss in nats per maskable token (normalize="tokens")
+    return trainer
+
+
+def recipe_phase(out_dir, vocab_dir):
+    trainer = train_recipe(out_dir, vocab_dir)
+    if trainer.args.process_index == 0:
+        history = trainer.state.log_history
+        info = dict(
+            losses=[entry["loss"] for entry in history if "loss" in entry],
+            grad_norms=[entry["grad_norm"] for entry in history if "grad_norm" in entry],
+            world_size=trainer.args.world_size,
+        )
+        with open(os.path.join(out_dir, "recipe.json"), "w", encoding="utf-8") as handle:
             json.dump(info, handle)
+
+
+def mask_texts():
+    """Eight texts of ten tokens, on which every rank draws masks."""
+    return [" ".join(LETTERS[i : i + 10]) for i in range(8)]
+
+
+def masks_phase(out_dir, vocab_dir):
+    """Each rank's masks on the same examples: from ``MPTDataCollator(seed=0)``, and from a
+    default collator after ``torch.manual_seed(0)``, inside the initialised process group."""
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(vocab_dir)
+    examples = [tokenizer(text) for text in mask_texts()]
+    seeded = MPTDataCollator(tokenizer, seed=0)(examples)["labels"]
+    torch.manual_seed(0)
+    default = MPTDataCollator(tokenizer)(examples)["labels"]
+    rank = torch.distributed.get_rank()
+    torch.save(
+        dict(seeded=seeded, default=default, rank=rank),
+        os.path.join(out_dir, f"masks_rank{rank}.pt"),
+    )
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out, vocab = sys.argv[1], sys.argv[2]
     exact_phase(out, vocab)
-    smoke_phase(out, vocab)
+    recipe_phase(out, vocab)
+    masks_phase(out, vocab)
     if torch.distributed.is_initialized():
         # Leave together: a rank that exits while its peer still holds open gloo pairs can
         # make the peer abort.

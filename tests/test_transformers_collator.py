@@ -1,9 +1,13 @@
 """``MPTDataCollator``: mask sizes per rate schedule, uniform masks, BERT's 80/10/10
-corruption, whole words and spans, the weights D_i / M_i, and its errors. Over 300 lines
-because each of those options is checked against its exact distribution."""
+corruption, whole words and spans, the weights D_i / M_i, its random streams across
+data-parallel processes, and its errors. Over 300 lines because each of those options is
+checked against its exact distribution."""
 
 import math
 import os
+import pathlib
+import re
+import types
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from pyro_mpt.ops.mask_rates import as_rate_schedule  # noqa: E402
+from pyro_mpt.diagnostics.curve import rate_sizes  # noqa: E402
+from pyro_mpt.ops.mask_rates import FixedRate, as_rate_schedule  # noqa: E402
 from pyro_mpt.transformers import MPTDataCollator  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrst"
@@ -276,6 +281,11 @@ def test_tokenizer_without_a_mask_token_is_rejected(tokenizer, tmp_path):
         ({"span_geometric_p": 0.0}, ValueError, "span_geometric_p must be positive"),
         ({"max_span_length": 0}, ValueError, "max_span_length must be at least 1, got 0"),
         ({"pad_to_multiple_of": 2.5}, TypeError, "pad_to_multiple_of must be a positive integer"),
+        ({"seed": -1}, ValueError, "seed must be a non-negative integer, got -1"),
+        ({"seed": 0.5}, TypeError, "seed must be a non-negative integer or None, got 0.5"),
+        ({"mlm_probability": 0.0}, ValueError, r"mlm_probability must lie in \(0, 1\], got 0.0"),
+        ({"mlm_probability": "uniform"}, TypeError, "pass rate= instead"),
+        ({"mlm_probability": 0.15, "rate": "uniform"}, ValueError, "give the masking rate once"),
     ],
 )
 def test_bad_arguments_raise(tokenizer, kwargs, error, match):
@@ -316,3 +326,154 @@ def test_per_example_scalars_are_stacked(tokenizer):
     batch = MPTDataCollator(tokenizer)(examples)
     assert batch["label"].tolist() == [1, 0]
     assert batch["input_ids"].shape == batch["labels"].shape == (2, 4)
+
+
+def test_a_fixed_rate_rounds_halves_up(tokenizer):
+    # r D = 0.15 * 30 = 4.5: M = floor(4.5 + 1/2) = 5 tokens, where Python's round, which
+    # rounds halves to even, would give 4.
+    assert 0.15 * 30 == 4.5 and round(0.15 * 30) == 4
+    example = tokenizer(" ".join((LETTERS * 2)[:30]))
+    batch = MPTDataCollator(tokenizer, rate=0.15)([example])
+    assert int((batch["labels"] != -100).sum()) == 5
+    assert batch["mpt_weights"].item() == pytest.approx(30 / 5)
+    zero = torch.zeros(1, dtype=torch.float64)
+    assert FixedRate(0.15).sizes_from_quantiles(zero, 30).tolist() == [5]
+    assert FixedRate(0.15).sizes_from_quantiles(zero, torch.tensor([30])).tolist() == [5]
+    assert rate_sizes([0.15], 30).tolist() == [5]  # the sizes of the MPT curves
+
+
+def test_the_docs_state_the_rounding_of_the_code():
+    # "round(0.15 D)" reads as Python's round, which gives 4 at D = 30; the code gives 5.
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [root / "README.md", *sorted((root / "tutorials").glob("*.ipynb"))]
+    files += sorted(p for p in (root / "docs").rglob("*.rst") if "_build" not in p.parts)
+    files += sorted((root / "pyro_mpt").rglob("*.py"))
+    pattern = re.compile(r"round\}?\((?:0\.\d+|r|rate) ?[A-Z]\)")
+    stale = [
+        f"{p.relative_to(root)}: {m.group()}"
+        for p in files
+        for m in pattern.finditer(p.read_text(encoding="utf-8"))
+    ]
+    assert not stale
+
+
+def test_mlm_probability_is_a_fixed_rate(tokenizer):
+    # DataCollatorForLanguageModeling's argument names: the same masks as rate=0.15.
+    examples = _batch(tokenizer)
+    counts = _maskable(_original(examples, tokenizer), tokenizer).sum(-1)
+    hf_style = MPTDataCollator(tokenizer, mlm_probability=0.15, seed=0)
+    assert repr(hf_style.schedule) == "FixedRate(0.15)"
+    batch = hf_style(examples)
+    assert _same_batch(batch, MPTDataCollator(tokenizer, rate=0.15, seed=0)(examples))
+    expected = torch.tensor([max(1, math.floor(0.15 * d + 0.5)) for d in counts.tolist()])
+    assert torch.equal((batch["labels"] != -100).sum(-1), expected)
+    # Positional arguments keep their places: the second is the rate.
+    assert repr(MPTDataCollator(tokenizer, 0.4).schedule) == "FixedRate(0.4)"
+    assert repr(MPTDataCollator(tokenizer).schedule) == "UniformRate()"
+
+
+# Random streams across data-parallel processes ----------------------------------------------
+
+
+def _as_rank(monkeypatch, rank, world=2):
+    """Process ``rank`` of ``world`` as ``torchrun`` starts it, before any process group: the
+    collator reads the launcher's environment variables."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+
+def _draw(collator, examples, global_seed):
+    """A batch, after seeding torch's global generator (``Trainer`` seeds every process
+    alike)."""
+    torch.manual_seed(global_seed)
+    return collator(examples)
+
+
+def _same_batch(a, b):
+    return sorted(a) == sorted(b) and all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rate": "uniform"},
+        {"rate": 0.5, "mask_replace_prob": 0.5, "random_replace_prob": 0.4},
+        {"rate": (0.2, 0.6), "whole_word_mask": True, "span_masking": True},
+    ],
+)
+def test_a_seed_gives_each_rank_its_own_reproducible_masks(tokenizer, monkeypatch, kwargs):
+    examples = _batch(tokenizer, num=32)
+    first_batches = []
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank)
+        collator = MPTDataCollator(tokenizer, seed=5, **kwargs)
+        batches = [_draw(collator, examples, 0), _draw(collator, examples, 0)]
+        assert not torch.equal(batches[0]["labels"], batches[1]["labels"])  # the stream goes on
+        # The same seed and rank repeat the batches whatever torch's global generator holds:
+        # every draw (sizes, positions, spans, corruption) comes from the collator's stream.
+        again = MPTDataCollator(tokenizer, seed=5, **kwargs)
+        repeated = [_draw(again, examples, 123), _draw(again, examples, 7)]
+        assert all(_same_batch(a, b) for a, b in zip(batches, repeated))
+        first_batches.append(batches[0])
+    assert not torch.equal(first_batches[0]["labels"], first_batches[1]["labels"])
+
+
+def test_without_a_seed_ranks_seeded_alike_draw_different_masks(tokenizer, monkeypatch):
+    examples = _batch(tokenizer, num=32)
+    collator = MPTDataCollator(tokenizer)
+    by_rank = []
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank)
+        batch = _draw(collator, examples, 0)
+        assert _same_batch(batch, _draw(collator, examples, 0))  # reseeding torch repeats it
+        by_rank.append(batch)
+    assert not torch.equal(by_rank[0]["labels"], by_rank[1]["labels"])
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_masks_of_two_ranks_overlap_as_independent_draws(tokenizer, monkeypatch, seed):
+    # D = 20 tokens at rate 0.5: each rank masks M = 10. Two independent uniform masks share a
+    # hypergeometric number of positions, mean M^2 / D = 5; identical masks share all 10.
+    examples = [tokenizer(" ".join(LETTERS))] * 400
+    masks = []
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank)
+        batch = _draw(MPTDataCollator(tokenizer, rate=0.5, seed=seed), examples, 0)
+        masks.append(batch["labels"] != -100)
+    overlap = (masks[0] & masks[1]).sum(-1).double()
+    d, m = 20, 10
+    mean = m * m / d
+    var = m * (m / d) * (1 - m / d) * (d - m) / (d - 1)
+    assert abs(overlap.mean().item() - mean) < 4 * math.sqrt(var / len(examples))
+
+
+def test_a_seed_gives_the_same_masks_in_float32_and_float64_programs(tokenizer):
+    examples = _batch(tokenizer, num=16)
+    kwargs = dict(rate=(0.2, 0.6), span_masking=True, random_replace_prob=0.2, seed=4)
+    in_float64 = MPTDataCollator(tokenizer, **kwargs)(examples)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        in_float32 = MPTDataCollator(tokenizer, **kwargs)(examples)
+    finally:
+        torch.set_default_dtype(previous)
+    assert _same_batch(in_float64, in_float32)
+
+
+def test_dataloader_workers_mix_their_seed_into_the_stream(tokenizer, monkeypatch):
+    examples = _batch(tokenizer, num=16)
+
+    def in_worker(worker_seed):
+        info = types.SimpleNamespace(id=0, num_workers=2, seed=worker_seed)
+        monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+        return MPTDataCollator(tokenizer, seed=1)(examples)
+
+    first, other, again = in_worker(10), in_worker(11), in_worker(10)
+    assert _same_batch(first, again)
+    assert not torch.equal(first["labels"], other["labels"])
+
+
+def test_a_launcher_variable_that_is_not_an_integer_raises(tokenizer, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="the environment variable WORLD_SIZE='two' is not an"):
+        MPTDataCollator(tokenizer)(_batch(tokenizer, num=2))

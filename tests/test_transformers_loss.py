@@ -47,10 +47,12 @@ def test_estimates_and_loss_equal_a_hand_computation():
     expected = _by_hand(logits, labels, weights)
     got = mpt_sequence_estimates(logits, labels, weights)
     assert got.tolist() == pytest.approx(expected, abs=1e-12)
-    assert mpt_mlm_loss(logits, labels, weights).item() == pytest.approx(-sum(expected) / 3)
-    # Per token: divided by sum_i w_i K_i = 4 + 3 + 5 maskable tokens.
+    per_sequence = mpt_mlm_loss(logits, labels, weights, normalize="sequences").item()
+    assert per_sequence == pytest.approx(-sum(expected) / 3)
+    # Per token (the default): divided by sum_i w_i K_i = 4 + 3 + 5 maskable tokens.
     per_token = mpt_mlm_loss(logits, labels, weights, normalize="tokens").item()
     assert per_token == pytest.approx(-sum(expected) / 12)
+    assert mpt_mlm_loss(logits, labels, weights).item() == per_token
     assert mpt_mlm_loss(logits, labels, weights, num_items=6.0).item() == pytest.approx(
         -sum(expected) / 6
     )
@@ -70,7 +72,7 @@ def test_gradient_matches_the_hand_derivative():
     # d loss / d logits = -(w_i / N) (onehot - softmax) at scored positions, 0 elsewhere.
     logits, labels, weights = _example()
     logits.requires_grad_(True)
-    mpt_mlm_loss(logits, labels, weights).backward()
+    mpt_mlm_loss(logits, labels, weights, normalize="sequences").backward()
     expected = torch.zeros_like(logits)
     probs = torch.softmax(logits.detach(), -1)
     for i, j in (labels != -100).nonzero().tolist():
@@ -90,6 +92,24 @@ def test_half_precision_logits_are_scored_in_float32():
             mpt_mlm_loss(low.float(), labels, weights).item(), rel=1e-6
         )
         assert got.item() == pytest.approx(reference.item(), rel=2e-2)
+
+
+def test_the_default_loss_is_the_masked_lm_cross_entropy_when_weights_are_equal():
+    # Equal weights D_i / M_i: per token, the MPT loss is the mean cross-entropy over the
+    # scored tokens, the loss BertForMaskedLM returns (torch's cross_entropy, ignore -100).
+    logits, labels, _ = _example()
+    weights = torch.full((3,), 2.5)
+    bert = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1))
+    assert mpt_mlm_loss(logits, labels, weights).item() == pytest.approx(bert.item(), rel=1e-12)
+    # Uniform predictions over V tokens: log V per token whatever the lengths and weights,
+    # D_i log V per sequence.
+    labels = torch.tensor([[-100, 3, -100, 1], [2, -100, -100, -100]])
+    weights = torch.tensor([4 / 2, 4 / 1])
+    assert mpt_mlm_loss(torch.zeros(2, 4, 11), labels, weights).item() == pytest.approx(
+        math.log(11)
+    )
+    per_sequence = mpt_mlm_loss(torch.zeros(2, 4, 11), labels, weights, normalize="sequences")
+    assert per_sequence.item() == pytest.approx(4 * math.log(11))
 
 
 def test_uniform_predictions_give_d_log_v():

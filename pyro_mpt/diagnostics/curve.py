@@ -109,7 +109,8 @@ def check_rates(rates, name="rates"):
 
 
 def rate_sizes(rates, num_features):
-    """The mask sizes ``max(1, round(r D))`` of each rate for ``D = num_features``, as
-    :class:`~pyro_mpt.ops.mask_rates.FixedRate` draws them, long ``(R,)``."""
+    """The mask sizes ``max(1, floor(r D + 1/2))`` (halves up) of each rate for
+    ``D = num_features``, as :class:`~pyro_mpt.ops.mask_rates.FixedRate` draws them, long
+    ``(R,)``."""
     zero = torch.zeros(1, dtype=torch.float64)
     return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])

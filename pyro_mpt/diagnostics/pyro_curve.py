@@ -60,7 +60,7 @@ def mpt_curve(
     :param args: the model's arguments.
     :param callable guide: the guide, for strategies that need one.
     :param sizes: mask sizes to evaluate (default: every size ``1 ... D``).
-    :param rates: masking rates in ``(0, 1]`` instead of sizes (``M = max(1, round(r D))``).
+    :param rates: masking rates in ``(0, 1]`` instead of sizes (``M = max(1, floor(r D + 1/2))``).
     :param int num_masks: random masks per observation and size.
     :param conditionals: the conditional strategy, as in :class:`~pyro_mpt.MPTLoss`.
     :param bool share_masks: use each mask for every observation (the paper's convention).

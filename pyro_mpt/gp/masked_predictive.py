@@ -79,7 +79,7 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
         another of GPyTorch's Gaussian likelihoods).
     :param model: the exact GP (``gpytorch.models.ExactGP``).
     :param rate: the mask-size schedule: ``"uniform"`` (unbiased), a float in ``(0, 1]`` (fixed
-        rate; ``|R| = N - round(rate N)``) or a pair ``(lo, hi)``; see
+        rate; ``|R| = N - max(1, floor(rate N + 1/2))``) or a pair ``(lo, hi)``; see
         :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`.
     :param int num_masks: masks averaged per call, with stratified sizes; each mask is shared
         by every GP of a batch.

@@ -13,7 +13,7 @@ Data: the 32 variable domains (16 heavy, 16 light chains, 106-127 residues) of a
 therapeutic antibodies in :data:`pyro_mpt.transformers.antiberty.ANTIBODY_SEQUENCES`.
 
 Curve: :func:`pyro_mpt.transformers.mlm_mpt_curve`; at rate ``r`` each sequence of ``D``
-residues has ``max(1, round(r D))`` of them replaced by ``[MASK]`` (``[CLS]`` and ``[SEP]``
+residues has ``max(1, floor(r D + 1/2))`` of them replaced by ``[MASK]`` (``[CLS]`` and ``[SEP]``
 are never masked), ``P`` random masks per sequence and rate; the score is the mean
 log-probability of a masked residue and the area ``D · mean_r S`` estimates ``log p(x)``
 per sequence (nats). The default evaluates the 25 midpoints ``2%, 6%, ..., 98%`` (the

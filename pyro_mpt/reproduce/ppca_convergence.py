@@ -7,7 +7,7 @@ Three panels, each a PPCA with ``K = 2`` latents scored with its generating para
 
 * ``D = 5`` and ``D = 50``, uniform rate: the cumulative estimate ``Σ_{M=1..D} S(x; M)``
   with ``P`` masks per size is unbiased, and its error shrinks like ``1/√P``;
-* ``D = 512`` at a fixed 15% rate (``M = round(0.15 D) = 77``; the paper's script used 76):
+* ``D = 512`` at a fixed 15% rate (``M = floor(0.15 D + 1/2) = 77``; the paper's script used 76):
   the estimate ``D · S(x; M)`` converges to ``D · S(x; M) ≠ log p(x)``, a *bias*. The bias
   is measured with many more masks and drawn as a dashed line; it is nonzero.
 

@@ -3,18 +3,23 @@ schedule, with the per-sequence weights that turn the masked log-likelihood into
 estimate of ``log p(x)``."""
 
 import numbers
+import os
+import sys
 
 import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.transformers import mask_units
+from pyro_mpt.transformers._collator_context import RankStream, calling_trainer, trainer_ignores
 from pyro_mpt.transformers._padding import pad_examples
 
 __all__ = ["MPTDataCollator"]
 
 #: Markers that open a word in byte-level BPE (RoBERTa, GPT-2) and SentencePiece vocabularies.
 _WORD_START_MARKERS = ("Ġ", "▁")
+#: The batch feature that carries the weights D_i / M_i.
+_WEIGHTS = "mpt_weights"
 
 
 def _check_probability(value, name):
@@ -23,6 +28,40 @@ def _check_probability(value, name):
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must lie in [0, 1], got {value!r}.")
     return float(value)
+
+
+def _rate_schedule(rate, mlm_probability):
+    """The schedule of ``rate``, or of ``mlm_probability``, the name of a fixed rate in
+    ``DataCollatorForLanguageModeling``; ``"uniform"`` when neither is given."""
+    if mlm_probability is None:
+        return as_rate_schedule("uniform" if rate is None else rate)
+    if rate is not None:
+        raise ValueError(
+            f"give the masking rate once: rate={rate!r} and mlm_probability={mlm_probability!r} "
+            "were both given. mlm_probability is DataCollatorForLanguageModeling's name for a "
+            f"fixed rate, the same as rate={mlm_probability!r}; drop one of them."
+        )
+    if isinstance(mlm_probability, bool) or not isinstance(mlm_probability, numbers.Real):
+        raise TypeError(
+            f"mlm_probability must be a float in (0, 1], a fixed masking rate as in "
+            f"DataCollatorForLanguageModeling, got {mlm_probability!r}; for the uniform "
+            "schedule or a random ratio (lo, hi) pass rate= instead."
+        )
+    if not 0.0 < mlm_probability <= 1.0:
+        raise ValueError(
+            f"mlm_probability must lie in (0, 1], got {mlm_probability!r}; BERT uses 0.15."
+        )
+    return as_rate_schedule(float(mlm_probability))
+
+
+def _check_seed(seed):
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be a non-negative integer or None, got {seed!r}.")
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}; e.g. seed=0.")
+    return int(seed)
 
 
 class MPTDataCollator:
@@ -61,8 +100,11 @@ class MPTDataCollator:
 
     :param tokenizer: a ``transformers`` tokenizer with a mask token (and a pad token when
         sequences differ in length).
-    :param rate: ``"uniform"``, a fixed rate such as ``0.15``, or a pair ``(lo, hi)`` (a
-        random rate per sequence, R2MAE); see :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`.
+    :param rate: ``"uniform"`` (the default), a fixed rate ``r`` such as ``0.15``, or a pair
+        ``(lo, hi)`` (a random rate per sequence, R2MAE); see
+        :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`. A fixed rate masks exactly
+        ``M = max(1, floor(r D + 1/2))`` units: halves round up, so ``D = 30`` at ``0.15``
+        masks 5 (Python's ``round`` would give 4).
     :param float mask_replace_prob: chance that a masked unit becomes the mask token.
     :param float random_replace_prob: chance that it becomes random non-special tokens.
     :param bool whole_word_mask: mask whole words. Word boundaries come from a ``word_ids``
@@ -72,6 +114,13 @@ class MPTDataCollator:
     :param float span_geometric_p: the parameter ``p`` of the geometric span lengths.
     :param int max_span_length: span lengths are clipped at this many units.
     :param int pad_to_multiple_of: pad each batch to a multiple of this length.
+    :param int seed: seeds the collator's own random stream, mixed with the process's rank
+        (see below); ``None`` (the default) draws from torch's global generator.
+    :param float mlm_probability: ``DataCollatorForLanguageModeling``'s name for a fixed rate,
+        accepted for scripts written for it: ``mlm_probability=0.15`` is ``rate=0.15``. Where
+        that collator masks each token with probability ``0.15`` (a binomial number of
+        tokens), this one masks exactly ``M`` of them. Give ``rate`` or ``mlm_probability``,
+        not both.
 
     Example::
 
@@ -81,14 +130,39 @@ class MPTDataCollator:
         >>> sorted(batch)  # doctest: +SKIP
         ['attention_mask', 'input_ids', 'labels', 'mpt_weights', 'token_type_ids']
 
-    Random numbers come from torch's global generator (seed it with ``torch.manual_seed``);
-    each ``DataLoader`` worker gets its own stream.
+    **Random streams and data parallelism.** Under ``torchrun`` or ``accelerate launch`` every
+    process is usually seeded alike (``Trainer`` seeds each with ``TrainingArguments.seed``),
+    so a collator that drew from torch's global generator would draw the same masks on every
+    process. This one mixes the process's rank into its stream (``torch.distributed.get_rank()``
+    once a process group is initialised, else the ``RANK`` environment variable the
+    launchers set):
+
+    * ``seed=s``: the collator's own generator, seeded from ``(s, rank)``; each rank draws its
+      own masks, independent of the other ranks' and of torch's global generator, and ``s``
+      reproduces every rank's. In a ``DataLoader`` worker the worker's seed (which the loader
+      draws from torch's global generator for each epoch) is mixed in too, so that workers
+      and epochs do not repeat one another.
+    * no seed, one process: torch's global generator, as ``torch.manual_seed`` leaves it.
+    * no seed, several processes (an initialised process group, or ``WORLD_SIZE > 1``): every
+      batch comes from a fresh generator seeded from one draw of torch's global generator and
+      the rank, so processes seeded alike still draw different masks, and reseeding torch
+      reproduces them.
+
+    The weights ``mpt_weights`` mean nothing to a model: a plain ``transformers.Trainer``
+    passes them to the model's ``forward``, whose ``**kwargs`` swallow them, and trains plain
+    cross-entropy. The collator therefore raises ``TypeError`` when the ``Trainer`` whose
+    ``data_collator`` it is asks for a batch while keeping ``Trainer.compute_loss``, with a
+    model whose ``forward`` has no ``mpt_weights`` parameter: use
+    :class:`~pyro_mpt.transformers.MPTTrainer`. It finds that ``Trainer`` on the call stack,
+    in its process or in a ``DataLoader`` worker forked from it, and when the collator is
+    pickled for a worker started otherwise. Calls from elsewhere (a training loop of your
+    own, a callback) are not checked.
     """
 
     def __init__(
         self,
         tokenizer,
-        rate="uniform",
+        rate=None,
         mask_replace_prob=0.8,
         random_replace_prob=0.1,
         whole_word_mask=False,
@@ -96,6 +170,9 @@ class MPTDataCollator:
         span_geometric_p=0.2,
         max_span_length=10,
         pad_to_multiple_of=None,
+        *,
+        seed=None,
+        mlm_probability=None,
     ):
         if getattr(tokenizer, "mask_token_id", None) is None:
             raise ValueError(
@@ -103,7 +180,10 @@ class MPTDataCollator:
                 "pre-training needs; add one, e.g. tokenizer.add_special_tokens("
                 "{'mask_token': '[MASK]'}) and resize the model's embeddings."
             )
-        self.schedule = as_rate_schedule(rate)
+        self.schedule = _rate_schedule(rate, mlm_probability)
+        self.seed = _check_seed(seed)
+        self._stream = RankStream(self.seed)
+        self._checked_trainer = None  # (process id, id of a Trainer known to read the weights)
         self.mask_replace_prob = _check_probability(mask_replace_prob, "mask_replace_prob")
         self.random_replace_prob = _check_probability(random_replace_prob, "random_replace_prob")
         if self.mask_replace_prob + self.random_replace_prob > 1.0:
@@ -136,7 +216,7 @@ class MPTDataCollator:
         return (
             f"MPTDataCollator(rate={self.schedule!r}, mask_replace_prob={self.mask_replace_prob},"
             f" random_replace_prob={self.random_replace_prob}, whole_word_mask="
-            f"{self.whole_word_mask}, span_masking={self.span_masking})"
+            f"{self.whole_word_mask}, span_masking={self.span_masking}, seed={self.seed})"
         )
 
     def __call__(self, examples):
@@ -145,7 +225,10 @@ class MPTDataCollator:
 
         :returns: a dict of tensors: the padded features, ``input_ids`` corrupted, ``labels``
             and ``mpt_weights``.
+        :raises TypeError: when a ``transformers.Trainer`` that ignores ``mpt_weights`` asks
+            for the batch (see the class docstring).
         """
+        self._check_weights_are_read(sys._getframe(1))
         batch = pad_examples(
             examples, self.pad_token_id, self.tokenizer.padding_side, self.pad_to_multiple_of
         )
@@ -159,10 +242,34 @@ class MPTDataCollator:
         continues = None
         if self.whole_word_mask:
             continues = self._word_continuations(input_ids, word_ids, offsets)
-        batch["input_ids"], batch["labels"], batch["mpt_weights"] = self.mask_tokens(
+        batch["input_ids"], batch["labels"], batch[_WEIGHTS] = self.mask_tokens(
             input_ids, maskable, continues
         )
         return batch
+
+    def __getstate__(self):
+        # A DataLoader started by spawn or forkserver pickles the collator in the process of
+        # the Trainer that iterates it, whose stack the worker will not see.
+        self._check_weights_are_read(sys._getframe(1))
+        return self.__dict__.copy()
+
+    def _check_weights_are_read(self, frame):
+        trainer = calling_trainer(frame, self)
+        if trainer is None:
+            return
+        key = (os.getpid(), id(trainer))
+        if self._checked_trainer == key:
+            return
+        if trainer_ignores(trainer, _WEIGHTS):
+            raise TypeError(
+                f"{type(trainer).__name__} minimises the loss that "
+                f"{type(trainer.model).__name__} computes from 'labels' and passes the "
+                f"collator's {_WEIGHTS!r} into its forward(**kwargs), which ignores them: it "
+                "would train plain cross-entropy at MPT's mask sizes, not the MPT objective. "
+                "Use pyro_mpt.transformers.MPTTrainer (same arguments) with MPTDataCollator, "
+                "or transformers.DataCollatorForLanguageModeling for BERT's own loss."
+            )
+        self._checked_trainer = key
 
     def mask_tokens(self, input_ids, maskable, continues_word=None):
         """Masks a padded batch of token ids.
@@ -186,16 +293,19 @@ class MPTDataCollator:
                 "is special or padding); drop empty texts before collating, e.g. filter on "
                 "len(input_ids) > 2 for BERT."
             )
-        sizes = mask_units.sizes_for_rows(self.schedule, counts)
+        generator = self._stream.generator(input_ids.device)
+        sizes = mask_units.sizes_for_rows(self.schedule, counts, generator)
         width = int(counts.max())
         if self.span_masking:
             chosen = mask_units.geometric_spans(
-                counts, sizes, width, self.span_geometric_p, self.max_span_length
+                counts, sizes, width, self.span_geometric_p, self.max_span_length, generator
             )
         else:
-            chosen = mask_units.uniform_subsets(counts, sizes, width)
+            chosen = mask_units.uniform_subsets(counts, sizes, width, generator)
         # One corruption draw per unit: 0 = mask token, 1 = random token, 2 = keep.
-        draw = torch.rand(chosen.shape, device=chosen.device)
+        draw = torch.rand(
+            chosen.shape, dtype=torch.float32, device=chosen.device, generator=generator
+        )
         action = (draw >= self.mask_replace_prob).long()
         action += draw >= self.mask_replace_prob + self.random_replace_prob
         safe_units = units.clamp(min=0)
@@ -206,7 +316,8 @@ class MPTDataCollator:
         to_random = masked & (action == 1)
         if self.random_replace_prob > 0 and to_random.any():
             pool = self._replacement_ids.to(input_ids.device)
-            picks = torch.randint(len(pool), (int(to_random.sum()),), device=input_ids.device)
+            size = (int(to_random.sum()),)
+            picks = torch.randint(len(pool), size, device=input_ids.device, generator=generator)
             corrupted = corrupted.masked_scatter(to_random, pool[picks])
         weights = counts.to(torch.float32) / sizes
         return corrupted, labels, weights

@@ -33,14 +33,17 @@ def unit_index(maskable, continues_word=None):
     return index, starts.sum(-1)
 
 
-def sizes_for_rows(schedule, counts):
+def sizes_for_rows(schedule, counts, generator=None):
     """One mask size per row from the shared rate schedule, for rows of different lengths.
 
     :param RateSchedule schedule: the schedule (``as_rate_schedule(rate)``).
     :param torch.Tensor counts: positive units per row, long ``(B,)``.
+    :param torch.Generator generator: the random stream, on the device of ``counts``;
+        ``None`` for torch's global generator (the same for every helper here).
     :returns: long ``(B,)`` sizes in ``1 ... counts[i]``.
     """
-    quantiles = torch.rand(counts.shape, dtype=torch.float64, device=counts.device)
+    shape, device = counts.shape, counts.device
+    quantiles = torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
     lengths, inverse = torch.unique(counts, return_inverse=True)
     if lengths.numel() == 1:
         return schedule.sizes_from_quantiles(quantiles, int(lengths[0])).to(counts.device)
@@ -51,20 +54,23 @@ def sizes_for_rows(schedule, counts):
     return sizes
 
 
-def uniform_subsets(counts, sizes, width):
+def uniform_subsets(counts, sizes, width, generator=None):
     """Row ``i`` gets ``sizes[i]`` of its first ``counts[i]`` columns, uniformly at random.
 
     :returns: boolean ``(B, width)``.
     """
     columns = torch.arange(width, device=counts.device)
     valid = columns < counts.unsqueeze(-1)
-    keys = torch.rand(counts.shape + (width,), device=counts.device)
+    # float32 keys whatever torch's default dtype, so that a seed gives the same masks in
+    # float32 and float64 programs.
+    shape, device = counts.shape + (width,), counts.device
+    keys = torch.rand(shape, dtype=torch.float32, device=device, generator=generator)
     keys = keys.masked_fill(~valid, 2.0)  # never among the smallest ``sizes`` of a row
     threshold = sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
     return (keys <= threshold) & valid & (sizes > 0).unsqueeze(-1)
 
 
-def geometric_spans(counts, sizes, width, p, max_length):
+def geometric_spans(counts, sizes, width, p, max_length, generator=None):
     """Row ``i`` gets ``sizes[i]`` of its first ``counts[i]`` columns as non-overlapping spans
     (SpanBERT): span lengths are ``Geometric(p)`` clipped at ``max_length``, drawn until
     they cover ``sizes[i]`` (the last one cut to fit), and the spans are placed uniformly
@@ -74,7 +80,8 @@ def geometric_spans(counts, sizes, width, p, max_length):
     """
     device = counts.device
     num_draws = max(int(sizes.max()), 1)  # every span covers at least one unit
-    uniform = torch.rand(sizes.shape + (num_draws,), dtype=torch.float64, device=device)
+    shape = sizes.shape + (num_draws,)
+    uniform = torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
     lengths = torch.floor(torch.log1p(-uniform) / torch.log1p(torch.tensor(-p))).long() + 1
     lengths = lengths.clamp(1, max_length)
     covered = lengths.cumsum(-1)
@@ -82,13 +89,13 @@ def geometric_spans(counts, sizes, width, p, max_length):
     before = torch.cat([torch.zeros_like(covered[:, :1]), covered[:, :-1]], -1)
     lengths = torch.minimum(lengths, sizes.unsqueeze(-1) - before).clamp(min=0)
     # Spans in random order, so the one cut to fit is not always the last.
-    order_keys = torch.rand(lengths.shape, device=device)
+    order_keys = torch.rand(lengths.shape, dtype=torch.float32, device=device, generator=generator)
     order_keys = order_keys.masked_fill(lengths == 0, 2.0)
     lengths = lengths.gather(-1, order_keys.argsort(-1))
     # An arrangement is a sequence of counts - sizes unmasked units and num_spans spans; the
     # spans' places in it form a uniform subset of its slots.
     slots = counts - sizes + num_spans
-    chosen = uniform_subsets(slots, num_spans, int(slots.max()))
+    chosen = uniform_subsets(slots, num_spans, int(slots.max()), generator)
     slot_of_span = torch.sort(
         torch.where(chosen, torch.arange(chosen.shape[-1], device=device), chosen.shape[-1]), -1
     ).values[:, :num_draws]

@@ -155,7 +155,7 @@ def mlm_mpt_curve(
     """The MPT curve of a masked language model (any ``*ForMaskedLM``) on ``texts``.
 
     For each rate ``r`` and sequence ``x`` with ``D`` maskable (non-special) tokens,
-    ``num_masks`` masks of ``M = max(1, round(r D))`` tokens each are drawn uniformly
+    ``num_masks`` masks of ``M = max(1, floor(r D + 1/2))`` tokens each are drawn uniformly
     (:func:`~pyro_mpt.ops.masks.masks_of_sizes`), replaced by the mask token, and scored by
     one forward pass:
 

@@ -83,7 +83,7 @@ def mpt_sequence_estimates(logits, labels, weights):
     return weights.to(sums.dtype) * sums
 
 
-def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences"):
+def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="tokens"):
     """Minus the MPT estimate of ``log p(x)``, summed over the batch and divided by
     ``num_items``: the loss that :class:`~pyro_mpt.transformers.MPTTrainer` minimises.
 
@@ -92,18 +92,30 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences")
         \\mathcal{L} = -\\frac{1}{N} \\sum_i \\frac{D_i}{M_i}
             \\sum_{j \\in \\mathcal{M}_i} \\log q_\\theta(x_{ij} \\mid \\tilde x_i),
 
-    with ``N`` the number of sequences (``normalize="sequences"``: nats per sequence) or
-    ``Σ_i w_i K_i`` over the ``K_i`` scored tokens of sequence ``i`` (``normalize="tokens"``:
-    nats per token, comparable to BERT's cross-entropy). With token masking ``w_i K_i = D_i``,
-    the sequence's maskable tokens; with whole words it estimates them. Pass ``num_items``
-    to divide by a count over more than this batch, e.g. every micro-batch of an accumulated
+    with ``N`` either ``Σ_i w_i K_i`` over the ``K_i`` scored tokens of sequence ``i``
+    (``normalize="tokens"``, the default: nats per token) or the number of sequences
+    (``normalize="sequences"``: nats per sequence). With token masking ``w_i K_i = D_i``, the
+    sequence's maskable tokens; with whole words it estimates them. Pass ``num_items`` to
+    divide by a count over more than this batch, e.g. every micro-batch of an accumulated
     step on every process.
+
+    Within a batch the two differ by a constant factor (with token masking, the batch's
+    maskable tokens per sequence), so their gradients point the same way; they differ in
+    scale. Per token, the loss reads like the cross-entropy that a plain ``Trainer`` reports
+    with ``DataCollatorForLanguageModeling`` (``log V`` at random initialisation, whatever the
+    sequence length), and its gradients have that loss's size, which ``TrainingArguments``'
+    defaults (``max_grad_norm=1.0``, learning rates of BERT recipes) are set for. Per
+    sequence, the loss is minus the estimate of ``log p(x)`` itself, about ``D`` times larger
+    (hundreds of nats for sequences of a hundred tokens), and so are its gradients, which
+    ``max_grad_norm=1.0`` then cuts down at every step. Use ``normalize="sequences"``, or
+    :func:`mpt_sequence_estimates`, to read the estimate of ``log p(x)``.
 
     :param torch.Tensor logits: ``(B, L, V)``.
     :param torch.Tensor labels: long ``(B, L)`` with ``-100`` at unscored positions.
     :param torch.Tensor weights: ``(B,)``, the collator's ``mpt_weights``.
     :param num_items: the divisor ``N``; by default counted on this batch.
-    :param str normalize: ``"sequences"`` or ``"tokens"``; what the default ``N`` counts.
+    :param str normalize: ``"tokens"`` (default) or ``"sequences"``; what the default ``N``
+        counts.
     :returns: a differentiable scalar.
 
     Example::
@@ -113,7 +125,9 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences")
         >>> logits = torch.zeros(2, 4, 10)       # uniform predictions over 10 tokens
         >>> labels = torch.tensor([[-100, 3, -100, -100], [-100, 5, 6, -100]])
         >>> weights = torch.tensor([2.0, 1.0])   # D/M = 2/1 and 2/2
-        >>> round(mpt_mlm_loss(logits, labels, weights).item(), 4)   # log(10) * 2
+        >>> round(mpt_mlm_loss(logits, labels, weights).item(), 4)   # log(10) per token
+        2.3026
+        >>> round(mpt_mlm_loss(logits, labels, weights, normalize="sequences").item(), 4)
         4.6052
     """
     check_normalize(normalize)
@@ -123,9 +137,10 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="sequences")
     return -estimates.sum() / num_items
 
 
-def count_items(labels, weights, normalize="sequences"):
-    """The default divisor of :func:`mpt_mlm_loss`: the number of sequences of a batch, or
-    ``Σ_i w_i K_i`` over its ``K_i`` scored tokens per sequence (``normalize="tokens"``)."""
+def count_items(labels, weights, normalize="tokens"):
+    """The default divisor of :func:`mpt_mlm_loss`: ``Σ_i w_i K_i`` over a batch's ``K_i``
+    scored tokens per sequence (``normalize="tokens"``, the default), or its number of
+    sequences (``normalize="sequences"``)."""
     if normalize == "sequences":
         return labels.new_tensor(labels.shape[0], dtype=torch.float32)
     sizes = (labels != -100).sum(-1).to(torch.float32)

@@ -38,9 +38,19 @@ class MPTTrainer(Trainer):
             \\sum_{j \\in \\mathcal{M}_i} \\log q_\\theta(x_{ij} \\mid \\tilde x_i),
 
     the sum running over every sequence of the step: all micro-batches of gradient
-    accumulation on all processes. ``N`` counts those sequences (``normalize="sequences"``,
-    nats per sequence) or their maskable tokens (``normalize="tokens"``); see
-    :func:`~pyro_mpt.transformers.mpt_mlm_loss`.
+    accumulation on all processes. ``N`` counts their maskable tokens (``normalize="tokens"``,
+    the default: nats per token) or the sequences (``normalize="sequences"``: nats per
+    sequence, the estimate of ``log p(x)`` itself).
+
+    **Why per token by default.** Per token, ``loss`` and ``eval_loss`` read like those of a
+    plain ``Trainer`` with ``DataCollatorForLanguageModeling`` (``log V`` at random
+    initialisation), and the gradients have the size of that loss's, which
+    ``TrainingArguments``' defaults are set for. Per sequence both are about ``D`` times
+    larger, so ``max_grad_norm=1.0`` cuts every step down and an MLM recipe's learning rate
+    no longer fits; choose it when the logged loss should be minus the estimate of
+    ``log p(x)``, and set ``max_grad_norm`` and the learning rate for that scale. Within a
+    step the two differ by a constant factor (see
+    :func:`~pyro_mpt.transformers.mpt_mlm_loss`).
 
     **Data parallelism and gradient accumulation.** :meth:`get_batch_samples` counts ``N``
     over the step's micro-batches and, under ``torchrun``, sums it over the processes (one
@@ -57,14 +67,14 @@ class MPTTrainer(Trainer):
     ``TrainingArguments(remove_unused_columns=False)``; otherwise whole-word masking reads
     word boundaries from the vocabulary.
 
-    :param str normalize: ``"sequences"`` (default) or ``"tokens"``.
+    :param str normalize: ``"tokens"`` (default) or ``"sequences"``.
 
     All other arguments are those of ``transformers.Trainer``.
     """
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, normalize="sequences", **kwargs):
+    def __init__(self, *args, normalize="tokens", **kwargs):
         self.normalize = check_normalize(normalize)
         super().__init__(*args, **kwargs)
 

@@ -34,7 +34,7 @@ def mae_mpt_curve(
 ):
     """The MPT curve of a :class:`transformers.ViTMAEForPreTraining` on a batch of images.
 
-    At rate ``r`` each image has ``M = max(1, round(r L))`` of its ``L`` patches masked
+    At rate ``r`` each image has ``M = max(1, floor(r L + 1/2))`` of its ``L`` patches masked
     (uniformly at random, ``num_masks`` masks per image), exactly, through
     :func:`~pyro_mpt.transformers.vit_mae.masked_forward`. A masked patch ``x_j`` is scored
     by the decoder's reconstruction as a Gaussian with pixel standard deviation ``scale``
