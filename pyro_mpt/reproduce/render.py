@@ -40,6 +40,7 @@ from pyro_mpt.reproduce.results_blocks_benchmarks import (
     bench_vae_step_block,
     benchmarks_block,
 )
+from pyro_mpt.reproduce.results_blocks_coherence import coherence_block
 from pyro_mpt.reproduce.results_blocks_ppca import (
     ppca_curve_training_block,
     ppca_table1_block,
@@ -78,6 +79,7 @@ BLOCKS = {
     "bert-curve": bert_curve_block,
     "mae-curve": mae_curve_block,
     "bert-rates": bert_rates_block,
+    "coherence": coherence_block,
     "benchmarks": benchmarks_block,
     "bench-vae-step": bench_vae_step_block,
     "bench-gp-active-set": bench_gp_active_set_block,

@@ -57,6 +57,9 @@ SOURCES = {
     "bert-rates": dict(
         kind="reproduce", size="smoke", args=["--seeds", "3"], files=["bert-rates.json"]
     ),
+    # 6-8 minutes on one core: 784 prefixes per ordering of each VAE image and one
+    # AntiBERTy forward pass per residue and ordering.
+    "coherence": dict(kind="reproduce", size="default", files=["coherence.json"]),
     "benchmarks": dict(kind="benchmarks", size="default", files=["benchmarks.json"]),
 }
 
