@@ -3,6 +3,7 @@
 import contextlib
 import math
 import warnings
+from unittest import mock
 
 import pyro.poutine as poutine
 import torch
@@ -152,7 +153,7 @@ class MPTLoss(ELBO):
                 # Once, as Trace_ELBO does, leaving the random state as it was: a seeded
                 # first call draws the same masks as any later one. The model is read first
                 # so that its errors come in MPTLoss's words.
-                with _same_random_state():
+                with _same_random_state(), mock.patch("pyro.infer.elbo.logger.disabled", True):
                     read_structure(model, args, kwargs)
                     self._guess_max_plate_nesting(model, guide or _no_guide, args, kwargs)
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
