@@ -14,6 +14,7 @@ zero for the guide; the parameters after the first step with one SGD step of the
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 import torch.distributed
 
 from pyro_mpt import MPTLoss
+from tests.helpers import ppca_max_likelihood_lml
 
 pytest.importorskip(
     "lightning", reason='the DDP example needs lightning: pip install "pyro-mpt[lightning]"'
@@ -87,6 +89,28 @@ def _close(a, b):
     return all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-12) for k in b)
 
 
+def _check_printed_figures(stdout):
+    """The example prints the exact log p(x) per observation before and after training and
+    the closed-form maximum over PPCAs; this recomputes the maximum independently (the
+    profile likelihood of Tipping and Bishop through ``tests.helpers``) and checks that
+    training moved the model towards it."""
+    match = re.search(
+        r"exact log p\(x\) per observation: (\S+) before training, (\S+) after; .* "
+        r"reaches (\S+)",
+        stdout,
+    )
+    assert match, stdout
+    start, trained, maximum = (float(v) for v in match.groups())
+    example = _load_example()
+    args = example.build_parser().parse_args(ARGV)
+    with torch.random.fork_rng():
+        data = example.make_data(args).double()
+    assert maximum == pytest.approx(float(ppca_max_likelihood_lml(data, args.latent_dim)), abs=1e-4)
+    assert start < trained <= maximum
+    assert abs(maximum - trained) < abs(maximum - start)
+    assert re.search(r"MPT loss on the whole data set: \S+ before training, \S+ after", stdout)
+
+
 def test_pyro_recipe_with_mpt_loss_runs_and_steps_as_the_whole_batch(tmp_path, monkeypatch):
     dump = tmp_path / "dump"
     env = dict(
@@ -107,6 +131,7 @@ def test_pyro_recipe_with_mpt_loss_runs_and_steps_as_the_whole_batch(tmp_path, m
     )
     # Before a guide without gradients was handled, DDP stopped here at the second step.
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _check_printed_figures(done.stdout)
     ranks = [torch.load(dump / f"rank{r}.pt") for r in range(2)]
     assert [d["world_size"] for d in ranks] == [2, 2]
     assert [d["steps"] for d in ranks] == [3, 3]
