@@ -93,13 +93,19 @@ def _measure(cfg, device, seed, progress, noise):
     common.seed_everything(common.derived_seed(seed, 0))
     data = ppca_data(cfg["N"], cfg["D"], cfg["K"], NOISE_VAR, noise, device)
     sizes = torch.arange(1, cfg["D"] + 1)
-    work = cfg["seeds"] * cfg["D"] * (sum(cfg["shared_P"]) + sum(cfg["per_obs_P"]))
     shared, per_obs = {}, {}
-    with common.progress_bar(total=work, enabled=progress, desc=NAME, unit="mask") as bar:
+    # One bar per phase: a per-observation mask costs N posteriors, a shared one a single
+    # posterior, so one bar counting masks would sit near its end through the slow last phase.
+    work = cfg["seeds"] * cfg["D"] * sum(cfg["shared_P"])
+    desc = f"{NAME} shared masks"
+    with common.progress_bar(total=work, enabled=progress, desc=desc, unit="mask") as bar:
         for num_masks in cfg["shared_P"]:
             shared[num_masks] = _estimates(
                 shared_mask_estimate, data, sizes, num_masks, seed, 1, cfg["seeds"], bar
             )
+    work = cfg["seeds"] * cfg["D"] * sum(cfg["per_obs_P"])
+    desc = f"{NAME} per-observation masks (N={cfg['N']} posteriors each)"
+    with common.progress_bar(total=work, enabled=progress, desc=desc, unit="mask") as bar:
         for num_masks in cfg["per_obs_P"]:
             per_obs[num_masks] = _estimates(
                 per_observation_estimate, data, sizes, num_masks, seed, 2, cfg["seeds"], bar
