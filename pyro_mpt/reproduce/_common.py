@@ -13,7 +13,13 @@ import time
 import numpy as np
 import pyro
 import torch
-from tqdm.auto import tqdm
+
+try:  # notebook bars need ipywidgets; without it tqdm.auto warns, so take the text bar
+    import ipywidgets  # noqa: F401
+except ImportError:
+    from tqdm.std import tqdm
+else:
+    from tqdm.auto import tqdm
 
 __all__ = [
     "Stopwatch",
