@@ -46,6 +46,11 @@ from pyro_mpt.reproduce.results_blocks_ppca import (
     ppca_table1_block,
     ppca_training_block,
 )
+from pyro_mpt.reproduce.results_blocks_sampling import (
+    gibbs_mixing_block,
+    ppca_convergence_block,
+    ppca_curve_block,
+)
 from pyro_mpt.reproduce.results_blocks_transformers import (
     bert_curve_block,
     bert_rates_block,
@@ -72,7 +77,10 @@ __all__ = ["BLOCKS", "add_arguments", "main", "render_block", "render_files", "r
 BLOCKS = {
     "ppca-table1": ppca_table1_block,
     "ppca-training": ppca_training_block,
+    "ppca-convergence": ppca_convergence_block,
+    "ppca-curve": ppca_curve_block,
     "ppca-curve-training": ppca_curve_training_block,
+    "gibbs-mixing": gibbs_mixing_block,
     "vae-deep": vae_deep_block,
     "vae-compare": vae_compare_block,
     "gp-decoder": gp_decoder_block,

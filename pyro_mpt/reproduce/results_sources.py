@@ -43,6 +43,10 @@ SOURCES = {
         kind="reproduce", size="default", files=["ppca-curve-training.json"]
     ),
     # About 10 minutes on one core: 10 deep VAEs, LML per epoch on training and held-out images.
+    # Under a minute each on one core (shared masks on PPCA; short chains on D=8 models).
+    "ppca-convergence": dict(kind="reproduce", size="default", files=["ppca-convergence.json"]),
+    "ppca-curve": dict(kind="reproduce", size="default", files=["ppca-curve.json"]),
+    "gibbs-mixing": dict(kind="reproduce", size="default", files=["gibbs-mixing.json"]),
     "vae-deep": dict(kind="reproduce", size="default", files=["vae-deep.json"]),
     "vae-compare": dict(
         kind="reproduce", size="default", files=["vae-compare.json", "vae-linear.json"]
