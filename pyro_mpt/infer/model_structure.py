@@ -25,6 +25,7 @@ __all__ = [
     "LatentSite",
     "ModelStructure",
     "PointLayout",
+    "latent_names_in",
     "observed_in_run",
     "read_structure",
 ]
@@ -141,19 +142,56 @@ def _classify(trace):
     return observed, latents, factors, missing
 
 
-def _theread_observed_site(names, what):
+def latent_names_in(trace):
+    """The names of a model trace's latent sites as :func:`read_structure` reads them: no
+    observed, deterministic, reparameterised-``Delta``, factor or ``obs_mask`` sites."""
+    return _classify(trace)[1]
+
+
+def _theread_observed_site(trace, names, latent_names, what):
     if not names:
         raise ValueError(
             f"{what} found no observed sample site in the model. Pass the data to the "
             f"likelihood, e.g. pyro.sample('x', dist.Normal(loc, scale).to_event(1), obs=x)."
         )
     if len(names) > 1:
-        raise ValueError(
+        raise _several_observed_sites(trace, names, latent_names, what)
+    return names[0]
+
+
+def _several_observed_sites(trace, names, latent_names, what):
+    """The error for a model with several observed sites, naming what really stops it: an
+    observed site in fewer plates than another is a global with a value (a latent fixed by
+    ``poutine.condition``, or data shared by all observations), not an observation."""
+    frames = {name: plate_frames(trace.nodes[name]) for name in names}
+    globals_ = [n for n in names if any(frames[n] < frames[m] for m in names)]
+    local = [n for n in names if n not in globals_]
+    if not globals_:
+        return ValueError(
             f"{what} found {len(names)} observed sites {names}; it scores the features of one "
             f"observed site. Concatenate the observations into one site (pyro.deterministic "
             f"and pyro.factor sites are fine: they are not observations)."
         )
-    return names[0]
+    data_frames = frozenset.union(*(frames[n] for n in local))
+    plates = sorted(name for name, _ in data_frames) or ["<none>"]
+    global_latents = [n for n in latent_names if not plate_frames(trace.nodes[n]) >= data_frames]
+    message = (
+        f"{what} found {len(names)} observed sites {names}, but {globals_} sit outside the "
+        f"plates {plates} of {local}: a global site with a value (a latent fixed by "
+        f"poutine.condition, or data shared by all observations) is not an observation. "
+        f"{what} scores the features of one observed site per observation and integrates "
+        f"local latents only. To fix a global at a value, do not condition on it: pass the "
+        f"value to the model (an argument, or pyro.param / PyroParam to learn it) and use it "
+        f"in place of its pyro.sample site."
+    )
+    if global_latents:
+        message += (
+            f" Latent sites {global_latents} are global too (outside the data plate): make "
+            f"them parameters (pyro.param / PyroParam) likewise."
+        )
+    if len(local) > 1:
+        message += f" Then concatenate the per-observation sites {local} into one site."
+    return ValueError(message)
 
 
 def _data_dims(trace, obs_name, latent_names):
@@ -232,7 +270,7 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     """
     trace = poutine.trace(model).get_trace(*args, **kwargs)
     observed_names, latent_names, factors, missing = _classify(trace)
-    obs_name = _theread_observed_site(observed_names, what)
+    obs_name = _theread_observed_site(trace, observed_names, latent_names, what)
     obs_site = trace.nodes[obs_name]
     for name in [obs_name, *latent_names]:
         check_plates_cover_batch(trace.nodes[name])
