@@ -2,7 +2,14 @@
 
 import numbers
 
-__all__ = ["ImportanceAccuracyWarning", "NotApplicableError", "check_positive_int"]
+import torch
+
+__all__ = [
+    "ImportanceAccuracyWarning",
+    "NotApplicableError",
+    "check_positive_int",
+    "unsupported_prior_error",
+]
 
 
 class NotApplicableError(ValueError):
@@ -39,3 +46,28 @@ def check_positive_int(name, value, hint=None):
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}." + (f" {hint}" if hint else ""))
     return int(value)
+
+
+def unsupported_prior_error(name, fn):
+    """The :class:`NotApplicableError` for a latent whose prior cannot be written as a map of
+    standard normal noise, which quadrature and exact conditionals integrate over.
+
+    :param str name: the latent site's name.
+    :param fn: its prior as the model gives it, named by its own class (``HalfCauchy``, not
+        the ``Cauchy`` it transforms), with ``.to_event`` and ``.mask`` wrappers stripped.
+    """
+    while isinstance(fn, torch.distributions.Independent) or hasattr(fn, "_mask"):
+        fn = fn.base_dist
+    inner = getattr(fn, "base_dist", None)
+    of = f" (a transform of {type(inner).__name__})" if inner is not None else ""
+    fix = (
+        "sum the discrete latent out in the model (e.g. a MixtureSameFamily likelihood)."
+        if fn.support.is_discrete
+        else "reparameterise the site as a transform of a Normal."
+    )
+    return NotApplicableError(
+        f"Latent site {name!r} has a {type(fn).__name__} prior{of}; integrating the latents "
+        f"numerically or exactly needs Normal, MultivariateNormal or LogNormal-type "
+        f"(transformed normal) priors. Use conditionals='importance' with a guide that samples "
+        f"{name!r}, or {fix}"
+    )
