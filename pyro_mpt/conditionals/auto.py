@@ -3,6 +3,7 @@ for it."""
 
 import logging
 import math
+import re
 import warnings
 from typing import NamedTuple
 
@@ -133,6 +134,8 @@ class Auto(Conditionals):
             torch.set_rng_state(state)
             # Pyro appends the trace's shapes to errors raised inside a model run.
             reason = str(error).split("\nTrace Shapes:")[0].rstrip()
+            # Advice to use 'auto' is no advice here: auto has just tried every strategy.
+            reason = _ADVISES_AUTO.sub("", reason).rstrip()
             reasons.append(f"  {strategy.name}: {reason}")
             return None
 
@@ -182,7 +185,14 @@ class Auto(Conditionals):
             return self._choose(importance, key, model, reason, prepared, reasons)
         raise NotApplicableError(
             "conditionals='auto' found no strategy for this model. Available strategies: "
-            "'exact', 'quadrature', 'importance'. Why each does not apply:\n" + "\n".join(reasons)
+            "'exact', 'quadrature', 'importance'. Why each does not apply:\n"
+            + "\n".join(reasons)
+            + "\nFix what stops the strategy that suits the model: 'exact' for a Normal "
+            "likelihood affine in Normal latents, 'quadrature' for at most 3 latent dimensions "
+            "with Normal (or transformed Normal) priors, and otherwise 'importance', which "
+            "needs a guide passed to MPTLoss that samples every local latent of the model "
+            "(an amortized q(z | x), e.g. AutoNormal(model) for small data). Then call again "
+            "(with conditionals='auto', or that strategy by name)."
         )
 
     def _best_rule(self, call):
@@ -216,6 +226,10 @@ class Auto(Conditionals):
             )
         self.chosen, self._chosen_for, self.reason = strategy, key, reason
         return prepared
+
+
+#: A sentence of a strategy's error that advises ``conditionals='auto'``.
+_ADVISES_AUTO = re.compile(r"Use conditionals='auto'[^.]*\.")
 
 
 #: With a guide whose importance weights fail, ``auto`` still prefers a coarse rule that a
