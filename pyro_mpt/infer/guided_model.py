@@ -6,7 +6,11 @@ replaced, inside two extra plates, one over samples and one over masks, and repl
 model against the guide's latents.
 """
 
+import difflib
 import inspect
+import math
+import re
+import warnings
 from typing import NamedTuple
 
 import pyro
@@ -14,15 +18,27 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
+from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.defensive_proposal import defensive_discrete
-from pyro_mpt.infer.model_structure import read_structure
-from pyro_mpt.infer.trace_utils import flatten_tail, latent_sites, plate_frames, unwrap_independent
-from pyro_mpt.infer.vectorized_run_check import CheckedCalls, check_guided_run
+from pyro_mpt.infer.model_structure import latent_names_in, read_structure
+from pyro_mpt.infer.trace_utils import (
+    flatten_tail,
+    latent_sites,
+    plate_frames,
+    unwrap_independent,
+)
+from pyro_mpt.infer.vectorized_run_check import (
+    CheckedCalls,
+    batch_norm_hint,
+    check_guided_run,
+    no_feature_dim_advice,
+)
 
 __all__ = [
     "GuidedModel",
+    "check_guide_sites",
     "describe_guide",
     "observed_tensor",
     "proposal_log_density",
@@ -39,6 +55,14 @@ _CONVENTION = (
     "the guide must compute q(z | x) from the tensor it is given, and both must broadcast "
     "over extra leading dims of it (size plates with x.shape[-2], not x.shape[0])"
 )
+
+
+def _convention(observed):
+    """:data:`_CONVENTION`, for data with no feature dim told how to get one: ``x.shape[-2]``
+    then names the wrong dim, and only ``(N, 1)`` data observed with ``.to_event(1)`` work."""
+    if observed.num_feature_dims:
+        return _CONVENTION
+    return f"{_CONVENTION}. {no_feature_dim_advice(observed)}"
 
 
 class GuidedModel(NamedTuple):
@@ -128,7 +152,8 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
     if not torch.is_tensor(data) or data.shape != full_shape:
         got = f"shape {tuple(data.shape)}" if torch.is_tensor(data) else repr(type(data).__name__)
         raise NotApplicableError(
-            f"{what} passes filled copies of the data to the guide, so {_CONVENTION}. The "
+            f"{what} passes filled copies of the data to the guide, so "
+            f"{_convention(local.observed)}. The "
             f"first argument must be the tensor observed at site {local.observed.name!r} "
             f"(shape {tuple(full_shape)}), got {got}; subsampled data plates are not supported."
         )
@@ -158,6 +183,72 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
     return guided
 
 
+#: The (model, guide, argument shapes) whose sites :func:`check_guide_sites` compared.
+_SITES_CHECKED = CheckedCalls()
+
+
+def check_guide_sites(model, guide, args, kwargs, max_plate_nesting):
+    """Warns, as ``Trace_ELBO`` does under validation (``pyro.util.check_model_guide_match``),
+    when the guide samples a site the model lacks or lacks a latent of the model: a
+    misspelled guide site is otherwise never noticed by conditionals that do not run the
+    guide. Once per model, guide and argument shapes; nothing without a guide or with
+    validation off.
+
+    The guide runs once and the model against its samples, as ``Trace_ELBO`` runs them,
+    blocked, without gradients, from a forked random state (a seeded step draws the same
+    masks either way). Guide sites marked ``infer={'is_auxiliary': True}`` are not compared;
+    the model's latents are those MPTLoss integrates (no ``obs_mask`` or deterministic sites).
+
+    :param callable model: the model.
+    :param callable guide: the guide, or None.
+    :param tuple args: their positional arguments.
+    :param dict kwargs: their keyword arguments.
+    :param max_plate_nesting: as the loss holds it (part of the call's record).
+    """
+    if guide is None or not is_validation_enabled():
+        return
+    if _SITES_CHECKED.seen(model, guide, args, kwargs, max_plate_nesting):
+        return
+    devices = sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block():
+            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
+                *args, **kwargs
+            )
+    except BaseException:
+        _SITES_CHECKED.forget(model, guide, args, kwargs, max_plate_nesting)
+        raise
+    guide_names = [
+        name
+        for name in latent_sites(guide_trace)
+        if not guide_trace.nodes[name]["infer"].get("is_auxiliary")
+    ]
+    model_names = latent_names_in(model_trace)
+    extra = [name for name in guide_names if name not in model_names]
+    missing = [name for name in model_names if name not in guide_names]
+    both = f"the model's latent sites are {model_names}, the guide's {guide_names}"
+    if extra:
+        close = [difflib.get_close_matches(n, missing or model_names, 1, 0.0) for n in extra]
+        renames = "; ".join(
+            f"rename {name!r} to {match[0]!r}" for name, match in zip(extra, close) if match
+        )
+        warnings.warn(
+            f"Found non-auxiliary vars in guide but not model, consider marking these "
+            f"infer={{'is_auxiliary': True}}:\n{set(extra)}\n(MPTLoss: {both}"
+            + (f"; {renames} if it is a misspelling" if renames else "")
+            + ".)",
+            stacklevel=5,
+        )
+    if missing:
+        warnings.warn(
+            f"Found vars in model but not guide: {set(missing)}\n(MPTLoss: {both}; "
+            f"conditionals that draw the latents from the guide cannot be used, and a "
+            f"guide site that is not named after a model latent is never used.)",
+            stacklevel=5,
+        )
+
+
 #: The (model, guide, argument shapes) whose guide has passed :func:`_check_guide`: the
 #: check runs the guide, so it runs once per such call, not every step.
 _PROPOSAL_CHECKED = CheckedCalls()
@@ -175,10 +266,32 @@ def _check_guide(guided, what):
     missing = [name for name in local.latent_names if name not in sampled]
     if missing:
         raise NotApplicableError(
-            f"{what} draws every local latent from the guide, but the guide "
-            f"{describe_guide(guide)} samples no site {missing}. Sample them in the guide "
-            f"(an amortized q(z | x)), or use conditionals='exact' or 'quadrature'."
+            f"{what} draws every local latent from the guide, but guide "
+            f"{describe_guide(guide)!r} samples no site {missing}. "
+            f"{_misnamed_sites(local.latent_names, sampled, missing)}"
         )
+
+
+def _misnamed_sites(latent_names, guide_names, missing):
+    """What to do about model latents ``missing`` from the guide, naming the guide's sites
+    and the model latent closest to each guide site that the model lacks."""
+    extra = [name for name in guide_names if name not in latent_names]
+    if not extra:
+        return (
+            "Sample them in the guide (an amortized q(z | x)), or use conditionals='exact' "
+            "or 'quadrature'."
+        )
+    pairs = []
+    for name in extra:
+        close = difflib.get_close_matches(name, missing, n=1, cutoff=0.0)
+        if close:
+            pairs.append(f"the guide samples {name!r}; the model's latent is {close[0]!r}")
+    renames = "; ".join(pairs)
+    return (
+        f"The guide's sites are {sorted(guide_names)} and the model's latents "
+        f"{list(latent_names)}: {renames}; rename the guide site to the model's name (a guide "
+        f"site of another name is never used as the model's latent)."
+    )
 
 
 def _check_proposal(guide_trace, local, guide, what):
@@ -258,7 +371,9 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
             raise NotApplicableError(
                 f"The guide {describe_guide(guided.guide)} failed on a batch of filled copies "
                 f"of the data, of shape {tuple(data.shape)}: {reason}. To run the guide on "
-                f"masked inputs, {_CONVENTION}."
+                f"masked inputs, {_convention(local.observed)}."
+                f"{_flattening_hint(guided.guide, reason, data.shape, local.observed)}"
+                f"{_guide_batch_norm_hint(guided)}"
             ) from error
         model_trace = None
         if replay_model:
@@ -267,15 +382,59 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
                 model_trace = replayed.get_trace(*guided.args, **guided.kwargs)
             except (RuntimeError, IndexError) as error:
                 reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                hint = batch_norm_hint(guided.model, guided.args, guided.kwargs)
                 raise ValueError(
-                    f"The model failed when run at the guide's samples ({reason}). Importance "
-                    f"sampling runs the model with extra batch dims left of its plates (samples "
-                    f"and masks), as Pyro's vectorized particles do, so the model must broadcast "
-                    f"over leading dims: expand covariates to the latent's batch shape before "
-                    f"concatenating (torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], -1)), "
-                    f"and reshape with z.shape[:-1] rather than the data size."
+                    f"The model failed when run at the guide's samples ({reason}). "
+                    + (
+                        hint
+                        or "Importance sampling runs the model with extra batch dims left of its "
+                        "plates (samples and masks), as Pyro's vectorized particles do, so the "
+                        "model must broadcast over leading dims: expand covariates to the "
+                        "latent's batch shape before concatenating "
+                        "(torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], -1)), and "
+                        "reshape with z.shape[:-1] rather than the data size."
+                    )
                 ) from error
     return guide_trace, model_trace
+
+
+#: A reshape or view to a fixed leading size, which merges every leading dim into one.
+_FLATTENING = re.compile(r"\.(?:reshape|view)\(\s*-1\s*,")
+_PLATE_MISMATCH = re.compile(r"Shape mismatch inside plate\('[^']*'\) at site .* (\d+) vs (\d+)")
+
+
+def _flattening_hint(guide, reason, data_shape, observed):
+    """A sentence on a guide that flattens its input to a fixed number of dims (e.g.
+    ``x.reshape(-1, D)``): seen in its source, or in a plate mismatch whose size is the plate's
+    times the extra leading dims'. Empty when neither shows."""
+    target = guide.forward if isinstance(guide, torch.nn.Module) else guide
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        source = ""
+    found = _FLATTENING.search(source)
+    mismatch = _PLATE_MISMATCH.search(reason)
+    num_lead = len(data_shape) - len(observed.full_shape)
+    merged = False
+    if mismatch:
+        expected, got = int(mismatch.group(1)), int(mismatch.group(2))
+        merged = got == expected * math.prod(data_shape[:num_lead])
+    if not (found or merged):
+        return ""
+    call = source[found.start() :].split(")")[0] + ")" if found else "a reshape"
+    num_feature = max(1, observed.num_feature_dims)
+    return (
+        f" The guide flattens its input with {call.lstrip('.')}, which merges the extra "
+        f"leading dims of the filled copies into the batch of observations. Flatten the "
+        f"feature dims only and keep the leading batch dims: "
+        f"x.reshape(x.shape[:-{num_feature}] + (-1,)) in place of x.reshape(-1, D)."
+    )
+
+
+def _guide_batch_norm_hint(guided):
+    """:func:`batch_norm_hint` for the guide on the data it is given, with a leading space."""
+    hint = batch_norm_hint(guided.guide, guided.args, guided.kwargs, who="guide")
+    return f" {hint}" if hint else ""
 
 
 def _hidden_like(hidden, filled):

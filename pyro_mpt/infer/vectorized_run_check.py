@@ -27,13 +27,19 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.infer.trace_utils import distribution_mask, unwrap_independent
+from pyro_mpt.infer.trace_utils import (
+    distribution_mask,
+    param_store_rollback,
+    unwrap_independent,
+)
 
 __all__ = [
     "CheckedCalls",
+    "batch_norm_hint",
     "check_guided_run",
     "check_run_at_points",
     "compare_with_plain_runs",
+    "no_feature_dim_advice",
     "tolerance",
 ]
 
@@ -209,20 +215,88 @@ def compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how)
     devices = [x.device] if x.device.type == "cuda" else []
     num_plates = structure.max_plate_nesting
     names = (structure.observed.name,) + structure.latent_names
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), pyro.validation_enabled(False):
-        for index in indices:
-            conditioned = poutine.condition(model, data=_point_values(trace, structure, index))
-            plain = poutine.trace(conditioned).get_trace(*args, **kwargs)
-            for name in names:
-                _compare_site(
-                    name,
-                    trace.nodes[name],
-                    plain.nodes[name],
-                    index,
-                    num_plates,
-                    how,
-                    observed=name == structure.observed.name,
-                )
+    try:
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=devices),
+            pyro.validation_enabled(False),
+        ):
+            for index in indices:
+                conditioned = poutine.condition(model, data=_point_values(trace, structure, index))
+                plain = poutine.trace(conditioned).get_trace(*args, **kwargs)
+                for name in names:
+                    _compare_site(
+                        name,
+                        trace.nodes[name],
+                        plain.nodes[name],
+                        index,
+                        num_plates,
+                        how,
+                        observed=name == structure.observed.name,
+                    )
+    except ValueError as error:
+        hint = batch_norm_hint(model, args, kwargs)
+        if not hint or _FIX not in str(error):
+            raise
+        raise ValueError(str(error).replace(_FIX, hint)) from error
+
+
+def batch_norm_hint(model, args, kwargs, who="model"):
+    """Advice on the BatchNorm layers that a plain run of ``model`` calls, or ``""`` if it
+    calls none: the likely cause of a model that misbehaves when run with extra leading dims.
+
+    :param callable model: the model (or guide), run as ``model(*args, **kwargs)``.
+    :param str who: what ``model`` is, for the message: ``"model"`` or ``"guide"``.
+
+    The run leaves no trace: it is blocked, draws from a forked random state, restores the
+    param store and the layers' running statistics, and any error it raises is ignored.
+    """
+    seen = {}
+
+    def remember(module, inputs):
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and id(module) not in seen:
+            buffers = {k: v.clone() for k, v in module.named_buffers(recurse=False)}
+            seen[id(module)] = (module, buffers)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(remember)
+    try:
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=_cuda_devices(args)),
+            poutine.block(),
+            param_store_rollback(always=True),
+        ):
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- only the layers it reached matter here
+        pass
+    finally:
+        handle.remove()
+        for module, buffers in seen.values():
+            for key, value in buffers.items():
+                getattr(module, key).copy_(value)
+    if not seen:
+        return ""
+    layers = ", ".join(
+        f"{type(m).__name__}({m.num_features}) in {'training' if m.training else 'eval'} mode"
+        for m, _ in seen.values()
+    )
+    return (
+        f"The {who} calls {layers}. A BatchNorm layer reads dim 1 of its input as the "
+        f"channels (BatchNorm1d takes (N, C) or (N, C, L)), so the extra batch dims that "
+        f"MPTLoss adds on the left (latent points, or samples and masks) make it normalise "
+        f"the wrong dim (a 3-D input (Q, N, C) is read as N channels of length C) or fail on "
+        f"the size; in training mode it also normalises over the batch, mixing observations "
+        f"and latent values. Call .eval() on it (running statistics: each row alone) and "
+        f"give it the features in 2-D, leading dims merged and restored: "
+        f"norm(h.reshape(-1, h.shape[-1])).reshape(h.shape) (BatchNorm2d: "
+        f"h.reshape((-1,) + h.shape[-3:])); or use nn.LayerNorm(C), which normalises each "
+        f"row on its own over its last dim."
+    )
+
+
+def _cuda_devices(args):
+    """The CUDA devices of the tensors among ``args``, whose random states a fork keeps."""
+    return sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
 
 
 def check_run_at_points(model, args, kwargs, structure, trace, num_points):
@@ -326,6 +400,29 @@ def check_guided_run(guided, what):
         compare_with_plain_runs(
             guided.model, guided.args, guided.kwargs, local, trace, [(0, 0), (1, 1)], how
         )
+    except ValueError as error:
+        _CHECKED.forget(*call)
+        if local.observed.num_feature_dims or _FIX not in str(error):
+            raise
+        # x.shape[-2], the advice of _FIX, counts observations only with a feature dim.
+        fix = f"{_FIX} {no_feature_dim_advice(local.observed)}."
+        raise ValueError(str(error).replace(_FIX, fix)) from error
     except BaseException:
         _CHECKED.forget(*call)
         raise
+
+
+def no_feature_dim_advice(observed):
+    """How to size plates for data with no feature dim, where ``x.shape[-2]`` is not the
+    number of observations: make the data ``(N, 1)`` and observe it with ``.to_event(1)``.
+
+    :param observed: the model's :class:`~pyro_mpt.infer.observed_site.ObservedSite`.
+    """
+    shape = tuple(observed.batch_shape)
+    return (
+        f"Observed site {observed.name!r} has no feature dim (data of shape {shape}), so "
+        f"x.shape[-2] is not its number of observations: pass the data as shape "
+        f"{shape + (1,)} (x.unsqueeze(-1)), observe it with .to_event(1) (e.g. "
+        f"dist.Normal(loc, scale).to_event(1) with loc of shape (..., N, 1)), and size the "
+        f"data plate with x.shape[-2] in the model and the guide"
+    )
