@@ -1,0 +1,131 @@
+"""A guide whose sites do not match the model's latents is reported as ``Trace_ELBO`` reports
+it (``pyro.util.check_model_guide_match``), whether or not the chosen conditionals run the
+guide; the error of conditionals that need the guide names the misspelled site."""
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import Importance, Quadrature
+from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.infer.guided_model import check_guide_sites
+
+NUM_FEATURES = 6
+GUIDE_WARNINGS = ("Found non-auxiliary vars in guide but not model", "Found vars in model but")
+
+
+def _bernoulli_vae(latent_dim, guide_site="latent", extra_site=None):
+    """A Bernoulli VAE with a linear decoder and encoder; the guide samples ``guide_site``
+    (and an auxiliary ``extra_site`` when given)."""
+    decoder = torch.nn.Linear(latent_dim, NUM_FEATURES)
+    encoder = torch.nn.Linear(NUM_FEATURES, 2 * latent_dim)
+
+    def model(x):
+        pyro.module("decoder", decoder)
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("latent", dist.Normal(torch.zeros(latent_dim), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=decoder(z)).to_event(1), obs=x)
+
+    def guide(x):
+        pyro.module("encoder", encoder)
+        with pyro.plate("data", x.shape[-2]):
+            h = encoder(x)
+            loc, scale = h[..., :latent_dim], h[..., latent_dim:].exp()
+            pyro.sample(guide_site, dist.Normal(loc, scale).to_event(1))
+            if extra_site is not None:
+                pyro.sample(extra_site, dist.Normal(0.0, 1.0), infer={"is_auxiliary": True})
+
+    return model, guide
+
+
+def _data(num_data=20):
+    return torch.bernoulli(torch.full((num_data, NUM_FEATURES), 0.5))
+
+
+def _site_warnings(caught):
+    return [str(w.message) for w in caught if str(w.message).startswith(GUIDE_WARNINGS)]
+
+
+def _call(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, _site_warnings(caught)
+
+
+def test_a_misspelled_guide_site_warns_like_trace_elbo_when_quadrature_ignores_the_guide():
+    model, guide = _bernoulli_vae(latent_dim=2, guide_site="latnet")
+    x = _data()
+    _, elbo_messages = _call(lambda: Trace_ELBO().loss(model, guide, x))
+    loss = MPTLoss()
+    _, messages = _call(lambda: loss.loss(model, guide, x))
+    assert isinstance(loss.conditionals.chosen, Quadrature)  # the guide is never run by it
+    # Pyro's own first line, then both sets of sites and the rename.
+    assert [m.split("\n(")[0] for m in messages] == elbo_messages
+    assert len(messages) == 2
+    assert "the model's latent sites are ['latent'], the guide's ['latnet']" in messages[0]
+    assert "rename 'latnet' to 'latent'" in messages[0]
+    assert "the guide's ['latnet']" in messages[1]
+    # Once per call signature, not every step; again for other argument shapes.
+    assert _call(lambda: loss.loss(model, guide, x))[1] == []
+    assert len(_call(lambda: loss.loss(model, guide, _data(7)))[1]) == 2
+
+
+def test_a_matching_guide_and_an_auxiliary_site_do_not_warn():
+    model, guide = _bernoulli_vae(latent_dim=2, extra_site="helper")
+    _, messages = _call(lambda: MPTLoss().loss(model, guide, _data()))
+    assert messages == []
+
+
+def test_no_check_without_a_guide_or_with_validation_off():
+    model, guide = _bernoulli_vae(latent_dim=2, guide_site="latnet")
+    assert _call(lambda: MPTLoss().loss(model, None, _data()))[1] == []
+    pyro.enable_validation(False)
+    assert _call(lambda: MPTLoss().loss(model, guide, _data()))[1] == []
+
+
+def test_the_check_leaves_the_random_state_and_the_estimate_as_they_were():
+    model, guide = _bernoulli_vae(latent_dim=2, guide_site="latnet")
+    x = _data()
+    loss = MPTLoss(conditionals=Quadrature(20))
+    pyro.set_rng_seed(3)
+    first, messages = _call(lambda: loss.loss(model, guide, x))  # checks the sites
+    assert len(messages) == 2
+    pyro.set_rng_seed(3)
+    again, messages = _call(lambda: loss.loss(model, guide, x))  # already checked
+    assert messages == []
+    assert first == again
+
+
+def test_check_guide_sites_compares_the_replayed_model_with_the_guide():
+    model, guide = _bernoulli_vae(latent_dim=3, guide_site="z")
+    x = _data()
+    with pytest.warns(UserWarning, match=r"(?s)in guide but not model.*\{'z'\}.*rename 'z' to"):
+        check_guide_sites(model, guide, (x,), {}, 1)
+    # The same call is not checked twice.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_guide_sites(model, guide, (x,), {}, 1)
+
+
+def test_a_larger_latent_names_the_misspelled_site_and_runs_once_renamed():
+    x = _data()
+    model, guide = _bernoulli_vae(latent_dim=8, guide_site="latnet")
+    with pytest.warns(UserWarning, match="Found vars in model but not guide"):
+        with pytest.raises(
+            NotApplicableError,
+            match=r"the guide samples 'latnet'; the model's latent is 'latent'; rename the guide "
+            r"site",
+        ):
+            MPTLoss().loss(model, guide, x)
+    model, guide = _bernoulli_vae(latent_dim=8, guide_site="latent")
+    loss = MPTLoss()
+    value, messages = _call(lambda: loss.loss(model, guide, x))
+    assert messages == []
+    assert isinstance(loss.conditionals.chosen, Importance)
+    assert torch.isfinite(torch.tensor(value))
