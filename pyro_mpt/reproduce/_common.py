@@ -31,6 +31,7 @@ __all__ = [
     "new_figure",
     "num_threads",
     "pm",
+    "preserved_rng",
     "progress_bar",
     "resolve_device",
     "run_config",
@@ -119,6 +120,17 @@ def num_threads(count):
 def progress_bar(iterable=None, enabled=True, **kwargs):
     """A tqdm progress bar (on stderr), or the bare iterable when ``enabled`` is False."""
     return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kwargs)
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Restores the random states of Python, NumPy and torch on leaving the block, so that a
+    warm-up run inside it takes no draws from the measured run that follows."""
+    state = pyro.util.get_rng_state()
+    try:
+        yield
+    finally:
+        pyro.util.set_rng_state(state)
 
 
 class Stopwatch:

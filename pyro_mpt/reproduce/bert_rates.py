@@ -176,6 +176,20 @@ def _train(model, data, cfg, rate, seed, device, bar):
     )
 
 
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+
+def _warm_up(data, cfg, rate, seed, device):
+    """One training step of a throwaway model, so that one-off costs (the trainer's set-up,
+    torch's first calls) are not charged to the training seconds of the first scheme timed.
+    The random state is restored: the runs are unchanged."""
+    with common.preserved_rng():
+        model = _model(cfg, data["tokenizer"], seed).to(device)
+        _train(model, data, dict(cfg, steps=1, warmup=0), rate, seed, device, _NoBar())
+
+
 def _measure(cfg, device, seed, progress):
     """Every scheme's record, and the untrained model's, at every seed; and the last seed's
     data."""
@@ -187,6 +201,7 @@ def _measure(cfg, device, seed, progress):
             model = _model(cfg, data["tokenizer"], run_seed).to(device)
             runs["random init"].append(evaluate_masked_lm(model, data, cfg, run_seed, device))
             for name, rate in SCHEMES.items():
+                _warm_up(data, cfg, rate, run_seed, device)
                 model = _model(cfg, data["tokenizer"], run_seed).to(device)
                 trained = _train(model, data, cfg, rate, run_seed, device, bar)
                 trained.update(evaluate_masked_lm(model, data, cfg, run_seed, device))

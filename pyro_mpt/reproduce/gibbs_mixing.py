@@ -97,9 +97,14 @@ def _mixing_rows(label, key, cfg, seed, bar, model, draw, conditionals, statisti
     rows = []
     for k in cfg["sizes"]:
         for joint in (True, False):
+            options = dict(num_steps=cfg["steps"], conditionals=conditionals, progress=False)
+            # Warm-up: one untimed step from other starts, the random state restored after,
+            # so that one-off costs are not charged to the first update timed.
+            with common.preserved_rng():
+                warm = dict(options, num_steps=1)
+                gibbs(model, draw(cfg["chains"]), block_size=k, joint=joint, **warm)
             common.seed_everything(common.derived_seed(seed, key, k, joint))
             x = draw(cfg["chains"])
-            options = dict(num_steps=cfg["steps"], conditionals=conditionals, progress=False)
             with common.Stopwatch() as watch:
                 chain = gibbs(model, x, block_size=k, joint=joint, **options)[1:]
             stat = statistic(chain).T  # (chains, draws)

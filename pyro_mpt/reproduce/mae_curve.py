@@ -145,6 +145,12 @@ def _one_seed(cfg, run_seed, device, progress, bar):
     models = {"random init.": _model(cfg, common.derived_seed(run_seed, 1)).to(device)}
     losses, seconds = {}, {}
     for key, (name, rate) in enumerate(RATES.items()):
+        # Warm-up: one step of a throwaway model, the random state restored after, so that
+        # one-off costs are not charged to the training seconds of the first rate timed.
+        with common.preserved_rng():
+            warm = _model(cfg, common.derived_seed(run_seed, 1)).to(device)
+            batch = data[0][: cfg["batch"]]
+            train_mae(warm, batch, rate=rate, batch_size=cfg["batch"], lr=cfg["lr"], progress=False)
         model = _model(cfg, common.derived_seed(run_seed, 1)).to(device)
         order = torch.Generator().manual_seed(common.derived_seed(run_seed, 2))
         common.seed_everything(common.derived_seed(run_seed, 4, key))
