@@ -41,6 +41,7 @@ from pyro_mpt.reproduce.results_blocks_benchmarks import (
     benchmarks_block,
 )
 from pyro_mpt.reproduce.results_blocks_coherence import coherence_block
+from pyro_mpt.reproduce.results_blocks_notes import gp_decoder_summary_block
 from pyro_mpt.reproduce.results_blocks_ppca import (
     ppca_curve_training_block,
     ppca_table1_block,
@@ -84,6 +85,7 @@ BLOCKS = {
     "vae-deep": vae_deep_block,
     "vae-compare": vae_compare_block,
     "gp-decoder": gp_decoder_block,
+    "gp-decoder-summary": gp_decoder_summary_block,
     "bert-curve": bert_curve_block,
     "mae-curve": mae_curve_block,
     "bert-rates": bert_rates_block,
