@@ -54,6 +54,19 @@ def test_rows_take_the_final_figures_and_the_mean_epoch_time():
     assert [tuple(row[k] for k in KEYS) for row in rows] == EXPECTED
 
 
+def test_seeded_deep_rows_take_vae_deeps_step_time_times_the_steps_of_an_epoch():
+    runs = {
+        name: dict(r, step_seconds=step) for (name, r), step in zip(DEEP["runs"].items(), (0.5, 2))
+    }
+    seeded = dict(DEEP, config=dict(N=60, batch=25, eval_samples=7), runs=runs)
+    rows = vae_compare.comparison_rows(LINEAR, seeded)
+    # ceil(60 / 25) = 3 steps per epoch, by hand.
+    assert [row["seconds_per_epoch"] for row in rows[2:]] == [1.5, 6.0]
+    assert [row["timing"] for row in rows] == [vae_compare.EPOCH_WALL_TIME] * 2 + [
+        vae_compare.STEP_TIMES_STEPS
+    ] * 2
+
+
 def test_deep_rows_of_the_seeded_layout_are_named_for_importance_sampling():
     seeded = dict(DEEP, config=dict(N=60, eval_samples=7))
     models = [row["model"] for row in vae_compare.comparison_rows(LINEAR, seeded)]
@@ -80,7 +93,8 @@ def test_run_passes_its_options_on_and_writes_the_table(tmp_path, monkeypatch, c
     assert calls["deep"] == (str(tmp_path), deep_options)
     saved = json.loads((tmp_path / "vae-compare.json").read_text())
     assert [tuple(row[k] for k in KEYS) for row in saved["rows"]] == EXPECTED
-    assert saved["sources"] == dict(linear=LINEAR["outputs"], deep=DEEP["outputs"])
+    # The result files only: no figure is committed beside them.
+    assert saved["sources"] == dict(linear="vae-linear.json", deep="vae-deep.json")
     assert (tmp_path / "vae-compare.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "linear VAE N=40, deep VAE N=60" in out and "S=7" in out
