@@ -1,0 +1,71 @@
+"""Rendered sentences and captions that quote figures of a result file: the figures and the
+gaps they state, from small hand-made result files."""
+
+import json
+
+from pyro_mpt.reproduce.results_blocks_notes import gp_decoder_summary_block
+from pyro_mpt.reproduce.results_blocks_sampling import ppca_curve_block
+from pyro_mpt.reproduce.results_blocks_transformers import _final_fall_text
+from pyro_mpt.reproduce.results_format import Context
+
+MANIFEST = dict(
+    command="pyro-mpt reproduce NAME --threads 1",
+    size="default",
+    seconds=12.0,
+    date="2026-01-01",
+    torch="x",
+    cpu_count=2,
+)
+
+
+def _context(tmp_path, source, file_name, result):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / file_name).write_text(json.dumps(result))
+    manifest = {source: dict(MANIFEST, files=[file_name])}
+    (results / "manifest.json").write_text(json.dumps(manifest))
+    return Context(tmp_path, "md")
+
+
+def test_gp_decoder_summary_states_the_figures_and_gaps_of_one_seed(tmp_path):
+    quality = {
+        "MPT |R|=128": dict(lml_per_image=200.0, held_out_lpd=0.25),
+        "MPT uniform": dict(lml_per_image=210.5, held_out_lpd=0.3),
+        "exact LML": dict(lml_per_image=250.0, held_out_lpd=0.2),
+    }
+    timing = {"MPT |R|=128": [0.1, 0.2], "MPT uniform": [0.1, 0.5], "exact LML": [0.1, 1.0]}
+    result = dict(config=dict(context=128, sizes=[256, 512]), quality=quality, timing=timing)
+    text = gp_decoder_summary_block(_context(tmp_path, "gp-decoder", "gp-decoder.json", result))
+    assert text.startswith("From one seed")
+    # Gaps by hand: 250.0 - 210.5 = 39.5 and 250.0 - 200.0 = 50.0.
+    assert "reaches 210.5, 39.5 nats per image below it" in text
+    assert "(|R|=128) reaches 200.0, 50.0 nats per image below it" in text
+    assert "At N=512" in text and "0.500 s (uniform, 0.50×)" in text and "1.000 s" in text
+    assert "0.300 and 0.250 nats per pixel against its 0.200" in text
+
+
+def test_ppca_curve_block_gives_area_minus_exact_lml(tmp_path):
+    panels = [
+        dict(latent_dim=5, num_masks=1, log_marginal=-10.0, area=-10.75, seconds=0.5),
+        dict(latent_dim=5, num_masks=100, log_marginal=-10.0, area=-9.875, seconds=4.0),
+    ]
+    result = dict(config=dict(N=20, D=8, noise_var=0.2), panels=panels)
+    text = ppca_curve_block(_context(tmp_path, "ppca-curve", "ppca-curve.json", result))
+    assert "| 5 | 1 | −10.750 | −10.000 | −0.750 | 0.5 |" in text
+    assert "| 5 | 100 | −9.875 | −10.000 | +0.125 | 4.0 |" in text
+
+
+def test_bert_rates_caption_gives_the_fall_over_the_last_fifth_of_training():
+    steps = [200, 400, 600, 800, 1000]
+    runs = {
+        "fixed": [dict(loss_steps=steps, loss=[5, 4, 3, 2.5, 2.0])],  # 2.5 -> 2.0 from 800
+        "uniform": [
+            dict(loss_steps=steps, loss=[5, 5, 5, 5.0, 4.0]),
+            dict(loss_steps=steps, loss=[5, 5, 5, 4.5, 4.0]),
+        ],
+    }
+    res = dict(summary={"fixed": {}, "uniform": {}}, runs=runs)
+    text = _final_fall_text(res, dict(steps=1000))
+    # Means by hand: fixed 0.5; uniform (1.0 + 0.5) / 2 = 0.75.
+    assert "still fell by 0.50 (fixed), 0.75 (uniform) nats per token" in text
+    assert "had not levelled off" in text
