@@ -6,9 +6,11 @@ import warnings
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import pytest
 import torch
 from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import Importance, Quadrature
@@ -129,3 +131,53 @@ def test_a_larger_latent_names_the_misspelled_site_and_runs_once_renamed():
     assert messages == []
     assert isinstance(loss.conditionals.chosen, Importance)
     assert torch.isfinite(torch.tensor(value))
+
+
+def test_the_missing_part_of_an_observation_sampled_by_an_autoguide_is_no_extra_site():
+    x = torch.randn(10, 3)
+    observed = torch.rand(10, 3) > 0.3
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("features", x.shape[-1], dim=-1):
+                pyro.sample("x", dist.Normal(z, 1.0), obs=x, obs_mask=observed)
+
+    guide = AutoNormal(model)
+    _, elbo_messages = _call(lambda: Trace_ELBO().loss(model, guide, x))
+    assert elbo_messages == []  # the guide samples z and x_unobserved, as the model does
+    assert "x_unobserved" in poutine.trace(guide).get_trace(x).nodes
+    _, messages = _call(lambda: MPTLoss().loss(model, guide, x))
+    assert messages == []
+    # Checked directly: the guide's x_unobserved is a site of the model, not an extra one.
+    _, messages = _call(lambda: check_guide_sites(model, AutoNormal(model), (x,), {}, 1))
+    assert messages == []
+
+
+def test_a_guide_that_fails_is_left_to_the_conditionals_that_run_it():
+    model, _ = _bernoulli_vae(latent_dim=2)
+
+    def broken_guide(x):
+        raise RuntimeError("not this one")
+
+    _, messages = _call(lambda: check_guide_sites(model, broken_guide, (_data(),), {}, 1))
+    assert messages == []
+
+
+def test_a_no_op_guide_is_not_reported():
+    model, _ = _bernoulli_vae(latent_dim=2)
+    _, messages = _call(lambda: check_guide_sites(model, lambda x: None, (_data(),), {}, 1))
+    assert messages == []
+    # One site is enough to compare: the other latent is reported missing.
+    model, guide = _bernoulli_vae(latent_dim=2, guide_site="latent")
+
+    def model_two(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("latent", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            other = pyro.sample("other", dist.Normal(0.0, 1.0))
+            logits = z.sum(-1, keepdim=True) + other.unsqueeze(-1)
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    _, messages = _call(lambda: check_guide_sites(model_two, guide, (_data(),), {}, 1))
+    assert len(messages) == 1 and messages[0].startswith("Found vars in model but not guide")
+    assert "{'other'}" in messages[0]
