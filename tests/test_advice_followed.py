@@ -266,7 +266,7 @@ def test_auto_advises_what_gets_past_it():
     message = str(caught.value)
     assert "Use conditionals='auto'" not in message
     assert "Observed site 'x' has a Bernoulli likelihood" in message  # the reasons stay
-    assert "needs a guide passed to MPTLoss that samples every local latent" in message
+    assert "needs a guide that samples every local latent" in message
     assert "AutoNormal(model)" in message
     # The advice: a guide that samples every latent.
     with pytest.warns(UserWarning):  # AutoNormal's first, narrow proposal may be flagged

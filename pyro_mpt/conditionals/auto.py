@@ -190,9 +190,10 @@ class Auto(Conditionals):
             + "\nFix what stops the strategy that suits the model: 'exact' for a Normal "
             "likelihood affine in Normal latents, 'quadrature' for at most 3 latent dimensions "
             "with Normal (or transformed Normal) priors, and otherwise 'importance', which "
-            "needs a guide passed to MPTLoss that samples every local latent of the model "
-            "(an amortized q(z | x), e.g. AutoNormal(model) for small data). Then call again "
-            "(with conditionals='auto', or that strategy by name)."
+            "needs a guide that samples every local latent of the model (an amortized "
+            "q(z | x), or AutoNormal(model)): pass it to the SVI or MPTLoss call (guide= of "
+            "log_marginal). Then call again (with conditionals='auto', or that strategy by "
+            "name)."
         )
 
     def _best_rule(self, call):
