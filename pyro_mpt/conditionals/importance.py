@@ -8,10 +8,11 @@ from typing import NamedTuple
 
 import torch
 from pyro.infer.util import is_validation_enabled
+from pyro.poutine import replay
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import ImportanceAccuracyWarning, check_positive_int
-from pyro_mpt.infer.defensive_proposal import GUIDE_FN
+from pyro_mpt.infer.defensive_proposal import GUIDE_FN, defensive_discrete
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.guided_model import (
     observed_tensor,
@@ -20,7 +21,7 @@ from pyro_mpt.infer.guided_model import (
     run_guided,
     sites_log_density,
 )
-from pyro_mpt.infer.trace_utils import unwrap_independent
+from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 from pyro_mpt.ops.jackknife_importance import (
@@ -33,6 +34,11 @@ from pyro_mpt.ops.self_normalised_importance import (
     fill_masked,
     importance_log_conditionals,
     importance_log_marginal,
+)
+from pyro_mpt.ops.shared_sample_importance import (
+    context_log_likelihoods,
+    mixture_log_density,
+    shared_sample_log_conditionals,
 )
 
 __all__ = [
@@ -170,12 +176,13 @@ class ImportanceSelfPredictive(SelfPredictive):
         :meth:`log_prob` or :meth:`log_marginal`, or None before the first.
     """
 
-    def __init__(self, guided, num_samples, fill, debias=None):
+    def __init__(self, guided, num_samples, fill, debias=None, share_samples=False):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_samples = num_samples
         self.fill = fill
         self.debias = debias
+        self.share_samples = share_samples
         self.diagnostics = None
         self._proposal_terms = None
 
@@ -194,9 +201,60 @@ class ImportanceSelfPredictive(SelfPredictive):
         self._proposal_terms = (guide_trace, lead)
         return log_p - log_q, observed_tensor(ll, guided, lead)
 
+    def _sample_shared(self, filled, hidden):
+        """Guide samples for the ``P`` masks of each observation, pooled: ``S`` draws from
+        each mask's proposal, all ``S * P`` used by every mask against the equal mixture
+        of the ``P`` proposals (multiple importance sampling with the balance heuristic;
+        Veach & Guibas, 1995). Every mask gets ``P`` times the samples, and the model runs
+        once per pooled draw instead of once per draw and mask.
+
+        :returns: ``(log p(z) - log q_mix(z), l)`` of shapes ``(S * P,) + batch`` and
+            ``(S * P,) + batch + (D,)``, or None when a latent is not drawn per mask and
+            observation (nothing to pool).
+        """
+        guided, num_samples = self.guided, self.num_samples
+        num_masks = filled.shape[0]
+        pooled_size = num_samples * num_masks
+        drawn, _ = run_guided(guided, filled, num_samples, replay_model=False, hidden=hidden)
+        names = latent_sites(drawn)
+        if any(drawn.nodes[n]["value"].shape[:2] != (num_samples, num_masks) for n in names):
+            return None
+        pooled, every = drawn.copy(), drawn.copy()
+        for name in names:
+            value = drawn.nodes[name]["value"]
+            merged = value.reshape((pooled_size, 1) + value.shape[2:])
+            pooled.nodes[name] = dict(drawn.nodes[name], value=merged)
+            expanded = merged.expand((pooled_size, num_masks) + value.shape[2:])
+            every.nodes[name] = dict(drawn.nodes[name], value=expanded)
+        # log q_p(z_s) of every pooled draw under every mask's proposal; the guide's own
+        # sites are replayed with the defensive mixtures the draws came from.
+        proposals = guided._replace(guide=replay(defensive_discrete(guided.guide), trace=every))
+        scored, _ = run_guided(proposals, filled, pooled_size, replay_model=False, hidden=hidden)
+        lead = (pooled_size, num_masks)
+        log_q_mix = mixture_log_density(proposal_log_density(scored, guided, lead))
+        # The model at each pooled draw once (any mask's filled data: the model reads none).
+        at_draws = guided._replace(guide=replay(defensive_discrete(guided.guide), trace=pooled))
+        _, model_trace = run_guided(at_draws, filled[:1], pooled_size, hidden=hidden[:1])
+        check_factors(guided.local, model_trace, "importance sampling")
+        lead = (pooled_size, 1)
+        log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
+        site = model_trace.nodes[self.observed.name]
+        ll = observed_tensor(log_prob(unwrap_independent(site["fn"]), site["value"]), guided, lead)
+        self._proposal_terms = (scored, (pooled_size, num_masks))
+        return log_p[:, 0] - log_q_mix, ll[:, 0]
+
     def log_prob(self, masks):
         context = self.context(masks)
-        log_w, ll = self._sample(fill_masked(self.observed.value, ~context, self.fill), ~context)
+        filled, hidden = fill_masked(self.observed.value, ~context, self.fill), ~context
+        if self.share_samples and filled.shape[0] > 1:
+            shared = self._sample_shared(filled, hidden.expand(filled.shape))
+            if shared is not None:
+                log_w, ll = shared
+                context = context.expand(filled.shape)
+                log_joint = log_w.unsqueeze(1) + context_log_likelihoods(ll, context)
+                self._record(log_joint.detach(), self.observed.entries)
+                return shared_sample_log_conditionals(log_joint, ll)
+        log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
         log_joint = log_w.detach() + masked_sum(ll.detach(), context)
         self._record(log_joint, self.observed.entries)
@@ -324,8 +382,19 @@ class Importance(Conditionals):
     name = "importance"
     guide_loss = "wake"
 
-    def __init__(self, num_samples=64, fill="zeros", debias=None):
+    def __init__(self, num_samples=64, fill="zeros", debias=None, share_samples=False):
         self.num_samples = check_positive_int("num_samples", num_samples)
+        if share_samples not in (True, False):
+            raise ValueError(
+                f"share_samples must be True or False, got {share_samples!r}. True pools the "
+                f"samples of an observation's masks (MPTLoss(num_masks=P) with P > 1)."
+            )
+        if share_samples and debias is not None:
+            raise ValueError(
+                f"debias={debias!r} and share_samples=True cannot be combined: the jackknife "
+                f"leaves out one sample of a mask's own set. Use one of them."
+            )
+        self.share_samples = bool(share_samples)
         self.fill = check_fill(fill)
         if debias not in DEBIAS:
             raise ValueError(
@@ -341,8 +410,11 @@ class Importance(Conditionals):
 
     def __repr__(self):
         debias = "" if self.debias is None else f", debias={self.debias!r}"
-        return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias})"
+        shared = ", share_samples=True" if self.share_samples else ""
+        return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, "importance")
-        return ImportanceSelfPredictive(guided, self.num_samples, self.fill, self.debias)
+        return ImportanceSelfPredictive(
+            guided, self.num_samples, self.fill, self.debias, self.share_samples
+        )

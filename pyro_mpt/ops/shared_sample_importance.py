@@ -1,0 +1,82 @@
+"""Self-normalised importance conditionals of several masks of one observation from one
+shared set of samples (multiple importance sampling, :ref:`theory-importance`).
+
+When the ``P`` masks of an observation pool their draws, every sample's per-feature
+log-likelihoods ``l_sj`` are the same for all masks; only the context, and so the weights,
+differ. The sums over features and over samples are then matrix products, and no tensor of
+shape ``(S, P) + batch + (D,)`` is ever formed: the cost is that of ``S`` rows per
+observation instead of ``S * P``.
+
+This module is pure tensor code: no Pyro effects.
+"""
+
+import math
+
+import torch
+
+__all__ = [
+    "context_log_likelihoods",
+    "mixture_log_density",
+    "shared_sample_log_conditionals",
+]
+
+#: Stands in for ``-inf`` log-likelihoods in sums over the context: a sample impossible at
+#: a context feature gets a log weight of about this, so a weight of 0, and a feature
+#: outside the context (multiplied by 0) adds 0 instead of NaN.
+_VERY_UNLIKELY = -1e30
+
+
+def _rows(tensor, lead):
+    """``tensor`` with its batch dims (after ``lead`` dims, before the last) flattened."""
+    return tensor.reshape(tensor.shape[:lead] + (-1, tensor.shape[-1]))
+
+
+def context_log_likelihoods(log_likelihoods, context):
+    """``sum_{j in R_p} l_sj`` for every sample ``s`` and mask ``p``.
+
+    :param torch.Tensor log_likelihoods: ``l_sj``, shape ``(S,) + batch + (D,)``.
+    :param torch.Tensor context: 1/True at the context features of each mask, shape
+        ``(P,) + batch + (D,)``.
+    :returns: a tensor of shape ``(S, P) + batch``.
+    """
+    batch = log_likelihoods.shape[1:-1]
+    ll = _rows(log_likelihoods.clamp(min=_VERY_UNLIKELY), 1)  # (S, N, D)
+    ctx = _rows(context.to(ll.dtype).expand((context.shape[0],) + log_likelihoods.shape[1:]), 1)
+    out = torch.einsum("snd,pnd->spn", ll, ctx)
+    return out.reshape(out.shape[:2] + batch)
+
+
+def shared_sample_log_conditionals(log_joint, log_likelihoods):
+    """``log p(x_j | x_{R_p})`` for every mask ``p`` and feature ``j`` from shared samples.
+
+    :param torch.Tensor log_joint: ``log p(z_s, x_{R_p}) - log q(z_s)`` (up to a constant
+        per mask and observation), shape ``(S, P) + batch``.
+    :param torch.Tensor log_likelihoods: ``l_sj = log p(x_j | z_s)``, shape
+        ``(S,) + batch + (D,)``.
+    :returns: ``log sum_s wbar_sp exp(l_sj)`` with ``wbar`` the weights normalised over
+        samples, shape ``(P,) + batch + (D,)``. Equal to
+        :func:`~pyro_mpt.ops.self_normalised_importance.plain_importance_log_conditionals`
+        given the log-likelihoods repeated for every mask.
+    """
+    batch = log_likelihoods.shape[1:-1]
+    num_samples, num_masks = log_joint.shape[:2]
+    weights = torch.softmax(log_joint.reshape(num_samples, num_masks, -1), 0)  # (S, P, N)
+    ll = _rows(log_likelihoods, 1)  # (S, N, D)
+    # Each feature shifted by its largest log-likelihood over samples; a feature impossible
+    # under every sample keeps its -inf (a shift of 0).
+    shift = ll.detach().amax(0)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    scaled = torch.exp(ll - shift)
+    predictive = torch.einsum("spn,snd->pnd", weights, scaled)
+    out = predictive.log() + shift
+    return out.reshape((num_masks,) + batch + out.shape[-1:])
+
+
+def mixture_log_density(log_densities):
+    """``log (1/P) sum_p q_p(z_s)``, the density of the equal mixture of ``P`` proposals
+    from which pooled samples were drawn in equal numbers (the balance heuristic).
+
+    :param torch.Tensor log_densities: ``log q_p(z_s)``, shape ``(S, P) + batch``.
+    :returns: a tensor of shape ``(S,) + batch``.
+    """
+    return torch.logsumexp(log_densities, 1) - math.log(log_densities.shape[1])
