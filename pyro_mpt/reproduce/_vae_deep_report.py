@@ -142,7 +142,8 @@ def report(cfg, measured):
         f"{target['question']}\nDeep VAE on MNIST, N={cfg['N']} training and {cfg['N_test']} "
         f"held-out images, {cfg['hidden']} hidden units, Adam lr {cfg['lr']}, batch "
         f"{cfg['batch']}, {cfg['epochs']} epochs, S={cfg['train_samples']} importance samples "
-        f"and IWAE particles, {cfg['seeds']} seeds (mean ± sd). Held-out LML: a fresh encoder "
+        f"(pooled over {cfg.get('train_masks', 1)} masks per image) and IWAE particles, "
+        f"{cfg['seeds']} seeds (mean ± sd). Held-out LML: a fresh encoder "
         f"fitted to each frozen decoder ({cfg['refit_steps']} steps of IWAE, "
         f"k={cfg['refit_samples']}), then the IWAE bound with S={cfg['final_samples']}."
     )

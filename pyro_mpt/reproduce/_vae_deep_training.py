@@ -81,9 +81,11 @@ ALL_METHODS = {**SMALL_LATENT_METHODS, **METHODS, **GAUSSIAN_METHODS}
 
 def make_loss(method, cfg):
     """The training loss of one row (a value of :data:`ALL_METHODS`): ``Trace_ELBO``, the
-    IWAE bound ``RenyiELBO(alpha=0, num_particles=S)``, or
-    ``MPTLoss(rate="uniform", conditionals=Importance(num_samples=S), guide_loss=...)``,
-    with ``S = cfg["train_samples"]``."""
+    IWAE bound ``RenyiELBO(alpha=0, num_particles=S)``, or ``MPTLoss(rate="uniform",
+    num_masks=P, conditionals=Importance(num_samples=S // P, share_samples=True),
+    guide_loss=...)``, with ``S = cfg["train_samples"]`` and ``P = cfg["train_masks"]``
+    (1 when absent): ``P`` masks per image whose draws are pooled, so that every mask's
+    conditionals use ``S`` samples and the model runs ``S`` times per image, as IWAE's."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -92,9 +94,11 @@ def make_loss(method, cfg):
             alpha=0, num_particles=samples, vectorize_particles=True, max_plate_nesting=1
         )
     if kind == "mpt":
+        masks = cfg.get("train_masks", 1)
         return MPTLoss(
             rate="uniform",
-            conditionals=Importance(num_samples=samples),
+            num_masks=masks,
+            conditionals=Importance(num_samples=samples // masks, share_samples=masks > 1),
             guide_loss=method["guide_loss"],
             max_plate_nesting=1,
         )
