@@ -184,7 +184,10 @@ def _vae_deep_block_one_seed(ctx, res):
     return "\n\n".join([caption, ctx.table(headers, rows), note])
 
 
-VAE_DEEP_MPT_LOSS = 'MPTLoss(rate="uniform", conditionals=Importance(num_samples=S))'
+VAE_DEEP_MPT_LOSS = (
+    'MPTLoss(rate="uniform", num_masks=P, conditionals=Importance(num_samples=S // P, '
+    "share_samples=True))"
+)
 #: vae-deep (loss kind, guide_loss) -> what trains the encoder, as the table names it.
 VAE_DEEP_GUIDE = {
     ("elbo", None): "ELBO",
@@ -251,7 +254,8 @@ def vae_deep_block(ctx):
         f"{ctx.code('Trace_ELBO')}, by the IWAE bound "
         f"({ctx.code('RenyiELBO(alpha=0, num_particles=S)')}) and by "
         f"{ctx.code(VAE_DEEP_MPT_LOSS)} "
-        f"with each {ctx.code('guide_loss')}, S={cfg['train_samples']}; {seeds} seeds from "
+        f"with each {ctx.code('guide_loss')}, S={cfg['train_samples']}, "
+        f"P={cfg.get('train_masks', 1)}; {seeds} seeds from "
         f"one initialisation per seed and group, mean ± sd. Held-out LML per image in nats, "
         f"favouring no run's own encoder: a fresh encoder, from the same initialisation, "
         f"fitted to each frozen decoder by the IWAE bound (k={cfg['refit_samples']}, "
