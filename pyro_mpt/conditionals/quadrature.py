@@ -1,6 +1,10 @@
 """Self-predictive conditionals by numerical integration over a low-dimensional latent."""
 
 import math
+import numbers
+import os
+
+import torch
 
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.quadrature_self_predictive import quadrature_self_predictive
@@ -11,11 +15,17 @@ from pyro_mpt.infer.trace_utils import unwrap_independent
 from pyro_mpt.infer.whitened_latents import run_at_points
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
 
-__all__ = ["MAX_POINTS", "Quadrature"]
+__all__ = ["MAX_POINTS", "MEMORY_FRACTION", "Quadrature"]
 
 
 #: The most nodes per dimension: Gauss-Hermite weights underflow beyond a few hundred.
 MAX_POINTS = 200
+#: The share of the memory available on the device that a run evaluating the likelihood of
+#: every observation at every node may need, by the estimate, unless ``max_memory_gb`` says.
+MEMORY_FRACTION = 0.5
+#: ``(G, N, D)`` tensors such a run holds at once, at least: the likelihood's parameters,
+#: the log-likelihoods, and the gradients of both.
+_PER_OBSERVATION_TENSORS = 4
 
 
 class Quadrature(Conditionals):
@@ -44,7 +54,16 @@ class Quadrature(Conditionals):
     Each call runs the model once at the nodes, with every latent drawn through its own
     prior at the nodes of the whitened space (:mod:`pyro_mpt.infer.whitened_latents`), so
     hierarchical latents are integrated right; the first call with a model (and argument
-    shapes) also traces it once to read its structure.
+    shapes) also traces it once to read its structure. A prior whose parameters are the same
+    for every observation keeps its nodes shared whether it is broadcast along the data
+    plate (``Normal(torch.zeros(K), 1)``) or materialised with equal rows
+    (``Normal(x.new_zeros(N, K), x.new_ones(N, K))``); the rows are compared on every call.
+
+    A run that evaluates the likelihood of every observation at every node (a prior or
+    likelihood parameters that differ per observation, or ``center="guide"``) is estimated
+    first, at ``4 G N D`` numbers of the data's dtype, and refused with a
+    :class:`~pyro_mpt.errors.NotApplicableError` naming the estimate and the fix when it
+    exceeds ``max_memory_gb`` (``conditionals="auto"`` then moves on to importance sampling).
 
     :param int num_points: nodes per latent dimension.
     :param int max_latent_dim: the largest total latent dimension ``K`` accepted
@@ -57,6 +76,10 @@ class Quadrature(Conditionals):
         data, so the conditionals of heavily masked inputs, whose posterior is broader, can
         fall outside them: ``conditionals="auto"`` never picks this rule. Needs ``Normal``
         priors and a guide with ``Normal`` latents; no gradient flows into the guide.
+    :param float max_memory_gb: the most memory, in GB (``1e9`` bytes), that a run evaluating
+        the likelihood of every observation at every node may need by the estimate; ``None``
+        (the default): :data:`MEMORY_FRACTION` of the memory available on the data's device
+        when the run starts.
 
     .. note:: Latents must have ``Normal``, ``MultivariateNormal`` or transformed-normal
         (e.g. ``LogNormal``) priors, possibly depending on other latents, and sit inside
@@ -71,7 +94,7 @@ class Quadrature(Conditionals):
 
     name = "quadrature"
 
-    def __init__(self, num_points=20, max_latent_dim=3, center="prior"):
+    def __init__(self, num_points=20, max_latent_dim=3, center="prior", max_memory_gb=None):
         self._structure = RememberedStructure()
         num_points = check_positive_int("num_points", num_points, "e.g. num_points=20.")
         if num_points > MAX_POINTS:
@@ -84,9 +107,19 @@ class Quadrature(Conditionals):
                 f"center must be 'prior' or 'guide', got {center!r}: 'prior' places the nodes "
                 f"under the latents' prior, 'guide' at the guide's q(z | x)."
             )
+        if max_memory_gb is not None and (
+            isinstance(max_memory_gb, bool)
+            or not isinstance(max_memory_gb, numbers.Real)
+            or not max_memory_gb > 0
+        ):
+            raise ValueError(
+                f"max_memory_gb must be a positive number of GB or None (a share of the "
+                f"available memory), got {max_memory_gb!r}; e.g. max_memory_gb=8."
+            )
         self.num_points = int(num_points)
         self.max_latent_dim = int(max_latent_dim)
         self.center = center
+        self.max_memory_gb = None if max_memory_gb is None else float(max_memory_gb)
 
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
@@ -128,8 +161,76 @@ class Quadrature(Conditionals):
                 raise NotApplicableError("quadrature with center='guide' needs a guide.")
             center, scale = whitened_guide(model, guide, args, kwargs, structure)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
-        run = run_at_points(model, args, kwargs, structure, nodes)
-        prepared = quadrature_self_predictive(run, log_weights)
+        memory_check = self._memory_check(structure, latent_dim)
+        run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
+        prepared = quadrature_self_predictive(run, log_weights, memory_check)
         prepared.latent_dim = latent_dim
         prepared.nodes = nodes  # whitened points (G, K), or (G,) + batch + (K,) at the guide
         return prepared
+
+    def _memory_check(self, structure, latent_dim):
+        """A check, ``check(num_nodes, dtype)``, that raises before a run evaluates the
+        likelihood of every observation at ``num_nodes`` nodes when its estimated memory is
+        above the limit."""
+        observed = structure.observed
+        num_obs, num_features = math.prod(observed.batch_shape), observed.num_features
+        device = observed.value.device
+
+        def check(num_nodes, dtype):
+            per_node = num_obs * num_features * dtype.itemsize * _PER_OBSERVATION_TENSORS
+            needed = num_nodes * per_node
+            if self.max_memory_gb is not None:
+                limit, source = self.max_memory_gb * 1e9, f"max_memory_gb={self.max_memory_gb:g}"
+            else:
+                available = _available_memory(device)
+                if available is None:
+                    return
+                limit = MEMORY_FRACTION * available
+                source = (
+                    f"{MEMORY_FRACTION:g} of the {available / 1e9:.1f} GB available on "
+                    f"{device.type}, MEMORY_FRACTION"
+                )
+            if needed <= limit:
+                return
+            fits = math.floor((limit / per_node) ** (1 / latent_dim) + 1e-9)
+            fewer = (
+                f"fewer nodes (num_points={min(fits, self.num_points - 1)} fits this batch)"
+                if fits >= 2
+                else "fewer nodes"
+            )
+            raise NotApplicableError(
+                f"{self!r} would evaluate the likelihood of each of the {num_obs} observations "
+                f"at each of its {num_nodes} nodes (num_points={self.num_points}, K="
+                f"{latent_dim}), because the latents' prior or the likelihood's parameters "
+                f"differ between observations (or center='guide'). That needs an estimated "
+                f"{needed / 1e9:.3g} GB ({num_nodes} nodes x {num_obs} observations x "
+                f"{num_features} features x {dtype.itemsize} bytes x "
+                f"{_PER_OBSERVATION_TENSORS} tensors), above the limit of {limit / 1e9:.3g} "
+                f"GB ({source}). Use {fewer}, a smaller batch, or conditionals='importance'; "
+                f"or raise max_memory_gb if the memory is there."
+            )
+
+        return check
+
+
+def _available_memory(device):
+    """Bytes of memory available for new tensors on ``device``: free GPU memory plus what
+    PyTorch's allocator holds unused, or the host's available memory (Linux); ``None``
+    where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

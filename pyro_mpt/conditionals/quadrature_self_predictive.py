@@ -134,13 +134,19 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
         return super().node_log_joint()
 
 
-def quadrature_self_predictive(run, log_weights):
-    """The :class:`SelfPredictive` of a model run at the nodes."""
+def quadrature_self_predictive(run, log_weights, memory_check=None):
+    """The :class:`SelfPredictive` of a model run at the nodes.
+
+    :param memory_check: if given, called as ``memory_check(num_nodes, dtype)`` before the
+        log-likelihood of every observation at every node is formed (it may raise).
+    """
     observed, scale, fn, extra = run.observed, run.scale, run.fn, run.extra_log_prob
     if log_weights.dim() == 1:
         tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra)
         if tabulated is not None:
             return tabulated
+    if memory_check is not None:
+        memory_check(log_weights.shape[0], log_weights.dtype)
     ll = unwrap_independent(fn).log_prob(observed.value.reshape(observed.full_shape))
     ll = flatten_tail(ll, observed.num_feature_dims)
     ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))

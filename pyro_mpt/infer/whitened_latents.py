@@ -11,7 +11,13 @@ that space, and hierarchies are right by construction.
 
 The model runs once inside an extra plate over the ``Q`` points, left of all its plates.
 Points shared by every observation keep the batch dims of size one where the priors are the
-same for every observation, so a decoder runs ``Q`` times rather than ``Q N`` times.
+same for every observation, so a decoder runs ``Q`` times rather than ``Q N`` times. A prior
+is the same for every observation when its parameters are broadcast along the data plate
+(``Normal(torch.zeros(K), 1)`` inside it) and also when they are materialised per
+observation with equal rows (``Normal(x.new_zeros(N, K), x.new_ones(N, K))``, as Pyro's VAE
+tutorial writes it): the rows are compared on every run, since the same call signature may
+bring different values, and parameters that need a gradient keep their rows (each row's
+gradient is its own observation's).
 """
 
 from typing import NamedTuple
@@ -68,24 +74,50 @@ def _narrow_broadcast_dims(tensor):
     return narrow_broadcast_dims(tensor, tensor.dim())
 
 
-def whiten(fn, u, name="latent"):
+def _narrow_equal_rows(tensor, dims, first=False):
+    """``tensor`` narrowed to its first row along each of ``dims`` (positions from the left)
+    where all its rows are equal, or along all of them with ``first=True``. A tensor that
+    needs a gradient keeps its rows: narrowed, every row's gradient would go to the first."""
+    if not first and tensor.requires_grad and torch.is_grad_enabled():
+        return tensor
+    for dim in dims:
+        if dim >= tensor.dim() or tensor.shape[dim] == 1:
+            continue
+        row = tensor.narrow(dim, 0, 1)
+        if first or bool((tensor == row).all()):
+            tensor = row
+    return tensor
+
+
+def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None):
     """The value of a latent with distribution ``fn`` at standard normal noise ``u``.
 
     :param fn: the site's distribution (``Normal``, ``MultivariateNormal``,
         ``LowRankMultivariateNormal``, a transformed one of these such as ``LogNormal``, any
         of them made an event with ``.to_event``).
     :param torch.Tensor u: noise broadcastable to the site's value shape.
+    :param narrow: applied to each parameter tensor of the prior before it maps ``u``; the
+        default narrows broadcast dims, so a prior shared by every observation stays one
+        copy.
+    :param check_shape: if given, called with the value's shape and dtype before the value
+        is formed (a memory check may raise there).
     :raises NotApplicableError: for another distribution.
     """
     base = unwrap_independent(fn)
     if isinstance(base, torch.distributions.Normal):
-        return _narrow_broadcast_dims(base.loc) + _narrow_broadcast_dims(base.scale) * u
+        loc, scale = narrow(base.loc), narrow(base.scale)
+        if check_shape is not None:
+            check_shape(torch.broadcast_shapes(loc.shape, scale.shape, u.shape), loc.dtype)
+        return loc + scale * u
     if isinstance(
         base,
         (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal),
     ):
-        tril = _narrow_broadcast_dims(base.scale_tril)
-        return _narrow_broadcast_dims(base.loc) + (tril @ u.unsqueeze(-1)).squeeze(-1)
+        loc, tril = narrow(base.loc), narrow(base.scale_tril)
+        if check_shape is not None:
+            shape = torch.broadcast_shapes(loc.shape, tril.shape[:-1], u.shape)
+            check_shape(shape, loc.dtype)
+        return loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
     if isinstance(base, torch.distributions.TransformedDistribution):
         inner = base.base_dist
         if inner.batch_shape + inner.event_shape != base.batch_shape + base.event_shape:
@@ -96,7 +128,7 @@ def whiten(fn, u, name="latent"):
                 f"transforms that keep it. Sample the normal latent with pyro.sample and apply "
                 f"the transform in the model, or use conditionals='importance' with a guide."
             )
-        z = whiten(inner, u, name)
+        z = whiten(inner, u, name, narrow, check_shape)
         for transform in base.transforms:
             z = transform(z)
         return z
@@ -113,13 +145,23 @@ def whiten(fn, u, name="latent"):
 
 
 class _LatentsAtPoints(Messenger):
-    """Sets each local latent, as it is sampled, to its prior's map of whitened points."""
+    """Sets each local latent, as it is sampled, to its prior's map of whitened points.
 
-    def __init__(self, structure, points, compact):
+    With ``compact`` points (shared by every observation, their dims of size one), a prior
+    whose parameters are equal along the observations' dims keeps one row, so the value
+    does too; ``first_rows=True`` takes every observation's prior from the first one, as the
+    check of the compact layout does. ``memory_check``, if given, is called as
+    ``memory_check(num_points, dtype)`` before a value that differs per observation is
+    formed: the run is then per observation, ``Q N`` evaluations of the model.
+    """
+
+    def __init__(self, structure, points, compact, first_rows=False, memory_check=None):
         super().__init__()
         self.structure = structure
         self.points = points
         self.compact = compact
+        self.first_rows = first_rows
+        self.memory_check = memory_check
         self.position = 0
         self.offset = 0
 
@@ -143,18 +185,47 @@ class _LatentsAtPoints(Messenger):
             )
         latent = latents[self.position]
         u = self.points[..., self.offset : self.offset + latent.size]
-        msg["value"] = whiten(msg["fn"], self._noise_shape(msg, latent, u), latent.name)
+        obs_dims = self._observation_dims(msg["fn"])
+        first_rows = self.first_rows
+
+        def narrow(tensor):
+            tensor = _narrow_broadcast_dims(tensor)
+            if self.compact or first_rows:
+                tensor = _narrow_equal_rows(tensor, obs_dims, first_rows)
+            return tensor
+
+        num_dims = len(msg["fn"].batch_shape + msg["fn"].event_shape)
+
+        def check_shape(shape, dtype):
+            if self.memory_check is not None and any(shape[d - num_dims] > 1 for d in obs_dims):
+                self.memory_check(self.points.shape[0], dtype)
+
+        u = self._noise_shape(msg, latent, u)
+        msg["value"] = whiten(msg["fn"], u, latent.name, narrow, check_shape)
         msg["done"] = True
         self.position += 1
         self.offset += latent.size
 
+    def _plate_batch(self, fn):
+        """``fn``'s batch shape within the model's plates, and how many of its leading dims
+        index observations."""
+        nesting = self.structure.max_plate_nesting
+        batch = fn.batch_shape[max(0, len(fn.batch_shape) - nesting) :]
+        data_dims = self.structure.data_dims
+        return batch, len(batch) + max(data_dims) + 1 if data_dims else 0
+
+    def _observation_dims(self, fn):
+        """The positions, from the left of ``fn``'s batch and event shape, of the dims that
+        index observations (right of the plate over points)."""
+        batch, num_obs = self._plate_batch(fn)
+        offset = len(fn.batch_shape) - len(batch)
+        return range(offset, offset + num_obs)
+
     def _noise_shape(self, msg, latent, u):
         """``u`` reshaped to the site's value shape inside the plate over points."""
         fn, nesting = msg["fn"], self.structure.max_plate_nesting
-        batch = fn.batch_shape[max(0, len(fn.batch_shape) - nesting) :]
+        batch, num_obs = self._plate_batch(fn)
         full = batch + fn.event_shape
-        data_dims = self.structure.data_dims
-        num_obs = len(batch) + max(data_dims) + 1 if data_dims else 0
         lead = full[:num_obs]
         if u.dim() == 2 and self.compact:
             lead = (1,) * len(lead)
@@ -162,18 +233,21 @@ class _LatentsAtPoints(Messenger):
         return u.reshape(u.shape[:1] + pad + tuple(lead) + full[num_obs:])
 
 
-def run_at_points(model, args, kwargs, structure, points):
+def run_at_points(model, args, kwargs, structure, points, memory_check=None):
     """Runs ``model`` with its local latents at whitened ``points``: ``(Q, K)`` shared by
     every observation, or ``(Q,) + batch + (K,)``. The first run of a structure checks the
     model first (:func:`_check_model_at_points`).
 
+    :param memory_check: if given, called as ``memory_check(num_points, dtype)`` before the
+        run forms latent values that differ per observation (it may raise to refuse a run
+        too large for memory).
     :returns: a :class:`PointsRun`.
     """
     layout = structure.point_layout
     if layout.shared is None:
         layout.shared = _check_model_at_points(model, args, kwargs, structure)
     shared = points.dim() == 2 and layout.shared
-    return _run(model, args, kwargs, structure, points, compact=shared)
+    return _run(model, args, kwargs, structure, points, shared, memory_check=memory_check)
 
 
 #: Random points of the checks of :func:`_check_model_at_points`; the first two are compared.
@@ -194,8 +268,10 @@ def _check_model_at_points(model, args, kwargs, structure):
     the likelihood and prior densities of plain runs at those latent values
     (:func:`~pyro_mpt.infer.vectorized_run_check.check_run_at_points`: no operation over a
     fixed positive dim); otherwise a :class:`ValueError` says what to change. The compact
-    layout is used when the model runs so and gives the same likelihood: a model that
-    indexes, reshapes or concatenates its latents per observation runs at full size.
+    layout is used when the model runs so, with latents of size one along the observations'
+    dims (every prior taken from its first observation), and gives the likelihood of the
+    full layout at those priors: a model that indexes, reshapes or concatenates its latents
+    per observation runs at full size.
     Nothing here touches the caller's random state.
     """
     generator = torch.Generator().manual_seed(0)
@@ -208,16 +284,16 @@ def _check_model_at_points(model, args, kwargs, structure):
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
 
-        def run_at(points, compact, same_state=True):
+        def run_at(points, compact, same_state=True, first_rows=False):
             # From one random state a subsampled plate draws the same subsample.
             if same_state:
                 torch.set_rng_state(cpu_state)
                 for device, cuda_state in zip(devices, cuda_states):
                     torch.cuda.set_rng_state(cuda_state, device)
-            return _run(model, args, kwargs, structure, points, compact)
+            return _run(model, args, kwargs, structure, points, compact, first_rows)
 
-        def log_prob_at(points, compact, same_state=True):
-            return _observed_log_prob(run_at(points, compact, same_state))
+        def log_prob_at(points, compact, same_state=True, first_rows=False):
+            return _observed_log_prob(run_at(points, compact, same_state, first_rows))
 
         try:
             full_run = run_at(points[:2], False)
@@ -236,8 +312,13 @@ def _check_model_at_points(model, args, kwargs, structure):
         # With a subsampled plate, another subsample would differ as well: no check then.
         again = full if _subsamples(structure) else log_prob_at(points[:2], False, False)
         among = log_prob_at(points, False)[:2]
+        # Every prior narrowed to its first row, so the compact run's latents have the
+        # observations' dims of size one, as later runs give them wherever the prior's rows
+        # are equal (on this call or a later one); the full run at the same priors is the
+        # reference.
+        at_first_rows = log_prob_at(points[:2], False, first_rows=True)
         try:
-            compact = log_prob_at(points[:2], True)
+            compact = log_prob_at(points[:2], True, first_rows=True)
         except (RuntimeError, IndexError):  # shape errors of per-observation indexing
             compact = None
     observed = structure.observed.name
@@ -258,7 +339,7 @@ def _check_model_at_points(model, args, kwargs, structure):
             f"normalization without batch statistics (LayerNorm)."
         )
     check_run_at_points(model, args, kwargs, structure, full_run.trace, 2)
-    return compact is not None and _same(compact.expand_as(full), full)
+    return compact is not None and _same(compact.expand_as(at_first_rows), at_first_rows)
 
 
 def _subsamples(structure):
@@ -281,12 +362,12 @@ def _observed_log_prob(run):
     return unwrap_independent(run.fn).log_prob(value)
 
 
-def _run(model, args, kwargs, structure, points, compact):
+def _run(model, args, kwargs, structure, points, compact, first_rows=False, memory_check=None):
     if points.dim() == 2 and not compact:  # the same points for every observation
         batch = structure.observed.batch_shape
         points = points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:])
         points = points.expand(points.shape[:1] + batch + points.shape[-1:])
-    latents = _LatentsAtPoints(structure, points, compact)
+    latents = _LatentsAtPoints(structure, points, compact, first_rows, memory_check)
     # The first trace validated the model on the data; validating every distribution again
     # at every point would double the cost of this run.
     with points_plate(points.shape[0], structure.max_plate_nesting), pyro.validation_enabled(False):
