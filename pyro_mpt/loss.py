@@ -12,6 +12,7 @@ from pyro.util import warn_if_nan
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.conditionals.importance import warn_if_unreliable
+from pyro_mpt.infer.guided_model import check_guide_sites
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.estimators import mpt_estimate
@@ -156,6 +157,7 @@ class MPTLoss(ELBO):
                 with _same_random_state(), mock.patch("pyro.infer.elbo.logger.disabled", True):
                     read_structure(model, args, kwargs)
                     self._guess_max_plate_nesting(model, guide or _no_guide, args, kwargs)
+            check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting)
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
             estimates = self._estimate(prepared)
         self.diagnostics = prepared.diagnostics

@@ -28,12 +28,12 @@ import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.model_structure import observed_in_run
 from pyro_mpt.infer.structure_checks import scale_mismatch
 from pyro_mpt.infer.trace_utils import narrow_broadcast_dims, unwrap_independent
-from pyro_mpt.infer.vectorized_run_check import check_run_at_points
+from pyro_mpt.infer.vectorized_run_check import batch_norm_hint, check_run_at_points
 
 __all__ = [
     "PointsRun",
@@ -128,20 +128,14 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
                 f"transforms that keep it. Sample the normal latent with pyro.sample and apply "
                 f"the transform in the model, or use conditionals='importance' with a guide."
             )
-        z = whiten(inner, u, name, narrow, check_shape)
+        try:
+            z = whiten(inner, u, name, narrow, check_shape)
+        except NotApplicableError:
+            raise unsupported_prior_error(name, base) from None
         for transform in base.transforms:
             z = transform(z)
         return z
-    raise NotApplicableError(
-        f"Latent site {name!r} has a {type(base).__name__} prior; integrating the latents "
-        f"numerically or exactly needs Normal, MultivariateNormal or LogNormal-type "
-        f"(transformed normal) priors. Use conditionals='importance' with a guide, or "
-        + (
-            "sum the discrete latent out in the model (e.g. a MixtureSameFamily likelihood)."
-            if base.support.is_discrete
-            else "reparameterise the site as a transform of a Normal."
-        )
-    )
+    raise unsupported_prior_error(name, base)
 
 
 class _LatentsAtPoints(Messenger):
@@ -301,11 +295,15 @@ def _check_model_at_points(model, args, kwargs, structure):
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ValueError(
                 f"The model failed when run at several latent values at once ({cause}). "
-                f"MPTLoss integrates the latents out by running the model with an extra batch "
-                f"dim left of its plates, as Pyro's vectorized particles do, so the model must "
-                f"broadcast over leading dims: expand covariates to the latent's batch shape "
-                f"before concatenating (torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], "
-                f"-1)), and reshape with z.shape[:-1] rather than the data size."
+                + (
+                    batch_norm_hint(model, args, kwargs)
+                    or "MPTLoss integrates the latents out by running the model with an extra "
+                    "batch dim left of its plates, as Pyro's vectorized particles do, so the "
+                    "model must broadcast over leading dims: expand covariates to the latent's "
+                    "batch shape before concatenating "
+                    "(torch.cat([z, c.expand(z.shape[:-1] + c.shape[-1:])], -1)), and reshape "
+                    "with z.shape[:-1] rather than the data size."
+                )
             ) from error
         full = _observed_log_prob(full_run)
         # From another random state: a model random at fixed latents (dropout) differs.
