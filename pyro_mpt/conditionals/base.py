@@ -3,14 +3,18 @@
 import math
 from abc import ABC, abstractmethod
 
+import torch
+
 __all__ = ["Conditionals", "SelfPredictive"]
 
 
 class SelfPredictive(ABC):
     """The self-predictive conditionals ``p(x_j | x_R)`` of one batch of observations.
 
-    Built by :meth:`Conditionals.prepare` from one run of the model; :meth:`log_prob` then
-    scores any number of masks in one vectorized call.
+    Built whole by :meth:`Conditionals.prepare` from one run of the model; :meth:`log_prob`
+    then scores any number of masks in one vectorized call, :meth:`log_marginal` gives
+    ``log p(x)`` by the same rule and :meth:`sample` draws hidden features, so that
+    imputation, Gibbs chains and the diagnostics use a strategy through this interface only.
 
     :ivar observed: the :class:`~pyro_mpt.infer.trace_utils.ObservedSite` being scored.
     :ivar scale: the log-probability scale per observation (plate subsampling).
@@ -56,6 +60,49 @@ class SelfPredictive(ABC):
             site) are never part of the context.
         """
         raise NotImplementedError
+
+    @property
+    def log_prob_width(self):
+        """How many numbers :meth:`log_prob` holds per mask, observation and feature in its
+        largest intermediate tensor (e.g. ``K`` for conditioning through a ``K``-dimensional
+        latent): callers that score masks in chunks divide their memory budget by it."""
+        return 1
+
+    def sample(self, hidden, num_samples, joint=True):
+        """Draws the hidden features of every observation given the others.
+
+        With ``S`` the hidden features and ``R`` the visible ones that count (not hidden and
+        not missing in the model), draws :math:`x_S \\sim p(x_S \\mid x_R)` jointly
+        (``joint=True``), or each hidden feature from its own :math:`p(x_j \\mid x_R)`
+        (``joint=False``, what one parallel pass of a masked language model does).
+
+        :param torch.Tensor hidden: booleans ``batch_shape + (D,)``, ``True`` at the
+            features to draw.
+        :param int num_samples: draws per observation.
+        :param bool joint: draw the hidden features jointly, or each from its own
+            conditional.
+        :returns: a tensor ``(num_samples,) + batch_shape + (D,)`` in the dtype of the data
+            the model observed, whose other features keep their given values (see
+            :meth:`keep_given`).
+        :raises NotImplementedError: for strategies that offer no draws.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement sample(hidden, num_samples, joint), so "
+            f"its conditionals cannot impute or run Gibbs chains; use conditionals='exact', "
+            f"'quadrature', 'importance' or 'encode-decode', or implement sample."
+        )
+
+    def keep_given(self, hidden, draws):
+        """``draws`` at the ``hidden`` features and the given values elsewhere, in the dtype
+        of the data the model observed: entries the model masks come back as the model had
+        them, not as the stand-ins that scoring fills in.
+
+        :param torch.Tensor hidden: booleans ``batch_shape + (D,)``.
+        :param torch.Tensor draws: ``(num_samples,) + batch_shape + (D,)``.
+        """
+        observed = self.observed
+        given = observed.value if observed.unfilled is None else observed.unfilled
+        return torch.where(hidden, draws.to(given.dtype), given)
 
     def proposal_loss(self):
         """A loss that trains the guide as a proposal for ``p(z | x_R)`` from the samples of
