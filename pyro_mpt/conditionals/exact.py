@@ -9,6 +9,12 @@ from pyro_mpt.infer.factors import factor_log_prob
 from pyro_mpt.infer.gaussian_form import extract_gaussian_form, no_latent_form
 from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.infer.remembered_structure import RememberedStructure
+from pyro_mpt.ops.conditional_sampling import (
+    dense_gaussian_block_sample,
+    dense_gaussian_marginal_sample,
+    latent_gaussian_block_sample,
+    latent_gaussian_marginal_sample,
+)
 from pyro_mpt.ops.gaussian import (
     dense_gaussian_conditionals,
     latent_gaussian_conditionals,
@@ -37,6 +43,29 @@ class GaussianSelfPredictive(SelfPredictive):
         else:
             mean, var = dense_gaussian_conditionals(x, form.loc, form.covariance, context)
         return normal_log_prob(x, mean, var)
+
+    @property
+    def log_prob_width(self):
+        """``K`` through a ``K``-dimensional latent, ``D`` for a dense covariance."""
+        form = self.form
+        if form.weight is not None:
+            return form.weight.shape[-1]
+        return form.covariance.shape[-1]
+
+    def sample(self, hidden, num_samples, joint=True):
+        """Exact draws: through the latent posterior, ``z ~ p(z | x_R)`` then
+        ``x_S ~ p(x_S | z)``, ``O(D K^2 + K^3)`` per observation; or from the dense Gaussian
+        block conditional of a ``MultivariateNormal`` observation. See
+        :meth:`SelfPredictive.sample`."""
+        form, x = self.form, self.observed.value
+        context = self.context(hidden)
+        if form.covariance is not None:
+            draw = dense_gaussian_block_sample if joint else dense_gaussian_marginal_sample
+            draws = draw(x, form.loc, form.covariance, context, num_samples)
+        else:
+            draw = latent_gaussian_block_sample if joint else latent_gaussian_marginal_sample
+            draws = draw(x, form.weight, form.loc, form.noise_var, context, num_samples)
+        return self.keep_given(hidden, draws)
 
     def log_marginal(self):
         """The exact ``log p(x)`` of each observation, shape ``batch_shape``."""
