@@ -1,5 +1,6 @@
 """Self-predictive conditionals by numerical integration over a low-dimensional latent."""
 
+import functools
 import math
 import numbers
 import os
@@ -163,10 +164,10 @@ class Quadrature(Conditionals):
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         memory_check = self._memory_check(structure, latent_dim)
         run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
-        prepared = quadrature_self_predictive(run, log_weights, memory_check)
-        prepared.latent_dim = latent_dim
-        prepared.nodes = nodes  # whitened points (G, K), or (G,) + batch + (K,) at the guide
-        return prepared
+        # Draws run the model again at the nodes they pick, with the structure read here.
+        run_at = functools.partial(run_at_points, model, args, kwargs, structure)
+        # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
+        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check)
 
     def _memory_check(self, structure, latent_dim):
         """A check, ``check(num_nodes, dtype)``, that raises before a run evaluates the

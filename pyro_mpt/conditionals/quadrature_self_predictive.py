@@ -7,8 +7,10 @@ import copy
 import torch
 
 from pyro_mpt.conditionals.base import SelfPredictive
+from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
 from pyro_mpt.infer.point_parameters import point_parameter
 from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
@@ -35,7 +37,31 @@ _MAX_TABULATED_VALUES = 16
 
 class QuadratureRuleSelfPredictive(SelfPredictive):
     """What every quadrature rule's conditionals offer besides ``log_prob``: the
-    log-marginal likelihood and the posterior over the nodes, by the same rule."""
+    log-marginal likelihood, the posterior over the nodes and draws, by the same rule.
+
+    :param observed: the run's :class:`~pyro_mpt.infer.model_structure.ObservedSite`.
+    :param scale: its log-probability scale per observation.
+    :param torch.Tensor log_weights: ``log w_g``, ``(G,)``, or ``(G,) + batch`` for nodes
+        placed per observation.
+    :param extra_log_prob: the model's ``pyro.factor`` terms (see
+        :class:`~pyro_mpt.conditionals.SelfPredictive`).
+    :param torch.Tensor nodes: the whitened nodes, ``(G, K)`` shared by every observation
+        or ``(G,) + batch + (K,)`` placed per observation.
+    :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
+        ``points`` (a :class:`~pyro_mpt.infer.whitened_latents.PointsRun`): :meth:`sample`
+        draws the observations there.
+    """
+
+    def __init__(self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at):
+        super().__init__(observed, scale, extra_log_prob)
+        self.log_weights = log_weights
+        self.nodes = nodes
+        self.run_at = run_at
+
+    @property
+    def latent_dim(self):
+        """``K``, the total dimension of the latents the rule integrates over."""
+        return self.nodes.shape[-1]
 
     def node_log_joint(self):
         """``log w_g + log p(x | z_g)`` over the observed entries, ``(G,) + batch``."""
@@ -62,13 +88,40 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         log_joint = restricted.node_log_joint()
         return log_joint - torch.logsumexp(log_joint, 0)
 
+    def sample(self, hidden, num_samples, joint=True):
+        """Draws exact for the rule: a node ``g`` with probability ``pi_g(x_R)``
+        (:meth:`node_log_posterior`), then the hidden features from the model's own
+        likelihood at it; one node per draw (``joint=True``), or per draw and feature. See
+        :meth:`SelfPredictive.sample`."""
+        observed, nodes = self.observed, self.nodes
+        log_posterior = self.node_log_posterior(self.context(hidden))  # (G,) + batch
+        if joint:
+            # One node per draw and observation, then the model runs once at those points.
+            index = mixture_component_sample(log_posterior, (num_samples,))  # (S,) + batch
+            if nodes.dim() == 2:
+                points = nodes[index]
+            else:
+                index_k = index.unsqueeze(-1).expand(index.shape + nodes.shape[-1:])
+                shape = nodes.shape[:1] + observed.batch_shape + nodes.shape[-1:]
+                points = nodes.expand(shape).gather(0, index_k)
+            draws = observation_draws(self.run_at(points).fn, observed, (num_samples,))
+            return self.keep_given(hidden, draws)
+        # Each feature from its own node: the likelihood drawn at every node, then picked.
+        log_posterior = log_posterior.unsqueeze(-1).expand(
+            log_posterior.shape + (observed.num_features,)
+        )
+        index = mixture_component_sample(log_posterior, (num_samples,))  # (S,) + batch + (D,)
+        run = self.run_at(nodes)
+        return self.keep_given(hidden, picked_draws(run.fn, observed, nodes.shape[0], index))
+
 
 class QuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     """Conditionals from the per-feature log-likelihoods at every quadrature node."""
 
-    def __init__(self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0):
-        super().__init__(observed, scale, extra_log_prob)
-        self.log_weights = log_weights
+    def __init__(
+        self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0, *, nodes, run_at
+    ):
+        super().__init__(observed, scale, log_weights, extra_log_prob, nodes=nodes, run_at=run_at)
         self.log_likelihoods = log_likelihoods
 
     def log_prob(self, masks):
@@ -92,9 +145,19 @@ class TabulatedQuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     distinct observed values ``v``, for nodes and likelihood parameters shared by every
     observation."""
 
-    def __init__(self, observed, scale, log_weights, log_table, indicators, extra_log_prob=0.0):
-        super().__init__(observed, scale, extra_log_prob)
-        self.log_weights = log_weights
+    def __init__(
+        self,
+        observed,
+        scale,
+        log_weights,
+        log_table,
+        indicators,
+        extra_log_prob=0.0,
+        *,
+        nodes,
+        run_at,
+    ):
+        super().__init__(observed, scale, log_weights, extra_log_prob, nodes=nodes, run_at=run_at)
         self.log_table = log_table
         self.indicators = indicators
 
@@ -118,9 +181,11 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
     ``(G, D)`` shared by every observation, by
     :func:`~pyro_mpt.ops.quadrature_bernoulli.bernoulli_log_conditionals`."""
 
-    def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0):
+    def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0, *, nodes, run_at):
         # The table and indicators serve log_marginal only: built when it is called.
-        super().__init__(observed, scale, log_weights, None, None, extra_log_prob)
+        super().__init__(
+            observed, scale, log_weights, None, None, extra_log_prob, nodes=nodes, run_at=run_at
+        )
         self.logits = logits
 
     def log_prob(self, masks):
@@ -134,15 +199,20 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
         return super().node_log_joint()
 
 
-def quadrature_self_predictive(run, log_weights, memory_check=None):
+def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None):
     """The :class:`SelfPredictive` of a model run at the nodes.
 
+    :param run: the :class:`~pyro_mpt.infer.whitened_latents.PointsRun` at the nodes.
+    :param torch.Tensor log_weights: the nodes' log-weights.
+    :param torch.Tensor nodes: the whitened nodes, ``(G, K)`` or ``(G,) + batch + (K,)``.
+    :param callable run_at: ``run_at(points)``, the model run at whitened points, for draws.
     :param memory_check: if given, called as ``memory_check(num_nodes, dtype)`` before the
         log-likelihood of every observation at every node is formed (it may raise).
     """
     observed, scale, fn, extra = run.observed, run.scale, run.fn, run.extra_log_prob
+    rule = dict(nodes=nodes, run_at=run_at)
     if log_weights.dim() == 1:
-        tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra)
+        tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule)
         if tabulated is not None:
             return tabulated
     if memory_check is not None:
@@ -151,7 +221,7 @@ def quadrature_self_predictive(run, log_weights, memory_check=None):
     ll = flatten_tail(ll, observed.num_feature_dims)
     ll = ll.expand(ll.shape[:1] + (-1,) * (ll.dim() - 1))
     ll = ll.reshape((log_weights.shape[0],) + observed.batch_shape + (-1,))
-    return QuadratureSelfPredictive(observed, scale, log_weights, ll, extra)
+    return QuadratureSelfPredictive(observed, scale, log_weights, ll, extra, **rule)
 
 
 def _binary_indicators(ones):
@@ -160,12 +230,13 @@ def _binary_indicators(ones):
     return torch.stack([1 - ones, ones], -2).movedim(-2, 0)
 
 
-def _tabulated_self_predictive(fn, observed, scale, log_weights, extra):
+def _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule):
     """A :class:`BernoulliQuadratureSelfPredictive` for ``Bernoulli(logits)`` over binary
     data, or a :class:`TabulatedQuadratureSelfPredictive` with tables ``(G, V, D)`` and
     ``(V,) + batch + (D,)``, when the probed likelihood is one of ``_TABULATED_PARAMETERS``
     with parameters shared by every observation and the data take at most
-    ``_MAX_TABULATED_VALUES`` distinct values; ``None`` otherwise."""
+    ``_MAX_TABULATED_VALUES`` distinct values; ``None`` otherwise. ``rule`` holds the
+    constructors' ``nodes`` and ``run_at``."""
     base = unwrap_independent(fn)
     names = next((n for t, n in _TABULATED_PARAMETERS.items() if isinstance(base, t)), None)
     if names is None:
@@ -189,7 +260,9 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights, extra):
     ones = value.to(param.dtype)
     if not bool((ones * (1 - ones)).any()):  # binary data (NaN was ruled out by the trace)
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
-            return BernoulliQuadratureSelfPredictive(observed, scale, log_weights, param, extra)
+            return BernoulliQuadratureSelfPredictive(
+                observed, scale, log_weights, param, extra, **rule
+            )
         values = value.new_tensor([0, 1])
         indicators = _binary_indicators(ones)
     else:
@@ -202,5 +275,5 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights, extra):
     if not bool(torch.isfinite(log_table).all()):
         return None  # a value impossible at some node (e.g. probs of exactly 0 or 1)
     return TabulatedQuadratureSelfPredictive(
-        observed, scale, log_weights, log_table, indicators, extra
+        observed, scale, log_weights, log_table, indicators, extra, **rule
     )
