@@ -6,6 +6,7 @@ import numbers
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.likelihood_draws import observation_draws
 from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.infer.factors import factor_log_prob
 from pyro_mpt.infer.guided_model import (
@@ -52,6 +53,26 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
             filled = select_masked(hidden, refill, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled, hidden)
         return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
+
+    def sample(self, hidden, num_samples, joint=True):
+        """The Markov chain of Rezende et al. (2014, appendix F): encode the filled data,
+        *draw* the hidden features from the decoder, refill, ``max(T, 1)`` times; one chain
+        per draw (per draw and feature when not ``joint``). An approximation of
+        ``p(x_S | x_R)``. See :meth:`SelfPredictive.sample`."""
+        x, observed = self.observed.value, self.observed
+        num_chains = num_samples if joint else num_samples * observed.num_features
+        unseen = ~self.context(hidden)  # hidden or missing: drawn by the chain
+        unseen = unseen.expand((num_chains,) + unseen.shape)
+        filled = fill_masked(x, unseen, self.fill)
+        for _ in range(max(self.num_iterations, 1)):
+            _, model_trace = run_guided(self.guided, filled, 1, hidden=unseen)
+            fn = model_trace.nodes[observed.name]["fn"]
+            filled = select_masked(unseen, observation_draws(fn, observed, (1, num_chains))[0], x)
+        if not joint:
+            # Feature j of draw s comes from chain (j, s): the chains are independent.
+            filled = filled.reshape((observed.num_features, num_samples) + filled.shape[1:])
+            filled = filled.diagonal(dim1=0, dim2=-1)  # (S,) + batch + (D,)
+        return self.keep_given(hidden, filled)
 
 
 def _latent_parameters(trace, names):

@@ -11,6 +11,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine import replay
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.likelihood_draws import picked_draws
 from pyro_mpt.errors import ImportanceAccuracyWarning, check_positive_int
 from pyro_mpt.infer.defensive_proposal import GUIDE_FN, defensive_discrete
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
@@ -23,6 +24,7 @@ from pyro_mpt.infer.guided_model import (
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
+from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 from pyro_mpt.ops.jackknife_importance import (
     jackknife_importance_log_conditionals,
@@ -291,6 +293,36 @@ class ImportanceSelfPredictive(SelfPredictive):
         if entries is not None:
             per_row = torch.where(entries.any(-1), per_row, 0.0)
         return (self.scale * per_row.mean(0)).sum()
+
+    def sample(self, hidden, num_samples, joint=True):
+        """Sampling-importance-resampling: ``S`` proposals from the guide on the filled data,
+        weighted toward ``p(z | x_R)``, one resampled per draw (per draw and feature when not
+        ``joint``), and the hidden features drawn from the likelihood at it; consistent as
+        ``S`` grows. Warns as :meth:`log_prob` does when the weights fail. See
+        :meth:`SelfPredictive.sample`."""
+        guided, num_proposals = self.guided, self.num_samples
+        x, observed = self.observed.value, self.observed
+        context = self.context(hidden)
+        unseen = (~context).unsqueeze(0)  # hidden or missing: what the guide must not read
+        filled = fill_masked(x, unseen, self.fill)  # (1,) + batch + (D,)
+        guide_trace, model_trace = run_guided(guided, filled, num_proposals, hidden=unseen)
+        check_factors(guided.local, model_trace, "importance resampling")
+        lead = (num_proposals, 1)
+        log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
+        log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
+        site = model_trace.nodes[observed.name]
+        ll = observed_tensor(log_prob(unwrap_independent(site["fn"]), site["value"]), guided, lead)
+        log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch
+        # Resampling is only as good as the weights: the same figures as the conditionals'.
+        what = "Draws of hidden features"
+        warn_if_unreliable(ImportanceDiagnostics.of(log_w), what, guided.model, guided.args, 6)
+        if not joint:
+            log_w = log_w.unsqueeze(-1).expand(log_w.shape + (observed.num_features,))
+        index = mixture_component_sample(log_w, (num_samples,))
+        if joint:
+            index = index.unsqueeze(-1).expand(index.shape + (observed.num_features,))
+        draws = picked_draws(site["fn"], observed, num_proposals, index)
+        return self.keep_given(hidden, draws)
 
     def log_marginal(self):
         """The importance estimate of ``log p(x)`` of each observation, with the guide on
