@@ -89,7 +89,7 @@ def mpt_curve(
     batch_shape = prepared.batch_shape
     mask_batch = torch.Size() if share_masks else batch_shape
     value = prepared.observed.value
-    per_mask = max(1, value.numel() * max(1, _latent_width(prepared)))
+    per_mask = max(1, value.numel() * max(1, prepared.log_prob_width))
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
 
     per_size = []
@@ -112,12 +112,3 @@ def mpt_curve(
         num_features=torch.full((num_obs,), num_features),
         share_masks=share_masks,
     )
-
-
-def _latent_width(prepared):
-    form = getattr(prepared, "form", None)
-    if form is None:
-        return 1
-    if form.weight is not None:
-        return form.weight.shape[-1]
-    return form.covariance.shape[-1]

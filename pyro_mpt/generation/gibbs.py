@@ -8,7 +8,6 @@ from tqdm.auto import tqdm
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
-from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.ops.masks import masks_of_sizes
 
 __all__ = ["gibbs"]
@@ -90,16 +89,14 @@ def gibbs(
         f"It counts the features drawn per step, of the D={num_features} of one observation.",
     )
     sizes = torch.full(observed.batch_shape, block_size, device=data.device)
-    remembered = RememberedStructure()
     chain = [data]
     for step in tqdm(range(num_steps), desc="Gibbs", disable=not progress, leave=False):
         step_args = (chain[-1],) + rest
         if step > 0:
             prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
         blocks = masks_of_sizes(sizes, num_features)
-        call = (model, step_args, kwargs, max_plate_nesting, remembered)
         with torch.no_grad():
-            draws = draw_hidden(prepared, call, blocks, 1, joint=joint)[0]
+            draws = draw_hidden(prepared, blocks, 1, joint=joint)[0]
         chain.append(draws.reshape(data.shape).to(data.dtype))
     return torch.stack(chain)
 

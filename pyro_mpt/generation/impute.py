@@ -8,7 +8,6 @@ from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
-from pyro_mpt.infer.remembered_structure import RememberedStructure
 
 __all__ = ["impute"]
 
@@ -77,7 +76,6 @@ def impute(
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
     observed = prepared.observed
     hidden = flat_missing(missing.to(observed.value.device), observed)
-    call = (model, args, kwargs, max_plate_nesting, RememberedStructure())
     with torch.no_grad():
-        draws = draw_hidden(prepared, call, hidden, num_samples, joint=True)
+        draws = draw_hidden(prepared, hidden, num_samples, joint=True)
     return draws.reshape((num_samples,) + tuple(observed.full_shape))
