@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pyro_mpt.reproduce._common import default_dtype as set_default_dtype
+from experiments._common import default_dtype as set_default_dtype
 
 __all__ = [
     "DTYPES",

@@ -1,6 +1,6 @@
 """Wall-clock time of ``pyro-mpt reproduce ppca-table1`` at its default size.
 
-Runs :func:`pyro_mpt.reproduce.ppca_table1.run` in-process into a temporary directory and
+Runs :func:`experiments.ppca_table1.run` in-process into a temporary directory and
 prints the total seconds against the one-minute target. If that module is not available in
 this checkout, the script says so and exits with status 0.
 
@@ -17,7 +17,7 @@ from _common import benchmark_main, environment, format_table, synchronize
 
 __all__ = ["MODULE", "load", "main", "print_report", "run"]
 
-MODULE = "pyro_mpt.reproduce.ppca_table1"
+MODULE = "experiments.ppca_table1"
 TARGET_SECONDS = 60.0
 
 

@@ -4,8 +4,8 @@ mean final hidden states."""
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._probe import linear_probe_accuracy
+from experiments import _common as common
+from experiments._probe import linear_probe_accuracy
 
 __all__ = ["evaluate_masked_lm"]
 

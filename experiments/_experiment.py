@@ -13,7 +13,7 @@ A reproduction module supplies three functions, and :func:`run_experiment` does 
 import contextlib
 from typing import Any, NamedTuple
 
-from pyro_mpt.reproduce import _common as common
+from experiments import _common as common
 
 __all__ = ["Report", "run_experiment"]
 

@@ -39,12 +39,12 @@ import pyro.optim
 import torch
 from pyro.infer import SVI
 
+from experiments import _common as common
 from pyro_mpt import log_marginal
 from pyro_mpt.models import PPCA
 from pyro_mpt.ops.estimators import mask_scores
 from pyro_mpt.ops.gaussian import latent_gaussian_log_marginal, normal_log_prob
 from pyro_mpt.ops.masks import masks_of_sizes
-from pyro_mpt.reproduce import _common as common
 
 __all__ = [
     "NOISE_CHOICES",

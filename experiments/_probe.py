@@ -3,7 +3,7 @@ label (a topic, a digit)."""
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
+from experiments import _common as common
 
 __all__ = ["linear_probe_accuracy"]
 

@@ -9,10 +9,10 @@ import math
 import torch
 from pyro.infer import RenyiELBO
 
+from experiments import _common as common
+from experiments._vae_deep_training import count_warnings, new_vae, own_random_numbers
 from pyro_mpt import log_marginal
 from pyro_mpt.conditionals import Importance, Quadrature
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._vae_deep_training import count_warnings, new_vae, own_random_numbers
 
 __all__ = ["fair_evaluation", "iwae_log_marginal", "quadrature_log_marginal", "refit_encoder"]
 

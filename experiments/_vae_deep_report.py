@@ -2,10 +2,10 @@
 and the figure (:func:`figure`): per group the objective and the own-encoder held-out LML
 per epoch, and the held-out LML gap to the ELBO against the step time."""
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report
-from pyro_mpt.reproduce._vae_deep_summary import TARGET, verdict
-from pyro_mpt.reproduce._vae_deep_training import ALL_METHODS, GROUPS
+from experiments import _common as common
+from experiments._experiment import Report
+from experiments._vae_deep_summary import TARGET, verdict
+from experiments._vae_deep_training import ALL_METHODS, GROUPS
 
 __all__ = ["GUIDE_TRAINED_BY", "figure", "report", "target_cell", "verdict_lines"]
 
@@ -129,7 +129,7 @@ def verdict_lines(target, runs):
 
 
 def report(cfg, measured):
-    """The experiment's :class:`~pyro_mpt.reproduce._experiment.Report`: the table with the
+    """The experiment's :class:`~experiments._experiment.Report`: the table with the
     verdict under it, the figure, and the result fields (the measured runs and the
     verdict)."""
     runs, skipped = measured["runs"], measured["skipped"]

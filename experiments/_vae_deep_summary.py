@@ -4,7 +4,7 @@
 
 import statistics
 
-from pyro_mpt.reproduce import _common as common
+from experiments import _common as common
 
 __all__ = ["ELBO_FREE", "QUESTION", "TARGET", "rising_together", "summarise_row", "verdict"]
 

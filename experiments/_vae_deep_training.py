@@ -12,10 +12,10 @@ import pyro
 import torch
 from pyro.infer import RenyiELBO, Trace_ELBO
 
+from experiments import _common as common
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Importance
 from pyro_mpt.models import VAE
-from pyro_mpt.reproduce import _common as common
 
 __all__ = [
     "ALL_METHODS",

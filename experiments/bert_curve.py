@@ -30,9 +30,9 @@ import math
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._antibody_chains import ANTIBERTY, alternating_chains
-from pyro_mpt.reproduce._experiment import Report, run_experiment
+from experiments import _common as common
+from experiments._antibody_chains import ANTIBERTY, alternating_chains
+from experiments._experiment import Report, run_experiment
 
 __all__ = ["NAME", "PAPER_TABLE2", "run"]
 
@@ -189,7 +189,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     ``smoke``: 2 sequences, 3 rates, one mask each (seconds); ``full``: the paper's 99 rates
     (1%...99%) with 10 masks per sequence and rate; the default is 25 rates with 2 masks (a
     few minutes on two CPU cores). ``seed`` seeds the random initialisation and the masks.
-    The other arguments are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    The other arguments are those of :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,

@@ -1,9 +1,9 @@
 """Masking rates for BERT pre-training from scratch: a fixed 15% (BERT), the uniform mask
 size (unbiased MPT) and a random ratio per sequence (R2MAE), on BBC News.
 
-Data: the 2,225 BBC News articles of :func:`pyro_mpt.datasets.load_bbc_news` (five topics),
+Data: the 2,225 BBC News articles of :func:`experiments.text_corpus.load_bbc_news` (five topics),
 split by article into training and held-out sets (15%, stratified by topic). A WordPiece
-tokenizer (:func:`pyro_mpt.transformers.text_corpus.train_wordpiece_tokenizer`) is trained
+tokenizer (:func:`experiments.text_corpus.train_wordpiece_tokenizer`) is trained
 on the training articles only, which are cut into sequences of ``L`` tokens
 (``[CLS] ... [SEP]``).
 
@@ -50,9 +50,9 @@ import tempfile
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._bert_evaluation import evaluate_masked_lm
-from pyro_mpt.reproduce._experiment import Report
+from experiments import _common as common
+from experiments._bert_evaluation import evaluate_masked_lm
+from experiments._experiment import Report
 
 __all__ = ["NAME", "SCHEMES", "run"]
 
@@ -89,8 +89,8 @@ def _config(smoke, full):
 
 
 def _data(cfg, seed):
-    from pyro_mpt.datasets import load_bbc_news, train_test_split
-    from pyro_mpt.transformers.text_corpus import chunk_documents, train_wordpiece_tokenizer
+    from experiments.text_corpus import chunk_documents, load_bbc_news, train_wordpiece_tokenizer
+    from pyro_mpt.datasets import train_test_split
 
     texts, topics = load_bbc_news()
     index = torch.arange(len(texts))
@@ -267,7 +267,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     ``seeds``: how many times to repeat everything (split, tokenizer, initial weights,
     batches, masks) from seeds derived from it, the tables giving mean ± sd over them
     (default: 1 at smoke size, 3 otherwise). The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
 
     This run follows the steps of ``run_experiment`` itself because its JSON names the
     papers under ``reference`` (before ``config``), not ``paper_reference``, and its

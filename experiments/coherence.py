@@ -31,10 +31,10 @@ import pyro
 import torch
 from pyro.infer import Trace_ELBO
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._antibody_chains import ANTIBERTY, alternating_chains
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._vae_deep_training import count_warnings
+from experiments import _common as common
+from experiments._antibody_chains import ANTIBERTY, alternating_chains
+from experiments._experiment import Report, run_experiment
+from experiments._vae_deep_training import count_warnings
 
 __all__ = ["GROUPS", "NAME", "run"]
 
@@ -361,7 +361,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     AntiBERTy on 2 sequences cut to 12 residues (seconds); the default scores 16 held-out
     images with 4 orderings at ``S`` = 8, 32, 128 and 4 full antibody sequences (about 8
     minutes of one busy core); ``full`` more of everything, for a GPU. The other arguments are
-    those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    those of :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,

@@ -33,13 +33,13 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SVI
 
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
 from pyro_mpt import MPTLoss, gibbs
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.diagnostics.mixing import mixing_diagnostics
 from pyro_mpt.models import PPCA
 from pyro_mpt.ops.conditional_sampling import block_gibbs_covariance
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -294,7 +294,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     ``smoke``: 16 chains of 150 steps, ``k`` in 1, 2, 4, 7, 8, two training seeds of 300
     steps (under a minute on one core); ``full``: 64 chains of 2000 steps, ten training seeds
     of 2000 steps. The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,

@@ -34,11 +34,11 @@ import pyro
 import torch
 from pyro.infer import SVI
 
+from experiments import _common as common
+from experiments._experiment import Report
 from pyro_mpt import MPTLoss
 from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import GPDecoder
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report
 
 __all__ = ["NAME", "METHODS", "run"]
 
@@ -272,7 +272,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     ``smoke``: ``N = 48``, a few steps, ``N`` in ``(32, 64)`` for timing (seconds); ``full``:
     300 training steps instead of 100 (default ``N = 1000``, ``Q = 5``). ``seed`` sets the
     data subset, inducing points and masks. The steps are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`, but the JSON keeps this
+    :func:`~experiments._experiment.run_experiment`, but the JSON keeps this
     experiment's own layout: ``config`` (the sizes alone), ``quality``, ``timing``,
     ``seconds``, with no ``experiment`` entry.
     """

@@ -36,9 +36,9 @@ import statistics
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._probe import linear_probe_accuracy
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
+from experiments._probe import linear_probe_accuracy
 
 __all__ = ["NAME", "RATES", "run"]
 
@@ -262,7 +262,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, s
     ``seeds``: how many times to repeat everything (data split, initial weights, batch
     order, masks) from seeds derived from it, the table giving mean ± sd over them (default:
     1 at smoke size, 3 otherwise). The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
 
     def config(smoke, full):

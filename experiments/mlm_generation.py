@@ -30,9 +30,9 @@ per sequence. The real sequences are scored alike as a reference row.
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._antibody_chains import ANTIBERTY, alternating_chains
-from pyro_mpt.reproduce._experiment import Report, run_experiment
+from experiments import _common as common
+from experiments._antibody_chains import ANTIBERTY, alternating_chains
+from experiments._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -152,7 +152,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     ``smoke``: 2 sequences cut to 24 residues (well under a minute on one core); ``full``: 16
     full-length sequences; the default is 4 (several minutes on CPU, most of it the
     pseudo-log-likelihoods). ``seed`` seeds the masks and the samplers. The other arguments
-    are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    are those of :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report, device, smoke, full, seed, progress,

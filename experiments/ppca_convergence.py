@@ -3,7 +3,7 @@ cumulative MPT estimate as the number of random masks ``P`` grows.
 
 Three panels, each a PPCA with ``K = 2`` latents scored with its generating parameters
 (``W_ij ~ N(0, 1)``, mean 0, model noise variance 0.2; data noise as in
-:mod:`~pyro_mpt.reproduce.ppca_table1`, the paper's by default):
+:mod:`~experiments.ppca_table1`, the paper's by default):
 
 * ``D = 5`` and ``D = 50``, uniform rate: the cumulative estimate ``Σ_{M=1..D} S(x; M)``
   with ``P`` masks per size is unbiased, and its error shrinks like ``1/√P``;
@@ -20,11 +20,11 @@ import math
 
 import torch
 
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
+from experiments._ppca import check_noise, exact_log_marginal, ppca_data
+from experiments._ppca import shared_mask_estimate as _estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._ppca import check_noise, exact_log_marginal, ppca_data
-from pyro_mpt.reproduce._ppca import shared_mask_estimate as _estimate
 
 __all__ = ["NAME", "run"]
 
@@ -164,7 +164,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     ``smoke``: small panels (``D = 5, 20, 64``) and few ``P`` (seconds); ``full``: ``P`` up
     to 300 as in the paper, and 50 000 masks for the bias. ``noise``: ``"paper"`` or
     ``"model"`` data noise. The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     check_noise(noise)
     return run_experiment(

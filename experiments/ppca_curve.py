@@ -21,10 +21,10 @@ import math
 import pyro
 import torch
 
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
 from pyro_mpt import log_marginal, mpt_curve, plot_mpt_curve
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = ["NAME", "run"]
 
@@ -117,7 +117,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
 
     ``smoke``: ``D = 20``, ``N = 50``, ``K = 2`` and 8, few masks (seconds); ``full``:
     ``N = 1000`` observations, as in the paper (default 200). The other arguments are
-    those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    those of :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report,

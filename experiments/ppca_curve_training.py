@@ -25,10 +25,10 @@ import pyro
 import torch
 from pyro.util import get_rng_state, set_rng_state
 
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
+from experiments._ppca import ground_truth, mean_log_marginal, trainee
 from pyro_mpt import MPTLoss, mpt_curve
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._ppca import ground_truth, mean_log_marginal, trainee
 
 __all__ = ["NAME", "run"]
 
@@ -153,7 +153,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
 
     ``smoke``: ``N = 200``, ``D = 10``, ``K = 2``, ``P = 5`` (a few seconds); ``full``:
     ``N = 2000`` and ``P = 100`` masks per observation and size. The other arguments are
-    those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    those of :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, _measure, _report,

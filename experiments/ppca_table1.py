@@ -34,9 +34,9 @@ import functools
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._ppca import (
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
+from experiments._ppca import (
     check_noise,
     exact_log_marginal,
     per_observation_estimate,
@@ -189,7 +189,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, n
     ``smoke``: a small problem (``N=300, D=30, K=3``) that runs in seconds; ``full``: adds
     per-observation masks with ``P = 10`` and ``100``. ``noise``: ``"paper"`` or ``"model"``
     data noise (see the module docstring). The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     check_noise(noise)
 

@@ -36,15 +36,15 @@ import math
 import pyro
 import torch
 
-from pyro_mpt import MPTLoss
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
-from pyro_mpt.reproduce._ppca import (
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
+from experiments._ppca import (
     ground_truth,
     maximum_log_marginal,
     mean_log_marginal,
     trainee,
 )
+from pyro_mpt import MPTLoss
 
 __all__ = [
     "CONVENTIONS",
@@ -229,7 +229,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
     ``smoke``: 20 epochs, 2 initialisations, ``N = 500`` (seconds); ``full`` is accepted for
     uniformity, the default already has the paper's sizes (1000 epochs). ``masks``: the mask
     conventions to train with, from :data:`CONVENTIONS` (default: both). The other arguments
-    are those of :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    are those of :func:`~experiments._experiment.run_experiment`.
     """
     common.check_size(smoke, full)
     masks = (masks,) if isinstance(masks, str) else tuple(masks)

@@ -20,10 +20,10 @@ size, its wall time, the machine and the commit, and the captions are rendered f
 
 Usage (from a checkout of the repository)::
 
-    python -m pyro_mpt.reproduce.render              # rewrite the tables from the JSON
-    python -m pyro_mpt.reproduce.render --check      # exit 1 if a table is not up to date
-    python -m pyro_mpt.reproduce.render --rerun      # rerun every source, then rewrite
-    python -m pyro_mpt.reproduce.render --rerun ppca-table1 benchmarks
+    python -m experiments.render              # rewrite the tables from the JSON
+    python -m experiments.render --check      # exit 1 if a table is not up to date
+    python -m experiments.render --rerun      # rerun every source, then rewrite
+    python -m experiments.render --rerun ppca-table1 benchmarks
 
 ``pyro-mpt render-results`` is the same command.
 """
@@ -34,36 +34,36 @@ import sys
 import time
 from pathlib import Path
 
-from pyro_mpt.reproduce.results_blocks_benchmarks import (
+from experiments.results_blocks_benchmarks import (
     bench_gp_active_set_block,
     bench_transformers_block,
     bench_vae_step_block,
     benchmarks_block,
 )
-from pyro_mpt.reproduce.results_blocks_coherence import coherence_block
-from pyro_mpt.reproduce.results_blocks_notes import gp_decoder_summary_block
-from pyro_mpt.reproduce.results_blocks_ppca import (
+from experiments.results_blocks_coherence import coherence_block
+from experiments.results_blocks_notes import gp_decoder_summary_block
+from experiments.results_blocks_ppca import (
     ppca_curve_training_block,
     ppca_table1_block,
     ppca_training_block,
 )
-from pyro_mpt.reproduce.results_blocks_sampling import (
+from experiments.results_blocks_sampling import (
     gibbs_mixing_block,
     ppca_convergence_block,
     ppca_curve_block,
 )
-from pyro_mpt.reproduce.results_blocks_transformers import (
+from experiments.results_blocks_transformers import (
     bert_curve_block,
     bert_rates_block,
     mae_curve_block,
 )
-from pyro_mpt.reproduce.results_blocks_vae_gp import (
+from experiments.results_blocks_vae_gp import (
     gp_decoder_block,
     vae_compare_block,
     vae_deep_block,
 )
-from pyro_mpt.reproduce.results_format import Context
-from pyro_mpt.reproduce.results_sources import (
+from experiments.results_format import Context
+from experiments.results_sources import (
     DOCUMENTS,
     SIZE_FLAGS,
     SOURCES,
@@ -237,9 +237,9 @@ def run_from_args(args):
 
 
 def main(argv=None):
-    """``python -m pyro_mpt.reproduce.render``; returns the exit status."""
+    """``python -m experiments.render``; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m pyro_mpt.reproduce.render", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.render", description=__doc__.split("\n\n")[0]
     )
     return run_from_args(add_arguments(parser).parse_args(argv))
 

@@ -1,6 +1,6 @@
 """The rendered result blocks of the benchmarks."""
 
-from pyro_mpt.reproduce.results_format import ratio, spread
+from experiments.results_format import ratio, spread
 
 __all__ = [
     "bench_gp_active_set_block",

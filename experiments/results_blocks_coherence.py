@@ -1,7 +1,7 @@
 """The rendered result block of ``coherence``: the spread of chain-rule sums across orderings
 for exact, importance-sampled, encode-decode and masked-LM conditionals."""
 
-from pyro_mpt.reproduce.results_format import MINUS, num, pm
+from experiments.results_format import MINUS, num, pm
 
 __all__ = ["coherence_block"]
 

@@ -1,7 +1,7 @@
 """Rendered sentences that read figures of a result file aloud, so that prose around the
 tables quotes no number by hand."""
 
-from pyro_mpt.reproduce.results_format import num
+from experiments.results_format import num
 
 __all__ = ["gp_decoder_summary_block"]
 

@@ -1,6 +1,6 @@
 """The rendered result blocks of the PPCA experiments: Table 1, Fig. 2 and Fig. 5 (left)."""
 
-from pyro_mpt.reproduce.results_format import num, pm
+from experiments.results_format import num, pm
 
 __all__ = [
     "ppca_curve_training_block",

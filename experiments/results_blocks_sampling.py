@@ -1,8 +1,8 @@
 """The rendered result blocks of the shared-mask PPCA estimates (Fig. 1 and Fig. 4 of the
 paper) and of block Gibbs sampling on the self-predictive conditionals."""
 
-from pyro_mpt.reproduce._common import mean_std
-from pyro_mpt.reproduce.results_format import MINUS, num, pm
+from experiments._common import mean_std
+from experiments.results_format import MINUS, num, pm
 
 __all__ = ["gibbs_mixing_block", "ppca_convergence_block", "ppca_curve_block"]
 

@@ -3,7 +3,7 @@ the masking-rate comparison."""
 
 import math
 
-from pyro_mpt.reproduce.results_format import num, percent, pm
+from experiments.results_format import num, percent, pm
 
 __all__ = [
     "bert_curve_block",

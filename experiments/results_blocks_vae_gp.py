@@ -4,7 +4,7 @@ Over 300 lines while the ``vae-deep`` block also renders a result file written b
 experiment's seeded layout (:func:`_vae_deep_block_one_seed`), as committed until it reruns.
 """
 
-from pyro_mpt.reproduce.results_format import num
+from experiments.results_format import num
 
 __all__ = [
     "gp_decoder_block",

@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from pyro_mpt.reproduce.results_sources import RESULTS_DIR, SOURCES, read_manifest
+from experiments.results_sources import RESULTS_DIR, SOURCES, read_manifest
 
 __all__ = [
     "Context",
@@ -30,9 +30,9 @@ def num(value, digits=2, sign=False):
 
 
 def pm(mean, std, digits=2):
-    """``mean ± std`` as :func:`pyro_mpt.reproduce._common.pm` prints it, with a typographic
+    """``mean ± std`` as :func:`experiments._common.pm` prints it, with a typographic
     minus."""
-    from pyro_mpt.reproduce._common import pm as plain_pm
+    from experiments._common import pm as plain_pm
 
     return plain_pm(mean, std, digits).replace("-", MINUS)
 
@@ -60,7 +60,7 @@ class Context:
             if not path.exists():
                 raise FileNotFoundError(
                     f"{path} is missing; write it with "
-                    f"`python -m pyro_mpt.reproduce.render --rerun {self.source_of(file_name)}`."
+                    f"`python -m experiments.render --rerun {self.source_of(file_name)}`."
                 )
             self._cache[file_name] = json.loads(path.read_text(encoding="utf-8"))
         return self._cache[file_name]

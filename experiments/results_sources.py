@@ -71,8 +71,9 @@ SIZE_FLAGS = {"default": [], "smoke": ["--smoke"], "full": ["--full"]}
 
 
 def repository_root():
-    """The checkout this module lives in (the folder holding ``README.md`` and ``docs/``)."""
-    return Path(__file__).resolve().parents[2]
+    """The checkout this module lives in (the folder holding ``README.md``, ``docs/`` and
+    ``experiments/``)."""
+    return Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,8 +105,8 @@ def _machine():
 
 
 def _commit(root):
-    """The checkout's commit (short hash), with ``-dirty`` when the package or the benchmarks
-    differ from it; ``None`` outside a git checkout."""
+    """The checkout's commit (short hash), with ``-dirty`` when the package, the experiments or
+    the benchmarks differ from it; ``None`` outside a git checkout."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
@@ -113,7 +114,7 @@ def _commit(root):
         if head.returncode != 0:
             return None
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--", "pyro_mpt", "benchmarks"],
+            ["git", "status", "--porcelain", "--", "pyro_mpt", "experiments", "benchmarks"],
             cwd=root,
             capture_output=True,
             text=True,

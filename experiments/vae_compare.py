@@ -10,9 +10,9 @@ sampling for the deep one), per image in nats.
 
 import functools
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce import vae_deep, vae_linear
-from pyro_mpt.reproduce._experiment import Report, run_experiment
+from experiments import _common as common
+from experiments import vae_deep, vae_linear
+from experiments._experiment import Report, run_experiment
 
 __all__ = ["EPOCH_WALL_TIME", "NAME", "STEP_TIMES_STEPS", "comparison_rows", "run"]
 
@@ -40,7 +40,7 @@ def _row(model, objective, log_marginal, held_out_log_marginal, seconds_per_epoc
 
 def comparison_rows(linear, deep):
     """Rows ``(model, objective, final LML, held-out LML, s/epoch)`` from the results of
-    :func:`pyro_mpt.reproduce.vae_linear.run` and :func:`pyro_mpt.reproduce.vae_deep.run`."""
+    :func:`experiments.vae_linear.run` and :func:`experiments.vae_deep.run`."""
     rows = [
         _row(
             "linear VAE (quadrature)",
@@ -134,7 +134,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     """Runs ``vae-linear`` and ``vae-deep`` and writes ``vae-compare.json`` and
     ``vae-compare.png`` beside their outputs. ``smoke`` and ``full`` choose the size of both;
     the arguments are passed to both and are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     return run_experiment(
         NAME, out_dir, _config, functools.partial(_measure, out_dir=out_dir), _report,

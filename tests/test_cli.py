@@ -10,19 +10,19 @@ import sys
 import pytest
 import torch
 
+from experiments import EXPERIMENTS
+from experiments._common import save_outputs
+from experiments._ppca import (
+    per_observation_scores,
+    random_subsets,
+    shared_mask_scores,
+)
 from pyro_mpt.cli import main
 from pyro_mpt.ops.estimators import mask_scores
 from pyro_mpt.ops.gaussian import (
     latent_gaussian_conditionals,
     latent_gaussian_log_marginal,
     normal_log_prob,
-)
-from pyro_mpt.reproduce import EXPERIMENTS
-from pyro_mpt.reproduce._common import save_outputs
-from pyro_mpt.reproduce._ppca import (
-    per_observation_scores,
-    random_subsets,
-    shared_mask_scores,
 )
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")

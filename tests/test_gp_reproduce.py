@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from pyro_mpt.reproduce import EXPERIMENTS, get_experiment
+from experiments import EXPERIMENTS, get_experiment
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 

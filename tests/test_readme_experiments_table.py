@@ -1,12 +1,12 @@
 """The README's table of experiments names every experiment of ``pyro-mpt reproduce --list``
-(the registry :data:`pyro_mpt.reproduce.EXPERIMENTS`), each once, and nothing else."""
+(the registry :data:`experiments.EXPERIMENTS`), each once, and nothing else."""
 
 import re
 from collections import Counter
 
 import pytest
 
-from pyro_mpt.reproduce import EXPERIMENTS, results_sources
+from experiments import EXPERIMENTS, results_sources
 
 README = results_sources.repository_root() / "README.md"
 

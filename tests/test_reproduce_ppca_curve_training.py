@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pyro_mpt.loss
+from experiments import EXPERIMENTS, get_experiment, ppca_curve_training, ppca_training
+from experiments._ppca import no_guide, shared_mask_scores
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce import EXPERIMENTS, get_experiment, ppca_curve_training, ppca_training
-from pyro_mpt.reproduce._ppca import no_guide, shared_mask_scores
 
 #: How many Monte Carlo standard errors the area may miss the exact LML by at the last
 #: checkpoint (its committed runs are within 1.6).

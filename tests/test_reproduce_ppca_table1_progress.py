@@ -5,8 +5,8 @@ import contextlib
 
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce import ppca_table1
+from experiments import _common as common
+from experiments import ppca_table1
 
 
 class _Bar:

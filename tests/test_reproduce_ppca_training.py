@@ -10,10 +10,10 @@ import pyro
 import pytest
 import torch
 
+from experiments import ppca_training
 from pyro_mpt import log_marginal
 from pyro_mpt.cli import main
 from pyro_mpt.models import PPCA
-from pyro_mpt.reproduce import ppca_training
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
+from experiments.vae_linear import OBJECTIVES, gauss_hermite_log_marginal
 from pyro_mpt import log_marginal
 from pyro_mpt.cli import main
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.models import LinearVAE
-from pyro_mpt.reproduce.vae_linear import OBJECTIVES, gauss_hermite_log_marginal
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 

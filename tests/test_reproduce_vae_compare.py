@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from experiments import vae_compare
 from pyro_mpt.cli import main
-from pyro_mpt.reproduce import vae_compare
 
 LINEAR = dict(
     config=dict(N=40),

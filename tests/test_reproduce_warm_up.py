@@ -8,8 +8,8 @@ import pyro
 import pytest
 import torch
 
-from pyro_mpt.reproduce import _common as common
-from pyro_mpt.reproduce import vae_linear
+from experiments import _common as common
+from experiments import vae_linear
 
 
 def test_preserved_rng_restores_torch_numpy_and_python_states():

@@ -3,10 +3,10 @@ gaps they state, from small hand-made result files."""
 
 import json
 
-from pyro_mpt.reproduce.results_blocks_notes import gp_decoder_summary_block
-from pyro_mpt.reproduce.results_blocks_sampling import ppca_curve_block
-from pyro_mpt.reproduce.results_blocks_transformers import _final_fall_text
-from pyro_mpt.reproduce.results_format import Context
+from experiments.results_blocks_notes import gp_decoder_summary_block
+from experiments.results_blocks_sampling import ppca_curve_block
+from experiments.results_blocks_transformers import _final_fall_text
+from experiments.results_format import Context
 
 MANIFEST = dict(
     command="pyro-mpt reproduce NAME --threads 1",

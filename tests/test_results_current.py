@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from pyro_mpt.reproduce import render, results_sources
+from experiments import render, results_sources
 
 ROOT = results_sources.repository_root()
 RESULTS = ROOT / results_sources.RESULTS_DIR

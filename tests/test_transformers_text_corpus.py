@@ -8,10 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from pyro_mpt.datasets import BBC_TOPICS, load_bbc_news  # noqa: E402
-from pyro_mpt.transformers.text_corpus import (  # noqa: E402
+from experiments.text_corpus import (  # noqa: E402
+    BBC_TOPICS,
     BERT_SPECIAL_TOKENS,
     chunk_documents,
+    load_bbc_news,
     train_wordpiece_tokenizer,
 )
 
