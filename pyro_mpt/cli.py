@@ -7,22 +7,29 @@
                                    [--seed N] [--no-progress] [--data-noise paper|model]
                                    [--threads N]
 
-``reproduce NAME`` runs one of the paper's experiments (see :mod:`experiments`): it
-prints a table and writes ``NAME.json`` and ``NAME.png`` into the output folder. An
-experiment whose optional packages are missing stops at once with status 2 and one line that
-says what to install.
+``reproduce NAME`` runs one of the paper's experiments (the ``experiments/`` folder of a
+clone of the repository): it prints a table and writes ``NAME.json`` and ``NAME.png`` into
+the output folder. An experiment whose optional packages are missing stops at once with
+status 2 and one line that says what to install.
 
 ``render-results [--check] [--rerun [SOURCE ...]] [--size smoke|default|full]`` renders the
-README's and the docs' result tables from ``docs/results/`` (see
-:mod:`experiments.render`).
+README's and the docs' result tables from ``docs/results/`` (``experiments/render.py``).
+
+The experiments are not part of the installed package: both commands import the
+``experiments`` package of the clone this package is installed from (``pip install -e .``),
+or else of the working directory or the nearest folder above it that holds ``experiments/``
+and ``pyro_mpt/``. Without one they stop with status 2 and say how to get a clone;
+``pyro-mpt --help`` works either way.
 """
 
 import argparse
 import difflib
+import importlib
 import importlib.util
 import inspect
 import os
 import sys
+from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
@@ -56,6 +63,46 @@ _REQUIREMENTS["coherence"] = [("mlxtend", _DATA)] + _REQUIREMENTS["bert-curve"]
 class _MissingPackage(Exception):
     """An experiment cannot run without an optional package; the message says which one
     and how to install it."""
+
+
+class _NoExperiments(Exception):
+    """The ``experiments/`` folder of a clone of the repository was not found; the message
+    says how to get one."""
+
+
+#: What ``reproduce`` and ``render-results`` need where the experiments are not found.
+_CLONE_HINT = (
+    "the experiments are not part of the installed package; run from a clone of the "
+    "repository: git clone <pyro-mpt repository URL> pyro-mpt; cd pyro-mpt; "
+    "pip install -e .; then run the command again there"
+)
+
+
+def _experiments_root():
+    """The clone whose ``experiments/`` folder the commands run: the folder above this
+    package when it is installed from a clone, else the working directory or the nearest
+    folder above it holding both ``experiments/`` and ``pyro_mpt/``; ``None`` if none does."""
+    here = Path.cwd()
+    for root in (Path(__file__).resolve().parents[1], here, *here.parents):
+        if (root / "experiments" / "__init__.py").is_file() and (root / "pyro_mpt").is_dir():
+            return root
+    return None
+
+
+def _experiments(module=None):
+    """The ``experiments`` package of a clone (or its submodule ``module``), imported with
+    the clone's root on ``sys.path``.
+
+    :raises _NoExperiments: when no clone is found, with the commands that get one.
+    """
+    if "experiments" not in sys.modules:
+        root = _experiments_root()
+        if root is None:
+            raise _NoExperiments(_CLONE_HINT)
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+    name = "experiments" if module is None else f"experiments.{module}"
+    return importlib.import_module(name)
 
 
 def _installed(module_name):
@@ -110,10 +157,12 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     reproduce = commands.add_parser(
         "reproduce",
-        help="run one of the paper's experiments",
+        help="run one of the paper's experiments (from a clone of the repository)",
         description=(
             "Run one of the paper's experiments: print its table and write NAME.json and "
-            "NAME.png into the output folder. Use --list to see the experiments."
+            "NAME.png into the output folder. Use --list to see the experiments. The "
+            "experiments live in the experiments/ folder of a clone of the repository, not in "
+            "the installed package."
         ),
     )
     reproduce.set_defaults(subparser=reproduce)
@@ -178,21 +227,28 @@ def build_parser():
     )
     render = commands.add_parser(
         "render-results",
-        help="render the README's and the docs' result tables from docs/results/",
+        help=(
+            "render the README's and the docs' result tables from docs/results/ (from a "
+            "clone of the repository)"
+        ),
         description=(
             "Rewrite the result tables of README.md and docs/*.rst (the text between "
             "'results:NAME' markers) from the JSON files in docs/results/; with --rerun, first "
-            "rerun the reproductions and benchmarks that write those files."
+            "rerun the reproductions and benchmarks that write those files. Runs from a clone "
+            "of the repository."
         ),
     )
-    from experiments.render import add_arguments
-
-    add_arguments(render)
+    try:
+        _experiments("render").add_arguments(render)
+    except _NoExperiments:
+        # An installed package without a clone: whatever the options, the command only says
+        # how to get one.
+        render.set_defaults(without_experiments=True)
     return parser
 
 
 def _list_experiments():
-    from experiments import EXPERIMENTS
+    EXPERIMENTS = _experiments().EXPERIMENTS
 
     width = max(len(name) for name in EXPERIMENTS)
     for name, (_, description) in EXPERIMENTS.items():
@@ -203,8 +259,7 @@ def _check_reproduce_args(parser, args):
     """Checks that argparse cannot express; errors exit with status 2."""
     import torch
 
-    from experiments import EXPERIMENTS
-
+    EXPERIMENTS = _experiments().EXPERIMENTS
     known = ", ".join(EXPERIMENTS)
     if args.name is None:
         parser.error(f"give an experiment NAME or --list; the experiments are: {known}")
@@ -232,10 +287,10 @@ def _reproduce(parser, args):
     matplotlib.use("Agg")  # a command line never needs a window
     import torch
 
-    from experiments import get_experiment
-    from experiments._common import Stopwatch, num_threads
+    common = _experiments("_common")
+    Stopwatch, num_threads = common.Stopwatch, common.num_threads
 
-    experiment = get_experiment(args.name)
+    experiment = _experiments().get_experiment(args.name)
     kwargs = dict(
         device=args.device,
         smoke=args.smoke,
@@ -280,15 +335,19 @@ def _reproduce(parser, args):
 def main(argv=None):
     """Runs ``pyro-mpt`` with ``argv`` (default: ``sys.argv[1:]``) and returns the exit
     status; argument errors exit with status 2 and a message naming the fix, and a missing
-    optional package returns 2 after one line on standard error that says what to install."""
+    optional package, or a missing clone of the repository, returns 2 after one line on
+    standard error that says what to install or clone."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "render-results":
-        from experiments.render import run_from_args
-
-        return run_from_args(args)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "without_experiments", False):
+        parser.error("unrecognized arguments: " + " ".join(unknown))
     try:
+        if args.command == "render-results":
+            return _experiments("render").run_from_args(args)
         return _reproduce(args.subparser, args)
+    except _NoExperiments as error:
+        print(f"error: pyro-mpt {args.command}: {error}", file=sys.stderr)
+        return 2
     except _MissingPackage as error:
         print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
