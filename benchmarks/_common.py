@@ -8,14 +8,13 @@ the device synchronised around each interval when it is a GPU.
 """
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import time
 
 import torch
-
-from experiments._common import default_dtype as set_default_dtype
 
 __all__ = [
     "DTYPES",
@@ -66,6 +65,18 @@ def add_common_args(parser, steps=None, repeats=None):
             "--repeats", type=int, default=repeats, help="repeats; the median is reported"
         )
     return parser
+
+
+@contextlib.contextmanager
+def set_default_dtype(dtype):
+    """Makes ``dtype`` torch's default dtype inside the block (models create their parameters
+    in it), restoring the previous default afterwards, also on an error."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def configure(device, threads=None):

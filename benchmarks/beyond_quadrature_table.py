@@ -22,7 +22,7 @@ Sections:
 * ``pyro-vae z=2``: the same VAE with a 2-D latent, float64; reference: the trapezoid rule
   on a dense grid over the region where a coarse grid over ``[-8, 8]^2`` finds the posterior
   (and a coarser rule on that region, whose difference is reported).
-* the models of ``tests/_deep_models.py`` with the references the tests use, float64.
+* the models of ``experiments/zoo/deep_models.py`` with the references the tests use, float64.
 * ``trained by MPT``: a deep Bernoulli VAE (:class:`pyro_mpt.models.VAE`, K=8, 128 hidden
   units, an encoder that sees which pixels are hidden) trained by
   ``MPTLoss(conditionals="auto")`` and, from the same start and batches, by ``Trace_ELBO``;
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests package
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.zoo
 
 from _common import (  # noqa: E402
     benchmark_main,
@@ -73,13 +73,13 @@ from _common import (  # noqa: E402
     time_calls,
 )
 
+from experiments.zoo import deep_models as deep  # noqa: E402
+from experiments.zoo.references import trapezoid_log_weights  # noqa: E402
 from pyro_mpt import MPTLoss, log_marginal  # noqa: E402
 from pyro_mpt.conditionals import Exact, Importance, as_conditionals  # noqa: E402
 from pyro_mpt.datasets import load_mnist  # noqa: E402
 from pyro_mpt.errors import ImportanceAccuracyWarning  # noqa: E402
 from pyro_mpt.models import VAE  # noqa: E402
-from tests import _deep_models as deep  # noqa: E402
-from tests.zoo_references import trapezoid_log_weights  # noqa: E402
 
 __all__ = ["main", "print_report", "run"]
 
@@ -244,7 +244,7 @@ def laplace_t_reference(log_likelihood, logits, x, start, num_samples, chunk=400
     :param log_likelihood: ``(z (..., N, K), x) -> (..., N)``, the model's ``log p(x | z)``.
     :param logits: ``z (K,) -> (D,)``, the decoder's Bernoulli logits (for the curvature).
     :param torch.Tensor start: ``(N, K)``, where the mode search starts.
-    :returns: a :class:`tests._deep_models.Reference` (value, SE, k-hat).
+    :returns: a :class:`experiments.zoo.deep_models.Reference` (value, SE, k-hat).
     """
     z = start.detach().clone().requires_grad_(True)
     optimizer = torch.optim.LBFGS(
@@ -596,7 +596,7 @@ DEEP_CASES = {
 
 
 def _deep_rows(sizes, seed):
-    """The models of tests/_deep_models.py, with their references, float64."""
+    """The models of experiments/zoo/deep_models.py, with their references, float64."""
     rows = []
     with set_default_dtype(torch.float64):
         for name in sizes["deep_cases"]:
@@ -613,12 +613,14 @@ def _deep_rows(sizes, seed):
                 draws,
                 sizes["num_log_marginal_calls"],
             )
-            row.update(section="tests/_deep_models.py", reference_name=DEEP_REFERENCES[name])
+            row.update(
+                section="experiments/zoo/deep_models.py", reference_name=DEEP_REFERENCES[name]
+            )
             rows.append(row)
     return rows
 
 
-#: How tests/_deep_models.py computes each reference.
+#: How experiments/zoo/deep_models.py computes each reference.
 DEEP_REFERENCES = {
     "bernoulli_vae": "importance, widened encoder (tests)",
     "semi_supervised_vae": "sum over y of importance (tests)",

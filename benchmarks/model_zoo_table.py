@@ -1,4 +1,5 @@
-"""The model zoo of ``tests/test_model_zoo.py`` through ``MPTLoss(conditionals="auto")``.
+"""The model zoo of ``experiments/zoo/models.py`` (checked by ``tests/test_model_zoo.py``)
+through ``MPTLoss(conditionals="auto")``.
 
 For every model: the strategy ``"auto"`` chose, and the largest error per observation of
 ``log_marginal`` under that strategy against the exact reference (closed-form Gaussian
@@ -25,8 +26,8 @@ torch.set_default_dtype(torch.float64)
 
 from _common import configure  # noqa: E402
 
+from experiments.zoo.models import ZOO  # noqa: E402
 from pyro_mpt import MPTLoss, log_marginal  # noqa: E402
-from tests.test_model_zoo import ZOO  # noqa: E402
 
 
 def _first_line(error):

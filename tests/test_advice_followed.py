@@ -11,10 +11,10 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
+from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Importance, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from tests.zoo_references import grid_log_marginal_1d, mvn_log_prob
 
 
 def _normal_marginals_loss(x, loc, variance):

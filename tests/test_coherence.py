@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import pyro_mpt
+from experiments.zoo.cases import grid_1d, grid_2d, seeded
+from experiments.zoo.references import mvn_log_prob, mvn_observed_log_prob
 from pyro_mpt import OrderingLogLikelihoods, log_marginal, ordering_log_likelihoods
 from pyro_mpt.conditionals import Exact, Importance, Quadrature
 from pyro_mpt.diagnostics import coherence
@@ -25,8 +27,6 @@ from pyro_mpt.ops.orderings import (
     select_steps,
     summarize_orderings,
 )
-from tests._zoo import grid_1d, grid_2d, seeded
-from tests.zoo_references import mvn_log_prob, mvn_observed_log_prob
 
 # ---------------------------------------------------------------------------------------
 # Pure helpers

@@ -24,11 +24,11 @@ from pyro.infer.autoguide import (
     AutoNormal,
 )
 
+from experiments.zoo import cases as zoo
+from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import EncodeDecode, Exact, Importance, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from tests import _zoo as zoo
-from tests.zoo_references import grid_log_marginal_1d, mvn_log_prob
 
 QUADRATURE_TOL = 1e-3
 
@@ -44,9 +44,9 @@ def _float64():
 
 @dataclass
 class Case(zoo.ModelCase):
-    """One held-out model: the fields of :class:`tests._zoo.ModelCase`, with ``reference``
-    and ``strategy`` required, ``guide`` a function that builds the guide from the model,
-    and
+    """One held-out model: the fields of :class:`experiments.zoo.cases.ModelCase`, with
+    ``reference`` and ``strategy`` required, ``guide`` a function that builds the guide from
+    the model, and
 
     :ivar unbiased: whether the uniform-rate estimate is checked for unbiasedness.
     :ivar coarse: whether auto's quadrature rule is expected to warn that it is coarse.

@@ -13,9 +13,9 @@ import pyro.poutine as poutine
 import pytest
 import torch
 
+from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob, standard_normal_log_prob
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact, Importance, Quadrature
-from tests.zoo_references import grid_log_marginal_1d, mvn_log_prob, standard_normal_log_prob
 
 
 def _gaussian_marginal(weight, loc, noise, x):

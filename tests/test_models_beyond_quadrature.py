@@ -1,6 +1,6 @@
 """Models beyond quadrature's reach (a deep Bernoulli VAE, the semi-supervised M2 VAE, a
 sparse-gamma DEF, Gaussian mixtures with an amortized classifier, eight schools, ProdLDA)
-against independent references of ``log p(x)`` computed in ``tests/_deep_models.py``.
+against independent references of ``log p(x)`` computed in ``experiments/zoo/deep_models.py``.
 
 For each model and strategy (``conditionals="auto"`` and ``Importance(num_samples=64)``)
 the tests pin one outcome, for the uniform-rate MPT estimate (``MPTLoss.estimate``, mean of
@@ -22,10 +22,10 @@ import warnings
 import pytest
 import torch
 
+from experiments.zoo import deep_models as deep
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact, Importance, as_conditionals
 from pyro_mpt.errors import ImportanceAccuracyWarning
-from tests import _deep_models as deep
 
 RIGHT, FLAGGED = "right", "flagged"
 

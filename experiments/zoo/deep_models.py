@@ -1,4 +1,5 @@
-"""Models beyond quadrature's reach for ``tests/test_models_beyond_quadrature.py``, written
+"""Models beyond quadrature's reach for ``tests/test_models_beyond_quadrature.py`` and
+``benchmarks/beyond_quadrature_table.py``, written
 as Pyro's examples write them (data first, plates sized by ``x.shape[-2]``, networks through
 ``pyro.module``), each trained briefly and paired with an independent reference of
 ``log p(x)`` per observation computed here in plain torch, float64.
@@ -24,8 +25,8 @@ from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
-from tests._zoo import seeded
-from tests.zoo_references import trapezoid_log_weights
+from experiments.zoo.cases import seeded
+from experiments.zoo.references import trapezoid_log_weights
 
 __all__ = [
     "DeepCase",

@@ -1,6 +1,6 @@
-"""What the model-zoo tests share (``tests/test_model_zoo.py``, ``tests/test_held_out_models.py``):
-the case record, seeded draws, grid references under a standard-normal latent, and the
-statistical checks on MPT's estimates."""
+"""What the model-zoo tests (``tests/test_model_zoo.py``, ``tests/test_held_out_models.py``)
+and ``benchmarks/model_zoo_table.py`` share: the case record, seeded draws, grid references
+under a standard-normal latent, and the statistical checks on MPT's estimates."""
 
 import contextlib
 import math
@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import pyro
 import torch
 
-from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Exact
-from tests.zoo_references import (
+from experiments.zoo.references import (
     grid_log_marginal_1d,
     grid_log_marginal_2d,
     standard_normal_log_prob,
 )
+from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt.conditionals import Exact
 
 
 @dataclass
