@@ -37,8 +37,9 @@ def check_num_masks(num_masks):
 
 def sort_rows(keys, use_numpy=None):
     """Sorts the last dim. On CPU NumPy's vectorised sort is many times faster than
-    ``torch.sort`` for short rows; both give identical results."""
-    if use_numpy is None:
+    ``torch.sort`` for short rows; both give identical results. A tensor off the CPU is
+    always sorted by ``torch.sort``: it never makes the round trip through NumPy."""
+    if use_numpy is None or keys.device.type != "cpu":
         use_numpy = keys.device.type == "cpu"
     if use_numpy:
         return torch.from_numpy(np.sort(keys.numpy(), axis=-1))
@@ -65,6 +66,8 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None):
         keys = keys.masked_fill(~entries.expand(keys.shape), math.inf)
         threshold = keys.sort(-1).values.gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
         return (keys <= threshold) & (sizes > 0).unsqueeze(-1) & entries
+    if sizes.device.type != "cpu":
+        return _unique_key_masks(sizes, num_features, generator)
     # A feature is masked when its random key is among the M smallest of its row: one sort
     # finds each row's M-th smallest key. 16-bit keys are the cheapest to draw, sort and
     # compare; they tie often in long rows, which take float32 keys instead.
@@ -72,11 +75,27 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None):
     masks, tied = _masks_below_threshold(sizes, num_features, dtype, generator)
     # A tie between the M-th and the next key would mask one feature too many: those rows
     # (about 1 row in 100 of 784 features with 16-bit keys, 1 in 40000 with float32 keys) are
-    # drawn again with float64 keys.
+    # drawn again with float64 keys. The test reads a CPU tensor: no device to wait for.
     if bool(tied.any()):
         redrawn = _masks_below_threshold(sizes[tied], num_features, torch.float64, generator)
         masks[tied] = redrawn[0]
     return masks
+
+
+def _unique_key_masks(sizes, num_features, generator=None):
+    """:func:`masks_of_sizes` off the CPU, with no host round trip: each key is a random
+    integer of ``63 - b`` bits with the feature's index in its low ``b`` bits, so the keys of
+    a row are distinct and the ``M`` smallest are exactly ``M``, with no tie to redraw. Two
+    random parts tie with probability below ``D * 2**(b - 63)`` per row (about ``1e-13`` for
+    ``D = 784``), and only then does the index decide."""
+    num_bits = max(1, (num_features - 1).bit_length())
+    shape = sizes.shape + (num_features,)
+    keys = torch.empty(shape, dtype=torch.int64, device=sizes.device)
+    keys.random_(0, 2 ** (63 - num_bits), generator=generator)
+    keys = (keys << num_bits) | torch.arange(num_features, device=sizes.device)
+    index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
+    threshold = keys.sort(dim=-1).values.gather(-1, index)
+    return (keys <= threshold) & (sizes > 0).unsqueeze(-1)
 
 
 def plain_masks_of_sizes(sizes, num_features):
@@ -114,11 +133,8 @@ def _masks_below_threshold(sizes, num_features, dtype, generator=None):
     threshold = sorted_keys.gather(-1, index)
     following = sorted_keys.gather(-1, (index + 1).clamp(max=num_features - 1))
     tied = ((following == threshold) & (index + 1 < num_features)).squeeze(-1)
-    masks = keys <= threshold
-    empty = sizes < 1
-    if bool(empty.any()):  # rows of size 0 mask nothing
-        masks &= ~empty.unsqueeze(-1)
-    return masks, tied & ~empty
+    masks = (keys <= threshold) & (sizes > 0).unsqueeze(-1)  # rows of size 0 mask nothing
+    return masks, tied & (sizes > 0)
 
 
 def sample_masks(
@@ -198,13 +214,17 @@ def masked_sum(values, masks):
     """The sum over the last dim of ``values`` where ``masks`` is ``True``; values elsewhere,
     ``inf`` and NaN included, are ignored.
 
-    A product with the mask, many times faster than ``where`` on CPUs, unless a sum comes out
-    non-finite: then ``where`` decides.
+    On the CPU, a product with the mask, many times faster there than ``where``
+    (``benchmarks/bench_fast_paths.py``), unless a sum comes out non-finite: then ``where``
+    decides (a read of a CPU tensor, with no device to wait for). On other devices
+    ``where`` always, with no host round trip.
 
     :param torch.Tensor values: shape ``S + (D,)``.
     :param torch.Tensor masks: boolean, broadcastable to ``values``.
     :returns: a tensor of the broadcast shape without its last dim.
     """
+    if values.device.type != "cpu":
+        return torch.where(masks, values, 0.0).sum(-1)
     total = (values * masks.to(values.dtype)).sum(-1)
     if not bool(torch.isfinite(total).all()):
         total = torch.where(masks, values, 0.0).sum(-1)
