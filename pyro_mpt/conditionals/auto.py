@@ -17,6 +17,7 @@ from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.remembered_structure import call_signature
+from pyro_mpt.infer.trace_utils import RandomState, same_random_state
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import sample_masks
 
@@ -116,22 +117,22 @@ class Auto(Conditionals):
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         key = call_signature(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
-            state = torch.get_rng_state()
+            state = RandomState()
             try:
                 return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError:
-                torch.set_rng_state(state)  # the model changed: search again
+                state.restore()  # the model changed: search again
         return self._search(model, guide, args, kwargs, max_plate_nesting, key)
 
     def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons):
         """``strategy.prepare(...)``, or None (with the reason kept) when it does not apply.
         A strategy that does not apply leaves the random state as it found it: a seeded call
         draws the same numbers whether or not it searched."""
-        state = torch.get_rng_state()
+        state = RandomState()
         try:
             return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         except NotApplicableError as error:
-            torch.set_rng_state(state)
+            state.restore()
             # Pyro appends the trace's shapes to errors raised inside a model run.
             reason = str(error).split("\nTrace Shapes:")[0].rstrip()
             # Advice to use 'auto' is no advice here: auto has just tried every strategy.
@@ -207,7 +208,7 @@ class Auto(Conditionals):
         """
         model, guide, args, kwargs, max_plate_nesting, reasons = call
         rule = self._strategy("quadrature")
-        state = torch.get_rng_state()
+        state = RandomState()
         prepared = self._try(rule, *call)
         if prepared is None:
             return None
@@ -242,8 +243,7 @@ def _probe(prepared, args):
     """The diagnostics of importance weights on :data:`NUM_PROBE_MASKS` uniform-size masks
     per observation, leaving the random state as it found it."""
     observed = prepared.observed
-    devices = [observed.value.device] if observed.value.is_cuda else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with same_random_state(), torch.no_grad():
         masks, _ = sample_masks(
             as_rate_schedule("uniform"),
             NUM_PROBE_MASKS,
@@ -264,11 +264,11 @@ def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nestin
     Every rule is prepared from the random ``state`` the first one was, so that a subsampled
     model scores the same observations under each; the state after the first is restored.
     """
-    after = torch.get_rng_state()
+    after = RandomState()
     try:
         return _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state)
     finally:
-        torch.set_rng_state(after)
+        after.restore()
 
 
 def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
@@ -288,7 +288,7 @@ def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state
         finer = Quadrature(
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
         )
-        torch.set_rng_state(state)
+        state.restore()
         finer_prepared = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
         with torch.no_grad():
             finer_log_marginal = finer_prepared.log_marginal()

@@ -12,8 +12,10 @@ __all__ = [
     "flatten_tail",
     "latent_sites",
     "narrow_broadcast_dims",
+    "RandomState",
     "param_store_rollback",
     "plate_frames",
+    "same_random_state",
     "unwrap_independent",
 ]
 
@@ -54,6 +56,37 @@ def distribution_mask(fn):
             mask = level if mask is None else mask & level
         fn = fn.base_dist
     return mask
+
+
+class RandomState:
+    """A snapshot of torch's random state: the CPU generator's and, once CUDA is initialised,
+    every CUDA device's, so that a restore covers wherever the draws came from.
+    Restoring it makes the numbers drawn next those that were next when it was taken."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore(self):
+        """Puts the random state back as it was when the snapshot was taken."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@contextlib.contextmanager
+def same_random_state():
+    """Leaves torch's random state (CPU, and every CUDA device once CUDA is initialised) as
+    the block found it, whether it returns or raises: checks and probes that draw numbers
+    then leave a seeded run's later draws unchanged."""
+    state = RandomState()
+    try:
+        yield
+    finally:
+        state.restore()
 
 
 @contextlib.contextmanager

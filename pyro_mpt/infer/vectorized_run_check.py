@@ -30,6 +30,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_mpt.infer.trace_utils import (
     distribution_mask,
     param_store_rollback,
+    same_random_state,
     unwrap_independent,
 )
 
@@ -211,14 +212,12 @@ def compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how)
     :raises ValueError: naming the site, the size of the disagreement, the likely cause
         and the fix.
     """
-    x = structure.observed.value
-    devices = [x.device] if x.device.type == "cuda" else []
     num_plates = structure.max_plate_nesting
     names = (structure.observed.name,) + structure.latent_names
     try:
         with (
             torch.no_grad(),
-            torch.random.fork_rng(devices=devices),
+            same_random_state(),
             pyro.validation_enabled(False),
         ):
             for index in indices:
@@ -262,7 +261,7 @@ def batch_norm_hint(model, args, kwargs, who="model"):
     try:
         with (
             torch.no_grad(),
-            torch.random.fork_rng(devices=_cuda_devices(args)),
+            same_random_state(),
             poutine.block(),
             param_store_rollback(always=True),
         ):
@@ -292,11 +291,6 @@ def batch_norm_hint(model, args, kwargs, who="model"):
         f"h.reshape((-1,) + h.shape[-3:])); or use nn.LayerNorm(C), which normalises each "
         f"row on its own over its last dim."
     )
-
-
-def _cuda_devices(args):
-    """The CUDA devices of the tensors among ``args``, whose random states a fork keeps."""
-    return sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
 
 
 def check_run_at_points(model, args, kwargs, structure, trace, num_points):
@@ -389,13 +383,12 @@ def check_guided_run(guided, what):
     if _CHECKED.seen(*call):
         return
     value = local.observed.value
-    devices = [value.device] if value.device.type == "cuda" else []
     how = (
         f"conditionals={what!r} runs the model at the guide's samples (two extra batch "
         f"dims left of its plates, over samples and masks, as Pyro's vectorized particles do)"
     )
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), same_random_state():
             _, trace = run_guided(guided, value.expand((2,) + value.shape), 2)
         compare_with_plain_runs(
             guided.model, guided.args, guided.kwargs, local, trace, [(0, 0), (1, 1)], how
