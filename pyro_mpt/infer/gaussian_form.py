@@ -20,9 +20,11 @@ scale that depends on the latents, is refused.
 """
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
+from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.observed_site import ObservedSite
@@ -170,9 +172,24 @@ def _check_normal(fn, name):
     return base
 
 
+#: The structures (by their :class:`~pyro_mpt.infer.model_structure.PointLayout`) whose
+#: linear-Gaussian form has been verified once.
+_VERIFIED = weakref.WeakSet()
+
+
+def _needs_check(structure):
+    """Whether the form must be verified at the check points on this call: always while
+    Pyro's validation is enabled, else once per structure (the check reads the device)."""
+    layout = structure.point_layout
+    if layout is None or is_validation_enabled() or layout not in _VERIFIED:
+        return True
+    return False
+
+
 def _form_at_points(structure, run, points):
     """The latent linear-Gaussian form from the likelihood at the points of
-    :func:`_probe_points`, verified at its check points."""
+    :func:`_probe_points`, verified at its check points (on every call while Pyro's
+    validation is enabled, else on the first with the structure)."""
     observed, fn, latents = run.observed, run.fn, list(structure.latent_names)
     base = _check_normal(fn, observed.name)
     num_latent = points.shape[-1]
@@ -183,6 +200,10 @@ def _form_at_points(structure, run, points):
     # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
     bias = locs[0]
     weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
+    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
+    form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))
+    if not _needs_check(structure):
+        return form
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
     with torch.no_grad():
@@ -209,5 +230,6 @@ def _form_at_points(structure, run, points):
             f"{latents}; exact conditionals need a noise scale that does not. Use "
             f"conditionals='quadrature' or 'importance'."
         )
-    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
-    return GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))
+    if structure.point_layout is not None:
+        _VERIFIED.add(structure.point_layout)
+    return form

@@ -1,6 +1,6 @@
 """The observed site of a model run: its observations with the features flattened, which
 entries count (masks, ``obs_mask``), its scale, and the checks ``log_prob`` would make
-(dtype, NaN, support)."""
+(dtype; NaN and support while Pyro's validation is enabled)."""
 
 from typing import NamedTuple
 
@@ -110,7 +110,10 @@ def read_observed_site(site, full_shape, num_batch):
         # are computed in the model's dtype.
         value = value.to(dtype)
     entries = _entry_mask(site, full_shape, num_feature_dims)
-    nan = torch.isnan(value) if value.is_floating_point() else None
+    validate = is_validation_enabled()
+    # The data checks read the data back (a device synchronisation): like Pyro's own checks
+    # of observations, they run while validation is enabled (the default).
+    nan = torch.isnan(value) if validate and value.is_floating_point() else None
     if nan is not None:
         stray = nan if entries is None else nan & entries
         if bool(stray.any()):
@@ -125,7 +128,7 @@ def read_observed_site(site, full_shape, num_batch):
     if entries is not None:
         value = _fill_missing(value, entries)
     unfilled = None if value is given else given
-    if is_validation_enabled():
+    if validate:
         _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
 
