@@ -1,20 +1,22 @@
 """``MPTLoss``: masked pre-training as a Pyro objective, beside ``Trace_ELBO``."""
 
-import contextlib
 import math
 import warnings
-from unittest import mock
 
+import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO, Trace_ELBO
-from pyro.util import warn_if_nan
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine.util import prune_subsample_sites
+from pyro.util import check_site_shape, warn_if_nan
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.conditionals.importance import warn_if_unreliable
 from pyro_mpt.infer.guided_model import check_guide_sites
-from pyro_mpt.infer.model_structure import read_structure
-from pyro_mpt.infer.trace_utils import param_store_rollback
+from pyro_mpt.infer.model_structure import read_structure, shared_reads
+from pyro_mpt.infer.remembered_structure import call_signature, same
+from pyro_mpt.infer.trace_utils import param_store_rollback, same_random_state
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
@@ -124,6 +126,8 @@ class MPTLoss(ELBO):
         self.guide_loss = guide_loss
         self._elbo = Trace_ELBO(max_plate_nesting=max_plate_nesting)
         self._warned_untrained_guide = False
+        self._last_call = None
+        self._guess_traces = None
         self.diagnostics = None
 
     def __repr__(self):
@@ -148,20 +152,53 @@ class MPTLoss(ELBO):
         return self._prepare_and_estimate(model, guide, args, kwargs)[1]
 
     def _prepare_and_estimate(self, model, guide, args, kwargs):
-        # A failing call leaves no half-initialised parameters behind.
-        with param_store_rollback():
+        validating = is_validation_enabled()
+        if (self._call_key(model, guide, args, kwargs), validating) == self._last_call:
+            # A later call like the last one that succeeded (the next mini-batch): the
+            # plate nesting is known, the guide's sites were compared, parameters exist.
+            try:
+                nesting = self.max_plate_nesting
+                prepared = self.conditionals.prepare(model, guide, args, kwargs, nesting)
+                estimates = self._estimate(prepared)
+            except BaseException:
+                self._last_call = None
+                raise
+        else:
+            prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
+            self._last_call = (self._call_key(model, guide, args, kwargs), validating)
+        self.diagnostics = prepared.diagnostics
+        if prepared.diagnostics is not None:
+            warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
+        return prepared, estimates
+
+    def _call_key(self, model, guide, args, kwargs):
+        """What identifies a call: the model, the guide, the argument shapes and other
+        arguments by identity, and the plate nesting."""
+        return (
+            call_signature(model, args, kwargs, self.max_plate_nesting),
+            same(getattr(guide, "__func__", guide)),
+            same(getattr(guide, "__self__", None)),
+        )
+
+    def _first_prepare_and_estimate(self, model, guide, args, kwargs):
+        # A failing call leaves no half-initialised parameters behind; the model is traced
+        # once for all the places that read its structure.
+        with param_store_rollback(), shared_reads():
+            traces = None
             if self.max_plate_nesting == math.inf:
                 # Once, as Trace_ELBO does, leaving the random state as it was: a seeded
                 # first call draws the same masks as any later one. The model is read first
                 # so that its errors come in MPTLoss's words.
-                with _same_random_state(), mock.patch("pyro.infer.elbo.logger.disabled", True):
+                with same_random_state():
                     read_structure(model, args, kwargs)
-                    self._guess_max_plate_nesting(model, guide or _no_guide, args, kwargs)
-            check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting)
+                    traces = _guide_and_model_traces(model, guide or _no_guide, args, kwargs)
+                self.max_plate_nesting = _guessed_plate_nesting(*traces)
+                # Their param sites serve _split_params on this call.
+                self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
+            # The traces of the guess serve the comparison of the guide's sites too.
+            check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
             prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
             estimates = self._estimate(prepared)
-        self.diagnostics = prepared.diagnostics
-        warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return prepared, estimates
 
     def _estimate(self, prepared):
@@ -251,14 +288,27 @@ class MPTLoss(ELBO):
         return loss.item()
 
     def _split_params(self, model, guide, args, kwargs):
-        """The unconstrained parameters of the model, and those of the guide only."""
-        with poutine.block(), torch.no_grad(), _same_random_state():
-            guide_trace = poutine.trace(guide, param_only=True).get_trace(*args, **kwargs)
-            model_trace = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
-        model_params = _unconstrained(model_trace)
-        seen = {id(p) for p in model_params}
-        guide_params = [p for p in _unconstrained(guide_trace) if id(p) not in seen]
-        return model_params, guide_params
+        """The unconstrained parameters of the model, and those of the guide only.
+
+        Found by tracing the guide and the model, once per model, guide and argument shapes
+        while Pyro's param store holds the same tensors: a later step of the same call takes
+        the lists found then (the parameters that still need a gradient)."""
+        store = tuple(pyro.get_param_store().named_parameters())
+        key = self._call_key(model, guide, args, kwargs)
+        found = getattr(self, "_params_found", None)
+        guessed, self._guess_traces = self._guess_traces, None
+        if found is None or found[0] != key or not _same_store(found[1], store):
+            if guessed is not None and guessed[0] == key and guide is not None:
+                guide_trace, model_trace = guessed[1]
+            else:
+                with poutine.block(), torch.no_grad(), same_random_state():
+                    guide_trace = poutine.trace(guide, param_only=True).get_trace(*args, **kwargs)
+                    model_trace = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
+            model_params = _unconstrained(model_trace)
+            seen = {id(p) for p in model_params}
+            guide_params = [p for p in _unconstrained(guide_trace) if id(p) not in seen]
+            found = self._params_found = (key, store, model_params, guide_params)
+        return [p for p in found[2] if p.requires_grad], [p for p in found[3] if p.requires_grad]
 
     def _warn_if_guide_untrained(self, model, guide, args, kwargs, loss):
         """Warns once when the guide has parameters that the loss does not reach."""
@@ -281,12 +331,42 @@ class MPTLoss(ELBO):
             )
 
 
-@contextlib.contextmanager
-def _same_random_state():
-    """Restores torch's random state (CPU, and CUDA once initialised) on exit."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
+def _same_store(before, now):
+    """Whether two snapshots of the param store's ``(name, tensor)`` pairs hold the same
+    names and the very same tensors."""
+    return len(before) == len(now) and all(
+        a[0] == b[0] and a[1] is b[1] for a, b in zip(before, now)
+    )
+
+
+def _guide_and_model_traces(model, guide, args, kwargs):
+    """The guide's trace and the model's against its samples, blocked, as ``Trace_ELBO``
+    runs them to guess the plate nesting."""
+    with poutine.block():
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
+            *args, **kwargs
+        )
+    return guide_trace, model_trace
+
+
+def _guessed_plate_nesting(guide_trace, model_trace):
+    """The plate nesting of the guide and the model, as ``Trace_ELBO`` guesses it from the
+    same two traces: the deepest vectorized plate of their sample sites, their shapes
+    checked first while validation is enabled."""
+    sites = [
+        site
+        for trace in (prune_subsample_sites(model_trace), prune_subsample_sites(guide_trace))
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+    ]
+    if is_validation_enabled():
+        for trace in (guide_trace, model_trace):
+            prune_subsample_sites(trace).compute_log_prob()
+        for site in sites:
+            check_site_shape(site, max_plate_nesting=math.inf)
+    dims = [frame.dim for site in sites for frame in site["cond_indep_stack"] if frame.vectorized]
+    return -min(dims) if dims else 0
 
 
 def _no_guide(*args, **kwargs):
@@ -303,7 +383,7 @@ def _unconstrained(trace):
         if site["type"] == "param":
             value = site["value"]
             value = value.unconstrained() if hasattr(value, "unconstrained") else value
-            if value.requires_grad and all(value is not p for p in params):
+            if all(value is not p for p in params):
                 params.append(value)
     return params
 

@@ -10,12 +10,12 @@ from pyro_mpt.conditionals.likelihood_draws import observation_draws
 from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.infer.factors import factor_log_prob
 from pyro_mpt.infer.guided_model import (
+    RememberedGuided,
     describe_guide,
     observed_tensor,
-    prepare_guided,
     run_guided,
 )
-from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
+from pyro_mpt.infer.trace_utils import latent_sites, same_random_state, unwrap_independent
 from pyro_mpt.ops.bernoulli import log_prob
 from pyro_mpt.ops.masks import select_masked
 from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
@@ -95,7 +95,6 @@ def _ignores_data(guided):
     x = guided.local.observed.value
     second = torch.zeros_like(x)
     fillings = [x, x + 1 if torch.equal(x, second) else second]
-    devices = [x.device] if x.device.type == "cuda" else []
     params = []
     with torch.enable_grad():
         for i, filled in enumerate(fillings):
@@ -103,7 +102,7 @@ def _ignores_data(guided):
             if filled.is_floating_point():
                 filled.requires_grad_(True)
             # Common random numbers: each run starts from the caller's random state.
-            with torch.random.fork_rng(devices=devices):
+            with same_random_state():
                 trace = run_guided(guided, filled, 1, False)[0]
             params.append(_latent_parameters(trace, latent_sites(trace)))
             fillings[i] = filled
@@ -224,19 +223,36 @@ class EncodeDecode(Conditionals):
         )
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, "encode-decode")
-        obs_fn = unwrap_independent(guided.local.trace.nodes[guided.local.observed.name]["fn"])
-        try:
-            has_mean = not torch.isnan(obs_fn.mean).any()
-        except NotImplementedError:
-            has_mean = False
-        if not has_mean:
-            raise NotApplicableError(
-                f"encode-decode refills masked features with the decoder mean, and the "
-                f"{type(obs_fn).__name__} likelihood of site {guided.local.observed.name!r} "
-                f"has none; use conditionals='importance'."
-            )
-        _check_amortized(guided)
+        # The model is read, and the guide checked, once per model, guide and argument shapes.
+        remembered = vars(self).setdefault("_remembered", RememberedGuided())
+        call = (model, guide, args, kwargs, max_plate_nesting, "encode-decode")
+        guided, fresh = remembered.get(*call)
+        if fresh:
+            try:
+                _check_decoder_and_encoder(guided)
+            except BaseException:
+                remembered.forget()
+                raise
         return EncodeDecodeSelfPredictive(
             guided, self.num_iterations, self.num_samples, self.fill, self.refill
         )
+
+
+def _check_decoder_and_encoder(guided):
+    """The likelihood has a mean to refill with, and the guide encodes its data.
+
+    :raises NotApplicableError: for a likelihood with no mean.
+    :raises ValueError: for a guide that ignores its data.
+    """
+    obs_fn = unwrap_independent(guided.local.trace.nodes[guided.local.observed.name]["fn"])
+    try:
+        has_mean = not torch.isnan(obs_fn.mean).any()
+    except NotImplementedError:
+        has_mean = False
+    if not has_mean:
+        raise NotApplicableError(
+            f"encode-decode refills masked features with the decoder mean, and the "
+            f"{type(obs_fn).__name__} likelihood of site {guided.local.observed.name!r} "
+            f"has none; use conditionals='importance'."
+        )
+    _check_amortized(guided)

@@ -16,8 +16,8 @@ from pyro_mpt.errors import ImportanceAccuracyWarning, check_positive_int
 from pyro_mpt.infer.defensive_proposal import GUIDE_FN, defensive_discrete
 from pyro_mpt.infer.factors import check_factors, factor_log_prob
 from pyro_mpt.infer.guided_model import (
+    RememberedGuided,
     observed_tensor,
-    prepare_guided,
     proposal_log_density,
     run_guided,
     sites_log_density,
@@ -153,8 +153,10 @@ def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.
     """
+    if diagnostics is None or not is_validation_enabled():
+        return
     key = (what, _model_key(model, args))
-    if diagnostics is None or key in _WARNED or not is_validation_enabled():
+    if key in _WARNED:
         return
     if diagnostics.reliable():
         return
@@ -446,7 +448,10 @@ class Importance(Conditionals):
         return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, "importance")
+        # The model is read, and the guide checked, once per model, guide and argument shapes.
+        remembered = vars(self).setdefault("_remembered", RememberedGuided())
+        call = (model, guide, args, kwargs, max_plate_nesting, "importance")
+        guided = remembered.get(*call)[0]
         return ImportanceSelfPredictive(
             guided, self.num_samples, self.fill, self.debias, self.share_samples
         )

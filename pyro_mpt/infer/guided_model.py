@@ -23,10 +23,13 @@ from pyro.infer.util import is_validation_enabled
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.infer.defensive_proposal import defensive_discrete
 from pyro_mpt.infer.model_structure import latent_names_in, read_structure
+from pyro_mpt.infer.observed_site import read_observed_site
+from pyro_mpt.infer.remembered_structure import call_signature, same
 from pyro_mpt.infer.trace_utils import (
     flatten_tail,
     latent_sites,
     plate_frames,
+    same_random_state,
     unwrap_independent,
 )
 from pyro_mpt.infer.vectorized_run_check import (
@@ -38,6 +41,7 @@ from pyro_mpt.infer.vectorized_run_check import (
 
 __all__ = [
     "GuidedModel",
+    "RememberedGuided",
     "check_guide_sites",
     "describe_guide",
     "observed_tensor",
@@ -183,11 +187,87 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
     return guided
 
 
+class RememberedGuided:
+    """The :class:`GuidedModel` of the last call a strategy prepared, so that later calls
+    with the same model, guide and argument shapes (new data of the same shape: the next
+    mini-batch) neither trace the model again nor check the guide again.
+
+    A later call gets the first call's structure with its own arguments and its own
+    observed values, read from the data argument (``args[0]``, the tensor the model
+    observes, as :func:`prepare_guided` checked); Pyro's validation, when enabled, checks
+    them for NaN and support on every call. That holds when the observed site is the data
+    argument itself and has no mask, a constant scale and no ``pyro.factor`` beside it;
+    any other model is traced afresh on every call, as the structure may follow the data.
+    """
+
+    def __init__(self):
+        self._signature = None
+        self._guided = None
+
+    def get(self, model, guide, args, kwargs, max_plate_nesting, what):
+        """``(guided, fresh)``: the :class:`GuidedModel` of this call (see
+        :func:`prepare_guided`, which raises as it does) and whether it was read afresh,
+        so that a strategy runs checks of its own on fresh ones only."""
+        signature = (
+            call_signature(model, args, kwargs, max_plate_nesting),
+            same(getattr(guide, "__func__", guide)),
+            same(getattr(guide, "__self__", None)),
+        )
+        if signature == self._signature:
+            return _with_arguments(self._guided, args, kwargs), False
+        self._signature = self._guided = None
+        # Read without touching the random state: a seeded call draws the same numbers
+        # whether or not it read the model.
+        with same_random_state():
+            guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, what)
+        if _reusable(guided):
+            self._signature, self._guided = signature, guided
+        return guided, True
+
+    def forget(self):
+        """Drops the remembered call (one whose strategy's own check failed)."""
+        self._signature = self._guided = None
+
+
+def _reusable(guided):
+    """Whether later calls may take ``guided``'s structure with their own data argument:
+    the observed site's value is that argument's memory, with no mask, a constant scale,
+    no ``pyro.factor`` and a support that does not depend on parameters."""
+    local = guided.local
+    site = local.trace.nodes[local.observed.name]
+    value, data = site["value"], guided.args[0]
+    return (
+        not local.factor_names
+        and not local.missing_names
+        and local.observed.entries is None
+        and not torch.is_tensor(local.scale)
+        and site["mask"] is None
+        and not torch.distributions.constraints.is_dependent(unwrap_independent(site["fn"]).support)
+        and value.shape == data.shape
+        and value.stride() == data.stride()
+        and value.data_ptr() == data.data_ptr()
+    )
+
+
+def _with_arguments(guided, args, kwargs):
+    """``guided`` for a call with new arguments of the same shapes: the observed site is
+    read from the new data argument."""
+    local = guided.local
+    site = local.trace.nodes[local.observed.name]
+    first = local.observed
+    observed = read_observed_site(
+        dict(site, value=args[0]), first.full_shape, len(first.batch_shape)
+    )
+    return guided._replace(
+        args=tuple(args), kwargs=dict(kwargs), local=local._replace(observed=observed)
+    )
+
+
 #: The (model, guide, argument shapes) whose sites :func:`check_guide_sites` compared.
 _SITES_CHECKED = CheckedCalls()
 
 
-def check_guide_sites(model, guide, args, kwargs, max_plate_nesting):
+def check_guide_sites(model, guide, args, kwargs, max_plate_nesting, traces=None):
     """Warns, as ``Trace_ELBO`` does under validation (``pyro.util.check_model_guide_match``),
     when the guide samples a site the model lacks or lacks a latent of the model: a
     misspelled guide site is otherwise never noticed by conditionals that do not run the
@@ -206,14 +286,27 @@ def check_guide_sites(model, guide, args, kwargs, max_plate_nesting):
     :param tuple args: their positional arguments.
     :param dict kwargs: their keyword arguments.
     :param max_plate_nesting: as the loss holds it (part of the call's record).
+    :param tuple traces: ``(guide_trace, model_trace)`` of such runs made already (for the
+        guess of the plate nesting), so that the model need not run again; None: run them.
     """
     if guide is None or not is_validation_enabled():
         return
     if _SITES_CHECKED.seen(model, guide, args, kwargs, max_plate_nesting):
         return
-    devices = sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
+    if traces is not None:
+        guide_trace, model_trace = traces
+    else:
+        guide_trace, model_trace = _traces_for_sites(model, guide, args, kwargs)
+        if guide_trace is None:
+            return
+    _check_sites_of(guide_trace, model_trace)
+
+
+def _traces_for_sites(model, guide, args, kwargs):
+    """The guide's trace and the model's against it, blocked, without gradients and from a
+    forked random state; ``(None, None)`` if either raises."""
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block():
+        with torch.no_grad(), same_random_state(), poutine.block():
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
             model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
                 *args, **kwargs
@@ -221,7 +314,12 @@ def check_guide_sites(model, guide, args, kwargs, max_plate_nesting):
     except Exception:  # noqa: BLE001
         # Advisory only: a guide that fails here is reported, in MPTLoss's words, by the
         # conditionals that run it, and conditionals that do not run it never needed it.
-        return
+        return None, None
+    return guide_trace, model_trace
+
+
+def _check_sites_of(guide_trace, model_trace):
+    """:func:`check_guide_sites` on the traces of a guide and of the model against it."""
     guide_names = [
         name
         for name in latent_sites(guide_trace)
@@ -242,14 +340,14 @@ def check_guide_sites(model, guide, args, kwargs, max_plate_nesting):
             f"infer={{'is_auxiliary': True}}:\n{set(extra)}\n(MPTLoss: {both}"
             + (f"; {renames} if it is a misspelling" if renames else "")
             + ".)",
-            stacklevel=5,
+            stacklevel=7,
         )
     if missing and guide_names:  # a guide that samples nothing is a no-op, not a typo
         warnings.warn(
             f"Found vars in model but not guide: {set(missing)}\n(MPTLoss: {both}; "
             f"conditionals that draw the latents from the guide cannot be used, and a "
             f"guide site that is not named after a model latent is never used.)",
-            stacklevel=5,
+            stacklevel=7,
         )
 
 

@@ -9,6 +9,7 @@ aside (a factor that does not depend on the local latents is added to the loss, 
 observation does.
 """
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ __all__ = [
     "latent_names_in",
     "observed_in_run",
     "read_structure",
+    "shared_reads",
 ]
 
 
@@ -259,8 +261,32 @@ def _max_plate_nesting(trace):
     return max(dims, default=0)
 
 
+#: While :func:`shared_reads` is active: the structures read in it, by call signature.
+_SHARED = None
+
+
+@contextlib.contextmanager
+def shared_reads():
+    """Within the block, :func:`read_structure` traces a model once per call signature
+    (the model, and its arguments' shapes, or identities for other objects) and every later
+    read of it takes that structure: the first call of a loss reads the model in several
+    places (its own checks, each strategy it tries) on the same data. Reads made with
+    gradients disabled are not shared with reads that need them (a ``pyro.factor``'s
+    gradient comes from the trace). Blocks nest; the outermost one holds the record."""
+    global _SHARED
+    outermost = _SHARED is None
+    if outermost:
+        _SHARED = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _SHARED = None
+
+
 def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLoss"):
-    """Traces ``model`` once and reads off its :class:`ModelStructure`.
+    """Traces ``model`` once and reads off its :class:`ModelStructure` (inside
+    :func:`shared_reads`, once per call signature).
 
     :raises ValueError: for a model with no (or several) observed sites, NaN observations
         outside a mask, a latent site outside the data plate, a batch dim in no plate, or
@@ -268,6 +294,31 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     :raises TypeError: for observations that are not a floating tensor where the
         likelihood needs one.
     """
+    if _SHARED is None:
+        structure = _read_structure(model, args, kwargs, what)
+    else:
+        from pyro_mpt.infer.remembered_structure import call_signature  # it imports this
+
+        key = call_signature(model, args, kwargs, None)
+        grad = torch.is_grad_enabled()
+        shared = _SHARED.get(key)
+        if shared is None or (grad and not shared[0]):
+            shared = _SHARED[key] = (grad, _read_structure(model, args, kwargs, what))
+        # Each reader gets a layout of its own, decided on its own first run at points.
+        structure = shared[1]._replace(point_layout=PointLayout())
+    nesting = structure.max_plate_nesting
+    if max_plate_nesting != math.inf:
+        if nesting > max_plate_nesting:
+            raise ValueError(
+                f"The model nests {nesting} plates but max_plate_nesting={max_plate_nesting}; "
+                f"raise max_plate_nesting to at least {nesting}, or leave it unset."
+            )
+        structure = structure._replace(max_plate_nesting=int(max_plate_nesting))
+    return structure
+
+
+def _read_structure(model, args, kwargs, what):
+    """:func:`read_structure` with the trace's own plate nesting."""
     trace = poutine.trace(model).get_trace(*args, **kwargs)
     observed_names, latent_names, factors, missing = _classify(trace)
     obs_name = _theread_observed_site(trace, observed_names, latent_names, what)
@@ -288,13 +339,6 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
         latents.append(LatentSite(name, math.prod(full[num_batch:]), num_batch))
     check_latent_effects(trace, latents, observed, scale)
     nesting = _max_plate_nesting(trace)
-    if max_plate_nesting != math.inf:
-        if nesting > max_plate_nesting:
-            raise ValueError(
-                f"The model nests {nesting} plates but max_plate_nesting={max_plate_nesting}; "
-                f"raise max_plate_nesting to at least {nesting}, or leave it unset."
-            )
-        nesting = int(max_plate_nesting)
     return ModelStructure(
         trace,
         observed,

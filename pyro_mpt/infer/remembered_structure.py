@@ -6,8 +6,9 @@ import math
 import torch
 
 from pyro_mpt.infer.model_structure import read_structure
+from pyro_mpt.infer.trace_utils import same_random_state
 
-__all__ = ["RememberedStructure", "call_signature"]
+__all__ = ["RememberedStructure", "call_signature", "same"]
 
 
 class _Same:
@@ -24,6 +25,11 @@ class _Same:
 
     def __hash__(self):
         return id(self.value)
+
+
+def same(value):
+    """``value`` wrapped to compare by identity (and kept alive) in a call signature."""
+    return _Same(value)
 
 
 def call_signature(model, args, kwargs, max_plate_nesting):
@@ -58,11 +64,8 @@ class RememberedStructure:
     def get(self, model, args, kwargs, max_plate_nesting=math.inf):
         signature = call_signature(model, args, kwargs, max_plate_nesting)
         if signature != self._signature:
-            devices = []
-            if torch.cuda.is_initialized():
-                devices = list(range(torch.cuda.device_count()))
             # No graph: the remembered trace must not keep the first call's tensors alive.
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
+            with same_random_state(), torch.no_grad():
                 structure = read_structure(model, args, kwargs, max_plate_nesting)
             self._signature, self._structure = signature, structure
         return self._structure
