@@ -251,8 +251,11 @@ class MPTLoss(ELBO):
                 f"conditionals='importance', or guide_loss='elbo'."
             )
         if mode is None:
-            self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
-            return _with_zero_gradients(loss, guide)
+            if not self._warned_untrained_guide:
+                self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
+            if isinstance(guide, torch.nn.Module):
+                return _with_zero_gradients(loss, guide)
+            return loss
         model_params, guide_params = self._split_params(model, guide, args, kwargs)
         if mode == "elbo":
             guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
