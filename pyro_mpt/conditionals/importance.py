@@ -219,22 +219,47 @@ class ImportanceSelfPredictive(SelfPredictive):
         guided, num_samples = self.guided, self.num_samples
         num_masks = filled.shape[0]
         pooled_size = num_samples * num_masks
-        drawn, _ = run_guided(guided, filled, num_samples, replay_model=False, hidden=hidden)
-        names = latent_sites(drawn)
-        if any(drawn.nodes[n]["value"].shape[:2] != (num_samples, num_masks) for n in names):
-            return None
-        pooled, every = drawn.copy(), drawn.copy()
-        for name in names:
-            value = drawn.nodes[name]["value"]
-            merged = value.reshape((pooled_size, 1) + value.shape[2:])
-            pooled.nodes[name] = dict(drawn.nodes[name], value=merged)
-            expanded = merged.expand((pooled_size, num_masks) + value.shape[2:])
-            every.nodes[name] = dict(drawn.nodes[name], value=expanded)
-        # log q_p(z_s) of every pooled draw under every mask's proposal; the guide's own
-        # sites are replayed with the defensive mixtures the draws came from.
-        proposals = guided._replace(guide=replay(defensive_discrete(guided.guide), trace=every))
-        scored, _ = run_guided(proposals, filled, pooled_size, replay_model=False, hidden=hidden)
         lead = (pooled_size, num_masks)
+        drawn = None
+        if len(guided.local.latent_names) == 1:
+            # One latent site: its q depends on no other draw, so one guide run with S * P
+            # draws per mask gives every mask's q at every pooled draw. Pooled draw k is
+            # draw k of mask k mod P: S from each mask.
+            drawn, _ = run_guided(guided, filled, pooled_size, replay_model=False, hidden=hidden)
+            if len(latent_sites(drawn)) != 1:  # e.g. an auxiliary site of an autoguide
+                drawn = None
+        if drawn is not None:
+            (name,) = latent_sites(drawn)
+            value = drawn.nodes[name]["value"]
+            if value.shape[:2] != lead:
+                return None
+            index = torch.arange(pooled_size, device=value.device)
+            merged = value[index, index % num_masks].unsqueeze(1)
+            pooled, scored = drawn.copy(), drawn.copy()
+            pooled.nodes[name] = dict(drawn.nodes[name], value=merged)
+            expanded = merged.expand(lead + value.shape[2:])
+            scored.nodes[name] = dict(drawn.nodes[name], value=expanded)
+        else:
+            drawn, _ = run_guided(guided, filled, num_samples, replay_model=False, hidden=hidden)
+            names = latent_sites(drawn)
+            shapes = [drawn.nodes[n]["value"].shape[:2] for n in names]
+            if any(shape != (num_samples, num_masks) for shape in shapes):
+                return None
+            pooled, every = drawn.copy(), drawn.copy()
+            for name in names:
+                value = drawn.nodes[name]["value"]
+                merged = value.reshape((pooled_size, 1) + value.shape[2:])
+                pooled.nodes[name] = dict(drawn.nodes[name], value=merged)
+                expanded = merged.expand(lead + value.shape[2:])
+                every.nodes[name] = dict(drawn.nodes[name], value=expanded)
+            # A site's q may depend on other draws: the guide is replayed at every pooled
+            # draw under every mask, with the defensive mixtures the draws came from.
+            replaying = replay(defensive_discrete(guided.guide), trace=every)
+            proposals = guided._replace(guide=replaying)
+            scored, _ = run_guided(
+                proposals, filled, pooled_size, replay_model=False, hidden=hidden
+            )
+        # log q_p(z_k) of every pooled draw under every mask's proposal.
         log_q_mix = mixture_log_density(proposal_log_density(scored, guided, lead))
         # The model at each pooled draw once (any mask's filled data: the model reads none).
         at_draws = guided._replace(guide=replay(defensive_discrete(guided.guide), trace=pooled))
@@ -396,6 +421,10 @@ class Importance(Conditionals):
     :param str debias: ``None`` (plain ratio estimate) or ``"jackknife"`` (bias of order
         ``1/S^2`` instead of ``1/S``, see
         :func:`~pyro_mpt.ops.jackknife_importance.jackknife_importance_log_conditionals`).
+    :param bool share_samples: with several masks per observation (``MPTLoss(num_masks=P)``),
+        pool their draws: each mask's conditionals use all ``S * P`` samples, weighted
+        against the equal mixture of the ``P`` masks' proposals, at the model cost of
+        separate samples (see "What to do" in the accuracy docs). Not with ``debias``.
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as
