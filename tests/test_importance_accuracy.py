@@ -166,6 +166,33 @@ def test_a_poor_proposal_warns_once_with_its_figures():
     assert (estimate - exact).abs().mean() > 1.0
 
 
+def test_later_failures_warn_again_with_their_share():
+    """After the first warning, the 10th failing call warns again and says how many of the
+    calls so far failed; the calls in between, and calls whose weights pass, are silent."""
+    x = _data()
+    centre = {"value": 3.0}
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(centre["value"], 0.3 if centre["value"] else 1.0))
+
+    def model(x):  # its own function: warnings are counted per model
+        _model(x)
+
+    loss = MPTLoss(num_masks=5, conditionals=Importance(num_samples=64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(14):
+            # Calls 4 to 7 use the prior, a fair proposal for this model: they pass.
+            centre["value"] = 0.0 if 3 <= step <= 6 else 3.0
+            loss.loss(model, guide, x)
+    flagged = [str(w.message) for w in caught if issubclass(w.category, ImportanceAccuracyWarning)]
+    assert len(flagged) == 2
+    assert "calls so far failed" not in flagged[0]
+    # The 10th failure is call 14: calls 1-3 and 8-14 fail, 4-7 pass.
+    assert "(10 of the 14 calls so far failed)" in flagged[1]
+
+
 def test_a_good_proposal_is_silent_and_accurate():
     """The prior is a fair proposal for this 5-feature model: no warning, and the uniform
     rate's estimate is within Monte Carlo error of the exact log p(x)."""

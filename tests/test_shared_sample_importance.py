@@ -160,8 +160,8 @@ def test_share_samples_in_mpt_loss_matches_the_exact_loss_gradient_direction():
         pyro.set_rng_seed(5)
         value = loss.differentiable_loss(model, _mask_aware_guide, x)
         grads[name] = torch.autograd.grad(value, [pyro.param("shift")])[0]
-    # The same masks (same seed, drawn first in a later call); the pooled gradient is a ratio estimate from
-    # 12000 draws per mask.
+    # The same masks (same seed, drawn first in a later call); the pooled gradient is a
+    # ratio estimate from 12000 draws per mask.
     tolerance = 0.05 * float(grads["exact"].abs())
     torch.testing.assert_close(grads["pooled"], grads["exact"], atol=tolerance, rtol=0)
 

@@ -133,7 +133,8 @@ class ImportanceDiagnostics(NamedTuple):
         )
 
 
-_WARNED = set()
+#: Per (what, model key): ``[checks, failures]`` of :func:`warn_if_unreliable`.
+_CHECKS = {}
 
 
 def _model_key(model, args):
@@ -146,23 +147,29 @@ def _model_key(model, args):
 
 
 def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
-    """Warns once per model and argument shapes when ``diagnostics`` fail the thresholds.
-    The check reads the figures (a device synchronisation), so it runs only while Pyro's
-    validation is enabled (the default) and until the first warning.
+    """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
+    call per model and argument shapes, stating the figures and, from the second warning,
+    how many of the calls so far failed. Early failures of an untrained guide thus do not
+    hide later ones, and a long run is not flooded. The check reads the figures (a device
+    synchronisation), so it runs only while Pyro's validation is enabled (the default).
 
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.
     """
     if diagnostics is None or not is_validation_enabled():
         return
-    key = (what, _model_key(model, args))
-    if key in _WARNED:
-        return
+    counts = _CHECKS.setdefault((what, _model_key(model, args)), [0, 0])
+    counts[0] += 1
     if diagnostics.reliable():
         return
-    _WARNED.add(key)
+    counts[1] += 1
+    checks, failures = counts
+    if failures != 10 ** int(math.log10(failures) + 1e-9):
+        return
+    history = "" if failures == 1 else f" ({failures} of the {checks} calls so far failed)"
     warnings.warn(
-        f"{what} by importance sampling cannot be trusted here: {diagnostics.describe()}. "
+        f"{what} by importance sampling cannot be trusted here{history}: "
+        f"{diagnostics.describe()}. "
         f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
         f"observation, in either direction. Fix: use a guide that sees which entries are "
         f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
