@@ -16,7 +16,7 @@ Usage::
         [--json PATH]
 
 Without ``--json`` the figures are written to ``benchmarks/results/mpt_masks_training.json``,
-the committed file that :doc:`deep_vae` cites (2 seeds, 1 thread, about 20 minutes).
+the committed file that docs/deep_vae.rst cites (2 seeds, 1 thread, about 20 minutes).
 """
 
 import pathlib
