@@ -315,7 +315,7 @@ def test_ppca_guide_serves_importance_sampling():
 
 
 def test_fast_bernoulli_log_prob_values_and_gradients():
-    from pyro_mpt.ops.bernoulli import bernoulli_log_prob, log_prob
+    from pyro_mpt.ops.bernoulli import bernoulli_log_prob, observed_log_prob
 
     logits = torch.tensor([[-900.0, -30.0, -2.0, 0.0, 3.0, 40.0, 800.0]]).expand(3, 7)
     logits = (logits + torch.randn(3, 7)).requires_grad_()
@@ -346,10 +346,11 @@ def test_fast_bernoulli_log_prob_values_and_gradients():
     # Dispatch: the fast path for logits, the distribution's own for probs.
     moderate = logits.detach().clamp(-30, 30)
     torch.testing.assert_close(
-        log_prob(dist.Bernoulli(logits=moderate), value),
+        observed_log_prob(dist.Bernoulli(logits=moderate), value),
         dist.Bernoulli(logits=moderate).log_prob(value),
     )
     probs = torch.sigmoid(moderate)
     assert torch.equal(
-        log_prob(dist.Bernoulli(probs=probs), value), dist.Bernoulli(probs=probs).log_prob(value)
+        observed_log_prob(dist.Bernoulli(probs=probs), value),
+        dist.Bernoulli(probs=probs).log_prob(value),
     )

@@ -16,7 +16,7 @@ from pyro_mpt.infer.guided_model import (
     run_guided,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, same_random_state, unwrap_independent
-from pyro_mpt.ops.bernoulli import log_prob
+from pyro_mpt.ops.bernoulli import observed_log_prob
 from pyro_mpt.ops.masks import select_masked
 from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
 
@@ -52,7 +52,8 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
             refill = observed_tensor(refill, self.guided, lead)
             filled = select_masked(hidden, refill, x)  # (S, P) + batch + (D,): one chain per sample
         fn, value = self._decode(filled, hidden)
-        return importance_log_marginal(observed_tensor(log_prob(fn, value), self.guided, lead))
+        log_likelihood = observed_tensor(observed_log_prob(fn, value), self.guided, lead)
+        return importance_log_marginal(log_likelihood)
 
     def sample(self, hidden, num_samples, joint=True):
         """The Markov chain of Rezende et al. (2014, appendix F): encode the filled data,
