@@ -28,8 +28,9 @@ Figures per case:
   ``__index__``, ``nonzero``, ``torch.equal`` and ``torch.allclose``, and indexing with a
   boolean tensor; on the CPU these do not wait, but on a GPU each one stalls the step.
   ``syncs (validation on)`` is the same count with validation on. Reads of CPU tensors in
-  the CPU-only branches of :mod:`pyro_mpt.ops.masks` and of
-  :func:`pyro_mpt.ops.bernoulli.log_sigmoid` (:data:`CPU_ONLY`) are not counted:
+  the CPU-only branches of :mod:`pyro_mpt.ops.masks`, of
+  :func:`pyro_mpt.ops.bernoulli.log_sigmoid` and of the Bernoulli quadrature
+  (:data:`CPU_ONLY`) are not counted:
   those branches never see a GPU tensor. Before this count existed, those functions read
   every tensor, so the "before" figures count them.
 
@@ -68,10 +69,13 @@ NUM_DATA, BATCH, SEED = 256, 32, 0
 STEADY_STEP = 4
 
 #: Functions whose host reads happen for CPU tensors only (NumPy's sort of CPU keys, and the
-#: CPU fast paths of masks, masked sums and log sigmoid): no device to wait for, so not
-#: counted.
+#: CPU fast paths of masks, masked sums, log sigmoid and the Bernoulli quadrature): no
+#: device to wait for, so not counted.
 CPU_ONLY = {
     ("ops/bernoulli.py", "log_sigmoid"),
+    ("ops/quadrature_bernoulli.py", "_orient"),
+    ("ops/quadrature_bernoulli.py", "forward"),
+    ("ops/quadrature_bernoulli.py", "_oriented_forward"),
     ("ops/masks.py", "sort_rows"),
     ("ops/masks.py", "masks_of_sizes"),
     ("ops/masks.py", "masked_sum"),

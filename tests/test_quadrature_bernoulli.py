@@ -123,3 +123,35 @@ def test_identical_rows_leave_no_disagreement_product(branches):
     x[:] = x[0]
     _compare(log_weights, logits, x, context, atol=1e-12)
     assert branches == [0]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["one product", "mispredictions", "near the floors", "below the floor", "blank borders"],
+)
+def test_the_path_that_reads_nothing_back_matches_dense_quadrature(branches, monkeypatch, case):
+    # Off the CPU no path is chosen by the data: the disagreement product runs over every
+    # feature and the two-value table always serves, with the dense reference's results.
+    monkeypatch.setattr(quadrature_bernoulli, "_may_read", lambda tensor: False)
+    scale, from_model = {"mispredictions": (6.0, False)}.get(case, (1.0, True))
+    log_weights, logits, x, context = _decoder_case(logit_scale=scale, from_model=from_model)
+    if case == "near the floors":
+        x[:, 0], logits[:, 0] = 1.0, -400.0
+    if case == "below the floor":
+        x[:, 0], logits[::2, 0], logits[1::2, 0] = 1.0, -720.0, 3.0
+    if case == "blank borders":
+        x[:, :10], x[:, 10:14] = 0.0, 1.0
+    _compare(log_weights, logits, x, context, atol=1e-12)
+    assert branches == []
+
+
+def test_off_the_cpu_nothing_is_read_back():
+    # Any read of a meta tensor raises.
+    log_weights, logits, x, context = (
+        t.to("meta") for t in _decoder_case(logit_scale=1.0, num_obs=4, num_features=5)
+    )
+    logits.requires_grad_()
+    out = bernoulli_log_conditionals(log_weights, logits, x, context)
+    assert out.shape == (3, 4, 5) and out.device.type == "meta"
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    assert grad.shape == logits.shape

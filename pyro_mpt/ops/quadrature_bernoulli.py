@@ -74,6 +74,12 @@ def bernoulli_log_table(logits):
     return _BernoulliLogTable.apply(logits)
 
 
+def _may_read(tensor):
+    """Whether a path may be chosen by reading ``tensor``'s values: on the CPU only, where
+    the read waits for no device."""
+    return tensor.device.type == "cpu"
+
+
 class _Orientation(NamedTuple):
     """The value ``o_j`` most rows observe at each feature, and the likelihood of it."""
 
@@ -86,22 +92,29 @@ class _Orientation(NamedTuple):
 def _orient(logits, ones):
     """The :class:`_Orientation` of the rows, the signed logits ``s = (2 o - 1) eta`` and
     the log-likelihoods ``log p(o_j | z_g) = log sigmoid(s)`` at the nodes, ``(G, D)`` each,
-    and whether some ``F`` may be below the floor of :mod:`pyro_mpt.ops.floored_exp`."""
+    and whether some ``F`` may be below the floor of :mod:`pyro_mpt.ops.floored_exp`.
+
+    On the CPU the smallest ``s`` is read (no device to wait for): ``log(sigmoid)`` is used
+    where ``sigmoid`` stays a normal number (see :func:`pyro_mpt.ops.bernoulli.log_sigmoid`)
+    and the floor only where some ``F`` may be below it. Elsewhere nothing is read back:
+    ``logsigmoid``, and the floor always applies (it leaves larger values as they are)."""
     signs = (ones.sum(0) * 2 >= ones.shape[0]).to(logits.dtype).mul_(2).sub_(1)  # (D,)
     signed_logits = logits * signs
     likelihood = torch.sigmoid(signed_logits)
-    # log(sigmoid) where sigmoid is a normal number (see pyro_mpt.ops.bernoulli.log_sigmoid).
-    lowest = float(signed_logits.min()) if signed_logits.numel() else 0.0
-    if lowest > math.log(torch.finfo(logits.dtype).tiny) + 8:
-        log_agree = likelihood.log()
+    if _may_read(logits):
+        lowest = float(signed_logits.min()) if signed_logits.numel() else 0.0
+        if lowest > math.log(torch.finfo(logits.dtype).tiny) + 8:
+            log_agree = likelihood.log()
+        else:
+            log_agree = torch.nn.functional.logsigmoid(signed_logits)
+        # sigmoid(l) >= exp(l) / 2: below the floor only where l < log(floor) + log(2).
+        needs_floor = lowest < math.log(gemm_safe_floor(logits.dtype)) + 1
     else:
-        log_agree = torch.nn.functional.logsigmoid(signed_logits)
+        log_agree, needs_floor = torch.nn.functional.logsigmoid(signed_logits), True
     # Arithmetic rather than boolean selections, which are slow on CPUs.
     agreement = torch.mul(ones, 2 * signs).sub_(signs)
     disagreement = torch.sub(1, agreement).mul_(0.5)
     orientation = _Orientation(signs, likelihood, agreement, disagreement)
-    # sigmoid(l) >= exp(l) / 2: below the floor only where l < log(floor) + log(2).
-    needs_floor = lowest < math.log(gemm_safe_floor(logits.dtype)) + 1
     return orientation, signed_logits, log_agree, needs_floor
 
 
@@ -193,19 +206,29 @@ class _BernoulliConditionals(torch.autograd.Function):
 
     Everything runs in the layout of the :class:`_Orientation`: the table's two values are
     ``o_j`` and ``1 - o_j``. The log joint is ``a = log w + c L_o^T - (c [x != o]) s^T``
-    (as ``log p(1 - o | z) = log p(o | z) - s``), and the second product runs only over the
-    features where some row disagrees with ``o`` (image borders are blank in every row)."""
+    (as ``log p(1 - o | z) = log p(o | z) - s``).
+
+    On the CPU the second product runs only over the features where some row disagrees with
+    ``o`` (image borders are blank in every row), and the one-product path is taken unless
+    it would lose accuracy, both decided by reading the data (no device to wait for).
+    Elsewhere nothing is read back: the second product runs over every feature and the
+    two-value table always serves, the same conditionals to rounding."""
 
     @staticmethod
     def forward(ctx, log_weights, logits, ones, context):
         orientation, signed_logits, log_agree, needs_floor = _orient(logits, ones)
         weight_disagree = context * orientation.disagreement
-        active = weight_disagree.any(0).nonzero().squeeze(-1)  # features some row disagrees at
-        weight_disagree = weight_disagree.index_select(1, active)
+        on_cpu = _may_read(logits)
         log_joint = torch.addmm(log_weights, context, log_agree.T)
-        log_joint.addmm_(weight_disagree, signed_logits.index_select(1, active).T, alpha=-1)
+        if on_cpu:
+            active = weight_disagree.any(0).nonzero().squeeze(-1)  # features some row disagrees
+            weight_disagree = weight_disagree.index_select(1, active)
+            log_joint.addmm_(weight_disagree, signed_logits.index_select(1, active).T, alpha=-1)
+        else:
+            active = None
+            log_joint.addmm_(weight_disagree, signed_logits.T, alpha=-1)
         posterior = floored_node_posterior(log_joint)
-        result = _oriented_forward(logits, posterior, orientation, needs_floor)
+        result = _oriented_forward(logits, posterior, orientation, needs_floor) if on_cpu else None
         ctx.oriented = result is not None
         if not ctx.oriented:
             table = torch.cat([log_agree, log_agree - signed_logits], -1)  # (G, 2D)
