@@ -56,6 +56,7 @@ from experiments.results_blocks_transformers import (
     bert_curve_block,
     bert_rates_block,
     mae_curve_block,
+    mlm_generation_block,
 )
 from experiments.results_blocks_vae_gp import (
     gp_decoder_block,
@@ -89,6 +90,7 @@ BLOCKS = {
     "bert-curve": bert_curve_block,
     "mae-curve": mae_curve_block,
     "bert-rates": bert_rates_block,
+    "mlm-generation": mlm_generation_block,
     "coherence": coherence_block,
     "benchmarks": benchmarks_block,
     "bench-vae-step": bench_vae_step_block,
