@@ -148,8 +148,13 @@ def extract_gaussian_form(model, args, kwargs, structure):
     if not structure.latents:
         raise ValueError("extract_gaussian_form needs a model with local latents.")
     _check_normal(obs_site["fn"], observed.name)  # before the run at the points
-    first = structure.trace.nodes[structure.latents[0].name]["value"]
-    points = _probe_points(structure.latent_dim, first.dtype, first.device)
+    layout = structure.point_layout
+    points = _PROBES.get(layout) if layout is not None else None
+    if points is None:  # once per structure: the points depend on nothing else
+        first = structure.trace.nodes[structure.latents[0].name]["value"]
+        points = _probe_points(structure.latent_dim, first.dtype, first.device)
+        if layout is not None:
+            _PROBES[layout] = points
     run = run_at_points(model, args, kwargs, structure, points)
     return _form_at_points(structure, run, points), run.extra_log_prob
 
@@ -175,15 +180,8 @@ def _check_normal(fn, name):
 #: The structures (by their :class:`~pyro_mpt.infer.model_structure.PointLayout`) whose
 #: linear-Gaussian form has been verified once.
 _VERIFIED = weakref.WeakSet()
-
-
-def _needs_check(structure):
-    """Whether the form must be verified at the check points on this call: always while
-    Pyro's validation is enabled, else once per structure (the check reads the device)."""
-    layout = structure.point_layout
-    if layout is None or is_validation_enabled() or layout not in _VERIFIED:
-        return True
-    return False
+#: The probe points of :func:`_probe_points` of each structure (by its layout).
+_PROBES = weakref.WeakKeyDictionary()
 
 
 def _form_at_points(structure, run, points):
@@ -202,7 +200,10 @@ def _form_at_points(structure, run, points):
     weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
     noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
     form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))
-    if not _needs_check(structure):
+    # Verified on every call while Pyro's validation is enabled, else once per structure
+    # (the check reads the device).
+    layout = structure.point_layout
+    if layout is not None and layout in _VERIFIED and not is_validation_enabled():
         return form
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
@@ -241,7 +242,11 @@ def run_at_points(model, args, kwargs, structure, points, memory_check=None):
     if layout.shared is None:
         layout.shared = _check_model_at_points(model, args, kwargs, structure)
     shared = points.dim() == 2 and layout.shared
-    return _run(model, args, kwargs, structure, points, shared, memory_check=memory_check)
+    # The first run of the structure checked its factors; later ones do under validation.
+    check = is_validation_enabled()
+    return _run(
+        model, args, kwargs, structure, points, shared, memory_check=memory_check, check=check
+    )
 
 
 #: Random points of the checks of :func:`_check_model_at_points`; the first two are compared.
@@ -360,7 +365,11 @@ def _observed_log_prob(run):
     return unwrap_independent(run.fn).log_prob(value)
 
 
-def _run(model, args, kwargs, structure, points, compact, first_rows=False, memory_check=None):
+def _run(
+    model, args, kwargs, structure, points, compact, first_rows=False, memory_check=None, check=True
+):
+    """The :class:`PointsRun` of ``model`` at ``points``; with ``check``, its ``pyro.factor``
+    terms are checked not to depend on the latents (a read of the device)."""
     if points.dim() == 2 and not compact:  # the same points for every observation
         batch = structure.observed.batch_shape
         points = points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:])
@@ -384,5 +393,8 @@ def _run(model, args, kwargs, structure, points, compact, first_rows=False, memo
             if float(latent_scale) != scale:
                 raise scale_mismatch(latent.name, observed.name)
     fn = trace.nodes[observed.name]["fn"]
-    check_factors(structure, trace, "integrating the latents out")
+    if not structure.factor_names:
+        return PointsRun(fn, trace, observed, scale, 0.0)
+    if check:
+        check_factors(structure, trace, "integrating the latents out")
     return PointsRun(fn, trace, observed, scale, factor_log_prob(structure, trace))
