@@ -23,7 +23,7 @@ from pyro_mpt.infer.guided_model import (
     sites_log_density,
 )
 from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
-from pyro_mpt.ops.bernoulli import log_prob
+from pyro_mpt.ops.bernoulli import observed_log_prob
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 from pyro_mpt.ops.jackknife_importance import (
@@ -208,7 +208,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = proposal_log_density(guide_trace, guided, lead)
         site = model_trace.nodes[self.observed.name]
-        ll = log_prob(unwrap_independent(site["fn"]), site["value"])
+        ll = observed_log_prob(unwrap_independent(site["fn"]), site["value"])
         self._proposal_terms = (guide_trace, lead)
         return log_p - log_q, observed_tensor(ll, guided, lead)
 
@@ -275,7 +275,8 @@ class ImportanceSelfPredictive(SelfPredictive):
         lead = (pooled_size, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         site = model_trace.nodes[self.observed.name]
-        ll = observed_tensor(log_prob(unwrap_independent(site["fn"]), site["value"]), guided, lead)
+        fn = unwrap_independent(site["fn"])
+        ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)
         self._proposal_terms = (scored, (pooled_size, num_masks))
         return log_p[:, 0] - log_q_mix, ll[:, 0]
 
@@ -345,7 +346,8 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
         site = model_trace.nodes[observed.name]
-        ll = observed_tensor(log_prob(unwrap_independent(site["fn"]), site["value"]), guided, lead)
+        fn = unwrap_independent(site["fn"])
+        ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)
         log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch
         # Resampling is only as good as the weights: the same figures as the conditionals'.
         what = "Draws of hidden features"
