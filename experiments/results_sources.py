@@ -52,7 +52,7 @@ SOURCES = {
         kind="reproduce", size="default", files=["vae-compare.json", "vae-linear.json"]
     ),
     "gp-decoder": dict(kind="reproduce", size="default", files=["gp-decoder.json"]),
-    # About 6 minutes on one core: 25 rates with 2 masks on 32 sequences, two models.
+    # 3-7 minutes on one core: 25 rates with 2 masks on 32 sequences, two models.
     "bert-curve": dict(kind="reproduce", size="default", files=["bert-curve.json"]),
     # The defaults of these two take 6-7 minutes a seed on two CPU cores: smoke size here,
     # with three seeds where the table gives the spread over seeds (the committed files are
@@ -63,7 +63,7 @@ SOURCES = {
     "bert-rates": dict(
         kind="reproduce", size="smoke", args=["--seeds", "3"], files=["bert-rates.json"]
     ),
-    # 8-9 minutes on one core, most of it the pseudo-log-likelihoods (a forward pass per
+    # 4-9 minutes on one core, most of it the pseudo-log-likelihoods (a forward pass per
     # residue of every sample).
     "mlm-generation": dict(kind="reproduce", size="default", files=["mlm-generation.json"]),
     # 6-8 minutes on one core: 784 prefixes per ordering of each VAE image and one
