@@ -33,9 +33,9 @@ DOCUMENTS = ("README.md", "docs/*.rst")
 #: Source name -> what writes its files. ``kind`` is ``"reproduce"`` (``pyro-mpt reproduce
 #: NAME --threads 1 --no-progress``, plus ``--smoke`` or ``--full`` for those sizes) or
 #: ``"benchmarks"`` (``python benchmarks/run_all.py --threads 1 --json ...``); ``size`` is the
-#: size that ``--rerun`` uses, chosen so that a rerun of everything fits in about 20 minutes
-#: on two CPU cores; ``args`` further options of the command, if any; ``files`` the JSON
-#: files it writes.
+#: size that ``--rerun`` uses, the default size of every experiment (a rerun of everything
+#: takes about three hours on two CPU cores); ``args`` further options of the command, if
+#: any; ``files`` the JSON files it writes.
 SOURCES = {
     "ppca-table1": dict(kind="reproduce", size="default", files=["ppca-table1.json"]),
     "ppca-training": dict(kind="reproduce", size="default", files=["ppca-training.json"]),
@@ -54,14 +54,13 @@ SOURCES = {
     "gp-decoder": dict(kind="reproduce", size="default", files=["gp-decoder.json"]),
     # 3-7 minutes on one core: 25 rates with 2 masks on 32 sequences, two models.
     "bert-curve": dict(kind="reproduce", size="default", files=["bert-curve.json"]),
-    # The defaults of these two take 6-7 minutes a seed on two CPU cores: smoke size here,
-    # with three seeds where the table gives the spread over seeds (the committed files are
-    # of `--size default`, as the manifest says).
+    # 6-7 minutes a seed on two CPU cores each (about 40 minutes with three seeds): the
+    # committed files are of the default size, which a rerun keeps.
     "mae-curve": dict(
-        kind="reproduce", size="smoke", args=["--seeds", "3"], files=["mae-curve.json"]
+        kind="reproduce", size="default", args=["--seeds", "3"], files=["mae-curve.json"]
     ),
     "bert-rates": dict(
-        kind="reproduce", size="smoke", args=["--seeds", "3"], files=["bert-rates.json"]
+        kind="reproduce", size="default", args=["--seeds", "3"], files=["bert-rates.json"]
     ),
     # 4-9 minutes on one core, most of it the pseudo-log-likelihoods (a forward pass per
     # residue of every sample).
