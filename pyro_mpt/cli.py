@@ -73,8 +73,8 @@ class _NoExperiments(Exception):
 #: What ``reproduce`` and ``render-results`` need where the experiments are not found.
 _CLONE_HINT = (
     "the experiments are not part of the installed package; run from a clone of the "
-    "repository: git clone <pyro-mpt repository URL> pyro-mpt; cd pyro-mpt; "
-    "pip install -e .; then run the command again there"
+    "repository (the folder that holds experiments/ beside pyro_mpt/): cd into it, "
+    "pip install -e . there, then run the command again"
 )
 
 
