@@ -72,7 +72,7 @@ def test_without_a_clone_the_commands_say_how_to_get_one(installed, tmp_path, ar
     assert len(lines) == 1
     assert lines[0].startswith(f"error: pyro-mpt {argv[0]}: ")
     assert "run from a clone of the repository (the folder that holds experiments/" in lines[0]
-    assert "; cd " in lines[0] and "pip install -e ." in lines[0]
+    assert "cd into it, pip install -e . there" in lines[0]
     assert not (tmp_path / "results").exists()
 
 
