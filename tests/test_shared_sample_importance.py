@@ -172,3 +172,42 @@ def test_share_samples_is_checked():
     with pytest.raises(ValueError, match=r"debias='jackknife' and share_samples=True"):
         Importance(num_samples=4, debias="jackknife", share_samples=True)
     assert "share_samples=True" in repr(Importance(4, share_samples=True))
+
+
+def test_pooled_draws_of_a_guide_with_two_dependent_sites():
+    """A guide whose second site depends on its first draw (q(z2 | z1)): the pooled draws
+    are scored by replaying the guide under every mask. The conditionals of the 2-latent
+    linear-Gaussian model approach the closed form (Schur complement of W W^T + Psi)."""
+    weights = torch.tensor([[1.0, 0.3], [-0.5, 0.8], [0.8, -0.6], [1.2, 0.2], [0.3, 1.1]])
+    x = torch.randn(3, 2) @ weights.T + B + PSI.sqrt() * torch.randn(3, 5)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z1 = pyro.sample("z1", dist.Normal(0.0, 1.0))
+            z2 = pyro.sample("z2", dist.Normal(0.0, 1.0))
+            loc = z1.unsqueeze(-1) * weights[:, 0] + z2.unsqueeze(-1) * weights[:, 1] + B
+            pyro.sample("x", dist.Normal(loc, PSI.sqrt()).to_event(1), obs=x)
+
+    def guide(x, hidden=None):
+        with pyro.plate("data", x.shape[-2]):
+            z1 = pyro.sample("z1", dist.Normal(0.1 * _hidden_count(x, hidden), 1.2))
+            pyro.sample("z2", dist.Normal(0.2 * z1, 1.2))
+
+    masks = masks_of_sizes(torch.tensor([[1, 3, 2], [4, 1, 3], [2, 2, 5]]), 5)
+    covariance = weights @ weights.T + torch.diag(PSI)
+    mean = B
+    exact = torch.zeros(masks.shape)
+    for p in range(masks.shape[0]):
+        for n in range(masks.shape[1]):
+            context = ~masks[p, n]
+            c = context.nonzero().squeeze(-1)
+            for j in masks[p, n].nonzero().squeeze(-1).tolist():
+                gain = torch.linalg.solve(covariance[c][:, c], covariance[c, j])
+                loc = mean[j] + gain @ (x[n, c] - mean[c])
+                var = covariance[j, j] - covariance[c, j] @ gain
+                exact[p, n, j] = dist.Normal(loc, var.sqrt()).log_prob(x[n, j])
+    prepared = Importance(3000, share_samples=True).prepare(model, guide, (x,), {}, 1)
+    repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
+    error = (repeats.mean(0) - exact)[masks]
+    standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
+    assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
