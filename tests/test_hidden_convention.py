@@ -16,9 +16,9 @@ from pyro.nn import PyroModule
 
 from pyro_mpt import impute
 from pyro_mpt.conditionals import EncodeDecode, Importance
-from pyro_mpt.infer.guided_model import run_guided
 from pyro_mpt.models import VAE, LinearVAE
 from pyro_mpt.ops.self_normalised_importance import fill_masked
+from pyro_mpt.trace.guided_model import run_guided
 from tests.helpers import dense_schur_log_conditionals
 
 N, D = 6, 5

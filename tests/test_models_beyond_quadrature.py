@@ -225,7 +225,7 @@ def test_reference_is_trustworthy(case_name):
 # 0.7, past the 20% share that flags a batch). In the mixtures q(c | x_fill) put no mass on
 # the component an observation belongs to, and no sample landed there: -2.40 and -0.72 nats
 # on average, up to 10 nats, with healthy-looking weights. Proposals for discrete latents
-# are now mixed with a uniform choice (pyro_mpt.infer.defensive_proposal), which makes the
+# are now mixed with a uniform choice (pyro_mpt.trace.defensive_proposal), which makes the
 # mixtures right: with 300 calls, errors within -0.07 +- 0.03 (D = 1) and -0.10 +- 0.06
 # (D = 4), median ESS 25 and 50 of 64.
 # --------------------------------------------------------------------------------------

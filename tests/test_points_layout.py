@@ -14,8 +14,8 @@ import torch
 from experiments.zoo.references import mvn_log_prob
 from pyro_mpt import log_marginal
 from pyro_mpt.conditionals import Exact, Quadrature
-from pyro_mpt.infer.model_structure import read_structure
-from pyro_mpt.infer.whitened_latents import run_at_points
+from pyro_mpt.trace.model_structure import read_structure
+from pyro_mpt.trace.whitened_latents import run_at_points
 from tests.helpers import dense_schur_log_conditionals
 
 NUM_DATA, NUM_FEATURES, NOISE = 6, 3, 1.0

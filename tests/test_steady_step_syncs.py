@@ -23,10 +23,10 @@ from torch.distributions import constraints
 import pyro_mpt
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import Importance
-from pyro_mpt.infer.trace_utils import RandomState, same_random_state
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
+from pyro_mpt.trace.trace_utils import RandomState, same_random_state
 
 PACKAGE = os.path.dirname(os.path.abspath(pyro_mpt.__file__)) + os.sep
 TORCH = os.path.dirname(os.path.abspath(torch.__file__))

@@ -24,8 +24,8 @@ from pyro_mpt.conditionals import (
     SelfPredictive,
 )
 from pyro_mpt.conditionals.importance import ImportanceDiagnostics
-from pyro_mpt.infer.model_structure import read_structure
 from pyro_mpt.models import PPCA, LinearVAE
+from pyro_mpt.trace.model_structure import read_structure
 from tests.helpers import dense_schur_log_conditionals
 
 NUM_SE = 4.5

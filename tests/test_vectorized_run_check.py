@@ -15,7 +15,7 @@ from pyro.infer import SVI, Trace_ELBO
 from experiments.zoo.references import grid_log_marginal_2d, mvn_log_prob, standard_normal_log_prob
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import EncodeDecode, Exact, Importance, Quadrature
-from pyro_mpt.infer.vectorized_run_check import tolerance
+from pyro_mpt.trace.vectorized_run_check import tolerance
 
 NUM_TOPICS, NUM_WORDS, NUM_DOCS = 2, 5, 6
 

@@ -16,10 +16,10 @@ from pyro_mpt.conditionals.importance import Importance, warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.remembered_structure import call_signature
-from pyro_mpt.infer.trace_utils import RandomState, same_random_state
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import sample_masks
+from pyro_mpt.trace.remembered_structure import call_signature
+from pyro_mpt.trace.trace_utils import RandomState, same_random_state
 
 __all__ = ["ACCURACY_TOL", "Auto", "CONVERGENCE_TOL", "STRATEGIES", "as_conditionals"]
 

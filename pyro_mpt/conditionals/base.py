@@ -16,7 +16,7 @@ class SelfPredictive(ABC):
     ``log p(x)`` by the same rule and :meth:`sample` draws hidden features, so that
     imputation, Gibbs chains and the diagnostics use a strategy through this interface only.
 
-    :ivar observed: the :class:`~pyro_mpt.infer.trace_utils.ObservedSite` being scored.
+    :ivar observed: the :class:`~pyro_mpt.trace.trace_utils.ObservedSite` being scored.
     :ivar scale: the log-probability scale per observation (plate subsampling).
     :ivar extra_log_prob: the model's ``pyro.factor`` terms that do not depend on the local
         latents, summed and scaled (added to the loss as ``Trace_ELBO`` adds them).

@@ -8,17 +8,17 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws
 from pyro_mpt.errors import NotApplicableError, check_positive_int
-from pyro_mpt.infer.factors import factor_log_prob
-from pyro_mpt.infer.guided_model import (
+from pyro_mpt.ops.bernoulli import observed_log_prob
+from pyro_mpt.ops.masks import select_masked
+from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
+from pyro_mpt.trace.factors import factor_log_prob
+from pyro_mpt.trace.guided_model import (
     RememberedGuided,
     describe_guide,
     observed_tensor,
     run_guided,
 )
-from pyro_mpt.infer.trace_utils import latent_sites, same_random_state, unwrap_independent
-from pyro_mpt.ops.bernoulli import observed_log_prob
-from pyro_mpt.ops.masks import select_masked
-from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
+from pyro_mpt.trace.trace_utils import latent_sites, same_random_state, unwrap_independent
 
 __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
 

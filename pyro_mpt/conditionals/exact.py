@@ -5,10 +5,6 @@ import math
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.infer.factors import factor_log_prob
-from pyro_mpt.infer.gaussian_form import extract_gaussian_form, no_latent_form
-from pyro_mpt.infer.model_structure import read_structure
-from pyro_mpt.infer.remembered_structure import RememberedStructure
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,
     dense_gaussian_marginal_sample,
@@ -21,12 +17,16 @@ from pyro_mpt.ops.gaussian import (
     latent_gaussian_log_marginal,
     normal_log_prob,
 )
+from pyro_mpt.trace.factors import factor_log_prob
+from pyro_mpt.trace.gaussian_form import extract_gaussian_form, no_latent_form
+from pyro_mpt.trace.model_structure import read_structure
+from pyro_mpt.trace.remembered_structure import RememberedStructure
 
 __all__ = ["Exact", "GaussianSelfPredictive"]
 
 
 class GaussianSelfPredictive(SelfPredictive):
-    """Closed-form conditionals of a :class:`~pyro_mpt.infer.gaussian_form.GaussianForm`."""
+    """Closed-form conditionals of a :class:`~pyro_mpt.trace.gaussian_form.GaussianForm`."""
 
     def __init__(self, form, extra_log_prob=0.0):
         super().__init__(form.observed, form.scale, extra_log_prob)

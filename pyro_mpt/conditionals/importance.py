@@ -13,16 +13,6 @@ from pyro.poutine import replay
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import picked_draws
 from pyro_mpt.errors import ImportanceAccuracyWarning, check_positive_int
-from pyro_mpt.infer.defensive_proposal import GUIDE_FN, defensive_discrete
-from pyro_mpt.infer.factors import check_factors, factor_log_prob
-from pyro_mpt.infer.guided_model import (
-    RememberedGuided,
-    observed_tensor,
-    proposal_log_density,
-    run_guided,
-    sites_log_density,
-)
-from pyro_mpt.infer.trace_utils import latent_sites, unwrap_independent
 from pyro_mpt.ops.bernoulli import observed_log_prob
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
@@ -42,6 +32,16 @@ from pyro_mpt.ops.shared_sample_importance import (
     mixture_log_density,
     shared_sample_log_conditionals,
 )
+from pyro_mpt.trace.defensive_proposal import GUIDE_FN, defensive_discrete
+from pyro_mpt.trace.factors import check_factors, factor_log_prob
+from pyro_mpt.trace.guided_model import (
+    RememberedGuided,
+    observed_tensor,
+    proposal_log_density,
+    run_guided,
+    sites_log_density,
+)
+from pyro_mpt.trace.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [
     "Importance",

@@ -4,7 +4,7 @@ latents (quadrature nodes, resampled importance proposals, encode-decode codes).
 
 import torch
 
-from pyro_mpt.infer.trace_utils import flatten_tail
+from pyro_mpt.trace.trace_utils import flatten_tail
 
 __all__ = ["observation_draws", "picked_draws"]
 
@@ -17,7 +17,7 @@ def observation_draws(fn, observed, lead, sample_shape=()):
     ``lead``, as ``sample_shape + lead + batch + (D,)``.
 
     :param fn: the observed site's distribution at a run of the model.
-    :param observed: its :class:`~pyro_mpt.infer.model_structure.ObservedSite`.
+    :param observed: its :class:`~pyro_mpt.trace.model_structure.ObservedSite`.
     :param tuple lead: the dims left of the data's batch dims (points, samples, masks).
     :param tuple sample_shape: independent draws of ``fn``.
     """

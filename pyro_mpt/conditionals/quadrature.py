@@ -10,11 +10,11 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.quadrature_self_predictive import quadrature_self_predictive
 from pyro_mpt.errors import NotApplicableError, check_positive_int
-from pyro_mpt.infer.guide_centres import whitened_guide
-from pyro_mpt.infer.remembered_structure import RememberedStructure
-from pyro_mpt.infer.trace_utils import unwrap_independent
-from pyro_mpt.infer.whitened_latents import run_at_points
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
+from pyro_mpt.trace.guide_centres import whitened_guide
+from pyro_mpt.trace.remembered_structure import RememberedStructure
+from pyro_mpt.trace.trace_utils import unwrap_independent
+from pyro_mpt.trace.whitened_latents import run_at_points
 
 __all__ = ["MAX_POINTS", "MEMORY_FRACTION", "Quadrature"]
 
@@ -53,7 +53,7 @@ class Quadrature(Conditionals):
     observation at every node.
 
     Each call runs the model once at the nodes, with every latent drawn through its own
-    prior at the nodes of the whitened space (:mod:`pyro_mpt.infer.whitened_latents`), so
+    prior at the nodes of the whitened space (:mod:`pyro_mpt.trace.whitened_latents`), so
     hierarchical latents are integrated right; the first call with a model (and argument
     shapes) also traces it once to read its structure. A prior whose parameters are the same
     for every observation keeps its nodes shared whether it is broadcast along the data

@@ -8,12 +8,12 @@ import torch
 
 from pyro_mpt.conditionals.base import SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
-from pyro_mpt.infer.point_parameters import point_parameter
-from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
+from pyro_mpt.trace.point_parameters import point_parameter
+from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
 
 __all__ = [
     "BernoulliQuadratureSelfPredictive",
@@ -39,7 +39,7 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     """What every quadrature rule's conditionals offer besides ``log_prob``: the
     log-marginal likelihood, the posterior over the nodes and draws, by the same rule.
 
-    :param observed: the run's :class:`~pyro_mpt.infer.model_structure.ObservedSite`.
+    :param observed: the run's :class:`~pyro_mpt.trace.model_structure.ObservedSite`.
     :param scale: its log-probability scale per observation.
     :param torch.Tensor log_weights: ``log w_g``, ``(G,)``, or ``(G,) + batch`` for nodes
         placed per observation.
@@ -48,7 +48,7 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     :param torch.Tensor nodes: the whitened nodes, ``(G, K)`` shared by every observation
         or ``(G,) + batch + (K,)`` placed per observation.
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
-        ``points`` (a :class:`~pyro_mpt.infer.whitened_latents.PointsRun`): :meth:`sample`
+        ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
         draws the observations there.
     """
 
@@ -202,7 +202,7 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
 def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None):
     """The :class:`SelfPredictive` of a model run at the nodes.
 
-    :param run: the :class:`~pyro_mpt.infer.whitened_latents.PointsRun` at the nodes.
+    :param run: the :class:`~pyro_mpt.trace.whitened_latents.PointsRun` at the nodes.
     :param torch.Tensor log_weights: the nodes' log-weights.
     :param torch.Tensor nodes: the whitened nodes, ``(G, K)`` or ``(G,) + batch + (K,)``.
     :param callable run_at: ``run_at(points)``, the model run at whitened points, for draws.

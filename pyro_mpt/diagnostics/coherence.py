@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.errors import check_positive_int
-from pyro_mpt.infer.trace_utils import param_store_rollback
 from pyro_mpt.ops.orderings import (
     observed_steps,
     prefix_masks,
@@ -18,6 +17,7 @@ from pyro_mpt.ops.orderings import (
     select_steps,
     summarize_orderings,
 )
+from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["OrderingLogLikelihoods", "ordering_log_likelihoods"]
 

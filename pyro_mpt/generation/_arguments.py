@@ -4,7 +4,7 @@ import numbers
 
 import torch
 
-from pyro_mpt.infer.trace_utils import flatten_tail
+from pyro_mpt.trace.trace_utils import flatten_tail
 
 __all__ = ["check_count", "check_missing", "flat_missing"]
 

@@ -4,7 +4,7 @@ nodes stays one copy for every observation."""
 
 import torch
 
-from pyro_mpt.infer.trace_utils import flatten_tail, narrow_broadcast_dims
+from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims
 
 __all__ = ["point_parameter"]
 

@@ -8,7 +8,7 @@ import torch
 from pyro.infer.util import is_validation_enabled
 from torch.distributions import constraints
 
-from pyro_mpt.infer.trace_utils import distribution_mask, flatten_tail, unwrap_independent
+from pyro_mpt.trace.trace_utils import distribution_mask, flatten_tail, unwrap_independent
 
 __all__ = ["ObservedSite", "read_observed_site", "site_scale"]
 

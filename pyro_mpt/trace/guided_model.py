@@ -21,18 +21,18 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.defensive_proposal import defensive_discrete
-from pyro_mpt.infer.model_structure import latent_names_in, read_structure
-from pyro_mpt.infer.observed_site import read_observed_site
-from pyro_mpt.infer.remembered_structure import call_signature, same
-from pyro_mpt.infer.trace_utils import (
+from pyro_mpt.trace.defensive_proposal import defensive_discrete
+from pyro_mpt.trace.model_structure import latent_names_in, read_structure
+from pyro_mpt.trace.observed_site import read_observed_site
+from pyro_mpt.trace.remembered_structure import call_signature, same
+from pyro_mpt.trace.trace_utils import (
     flatten_tail,
     latent_sites,
     plate_frames,
     same_random_state,
     unwrap_independent,
 )
-from pyro_mpt.infer.vectorized_run_check import (
+from pyro_mpt.trace.vectorized_run_check import (
     CheckedCalls,
     batch_norm_hint,
     check_guided_run,

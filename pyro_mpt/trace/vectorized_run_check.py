@@ -12,7 +12,7 @@ latent values that the vectorised run had at a few of its points, as a user woul
 the observed site's per-entry log-likelihood and each latent site's log-density must agree.
 
 The cost falls on the first call only. The points path compares the run at two check
-points that its first call per :class:`~pyro_mpt.infer.model_structure.ModelStructure` makes
+points that its first call per :class:`~pyro_mpt.trace.model_structure.ModelStructure` makes
 anyway: two plain model runs more. The guided path runs the guide and the model once at two
 samples of two copies of the data, and the model plainly twice, on the first call for each
 model, guide and argument shapes; it remembers those by weak reference
@@ -27,7 +27,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.infer.trace_utils import (
+from pyro_mpt.trace.trace_utils import (
     distribution_mask,
     param_store_rollback,
     same_random_state,
@@ -203,7 +203,7 @@ def compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how)
     builds a graph.
 
     :param callable model: the model, run as ``model(*args, **kwargs)``.
-    :param structure: its :class:`~pyro_mpt.infer.model_structure.ModelStructure`.
+    :param structure: its :class:`~pyro_mpt.trace.model_structure.ModelStructure`.
     :param trace: the vectorised run's trace: every site has leading dims, one per entry of
         each index, left of the model's ``structure.max_plate_nesting`` plate dims.
     :param list indices: tuples indexing the leading dims, one per point to compare.
@@ -296,7 +296,7 @@ def batch_norm_hint(model, args, kwargs, who="model"):
 def check_run_at_points(model, args, kwargs, structure, trace, num_points):
     """Compares a run of ``model`` at whitened points with a plain run at each point.
 
-    :param trace: the run's trace (:mod:`~pyro_mpt.infer.whitened_latents`), whose sites
+    :param trace: the run's trace (:mod:`~pyro_mpt.trace.whitened_latents`), whose sites
         have one leading dim over the points, left of the model's plates.
     :param int num_points: how many points it ran at.
     :raises ValueError: as :func:`compare_with_plain_runs`.
@@ -369,14 +369,14 @@ _CHECKED = CheckedCalls()
 
 def check_guided_run(guided, what):
     """Compares the model replayed at a guide's samples (two samples of two copies of the
-    full data, through :func:`~pyro_mpt.infer.guided_model.run_guided`) with plain runs at
+    full data, through :func:`~pyro_mpt.trace.guided_model.run_guided`) with plain runs at
     two of them; once per model, guide and argument shapes.
 
-    :param guided: a :class:`~pyro_mpt.infer.guided_model.GuidedModel`.
+    :param guided: a :class:`~pyro_mpt.trace.guided_model.GuidedModel`.
     :param str what: the strategy's name, for the error message.
     :raises ValueError: as :func:`compare_with_plain_runs`.
     """
-    from pyro_mpt.infer.guided_model import run_guided  # it calls this check
+    from pyro_mpt.trace.guided_model import run_guided  # it calls this check
 
     local = guided.local
     call = (guided.model, guided.guide, guided.args, guided.kwargs, local.max_plate_nesting)
@@ -409,7 +409,7 @@ def no_feature_dim_advice(observed):
     """How to size plates for data with no feature dim, where ``x.shape[-2]`` is not the
     number of observations: make the data ``(N, 1)`` and observe it with ``.to_event(1)``.
 
-    :param observed: the model's :class:`~pyro_mpt.infer.observed_site.ObservedSite`.
+    :param observed: the model's :class:`~pyro_mpt.trace.observed_site.ObservedSite`.
     """
     shape = tuple(observed.batch_shape)
     return (

@@ -11,7 +11,7 @@ Exact self-predictive conditionals need the model in one of two closed forms:
   batch dims.
 
 The affine map is found by *probing*: the model runs once more with its local latents at
-``K + 1`` whitened points (:mod:`pyro_mpt.infer.whitened_latents`), the origin and each unit
+``K + 1`` whitened points (:mod:`pyro_mpt.trace.whitened_latents`), the origin and each unit
 vector, whose likelihood ``loc`` s give the loading matrix in whitened coordinates. The map
 is then verified at further points, random and far (30 standard deviations out), where the
 ``loc`` must be affine and the ``scale`` constant, compared in float64 to within the
@@ -27,10 +27,10 @@ import torch
 from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.observed_site import ObservedSite
-from pyro_mpt.infer.point_parameters import point_parameter
-from pyro_mpt.infer.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.infer.whitened_latents import run_at_points
+from pyro_mpt.trace.observed_site import ObservedSite
+from pyro_mpt.trace.point_parameters import point_parameter
+from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.trace.whitened_latents import run_at_points
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
 
@@ -139,7 +139,7 @@ def _no_latent_form(site, observed, scale):
 def extract_gaussian_form(model, args, kwargs, structure):
     """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
     the model at whitened points; ``structure`` was read from an earlier trace
-    (:func:`~pyro_mpt.infer.model_structure.read_structure`).
+    (:func:`~pyro_mpt.trace.model_structure.read_structure`).
 
     :raises NotGaussianError: if the model is not linear-Gaussian.
     """
@@ -177,7 +177,7 @@ def _check_normal(fn, name):
     return base
 
 
-#: The structures (by their :class:`~pyro_mpt.infer.model_structure.PointLayout`) whose
+#: The structures (by their :class:`~pyro_mpt.trace.model_structure.PointLayout`) whose
 #: linear-Gaussian form has been verified once.
 _VERIFIED = weakref.WeakSet()
 #: The probe points of :func:`_probe_points` of each structure (by its layout).

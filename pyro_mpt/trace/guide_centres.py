@@ -7,7 +7,7 @@ import torch
 from pyro.poutine.messenger import Messenger
 
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.infer.trace_utils import unwrap_independent
+from pyro_mpt.trace.trace_utils import unwrap_independent
 
 __all__ = ["whitened_guide"]
 

@@ -5,7 +5,7 @@ Every strategy starts here. The rules follow Pyro's semantics: ``pyro.determinis
 (and the ``Delta`` sites reparameterisers leave) are ignored; ``pyro.factor`` sites are kept
 aside (a factor that does not depend on the local latents is added to the loss, as
 ``Trace_ELBO`` adds it); masks mark entries that do not count
-(:mod:`pyro_mpt.infer.observed_site`); latents must count and be scaled wherever their
+(:mod:`pyro_mpt.trace.observed_site`); latents must count and be scaled wherever their
 observation does.
 """
 
@@ -18,9 +18,9 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.infer.observed_site import ObservedSite, read_observed_site, site_scale
-from pyro_mpt.infer.structure_checks import check_latent_effects, check_plates_cover_batch
-from pyro_mpt.infer.trace_utils import plate_frames, unwrap_independent
+from pyro_mpt.trace.observed_site import ObservedSite, read_observed_site, site_scale
+from pyro_mpt.trace.structure_checks import check_latent_effects, check_plates_cover_batch
+from pyro_mpt.trace.trace_utils import plate_frames, unwrap_independent
 
 __all__ = [
     "LatentSite",
@@ -59,7 +59,7 @@ class ModelStructure(NamedTuple):
     :ivar tuple missing_names: sites that sample the missing part of the observation
         (``obs_mask``); they are not latents.
     :ivar PointLayout point_layout: how runs at points lay out the observations, decided
-        on the first such run (:func:`~pyro_mpt.infer.whitened_latents.run_at_points`).
+        on the first such run (:func:`~pyro_mpt.trace.whitened_latents.run_at_points`).
     """
 
     trace: object
@@ -297,7 +297,7 @@ def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLos
     if _SHARED is None:
         structure = _read_structure(model, args, kwargs, what)
     else:
-        from pyro_mpt.infer.remembered_structure import call_signature  # it imports this
+        from pyro_mpt.trace.remembered_structure import call_signature  # it imports this
 
         key = call_signature(model, args, kwargs, None)
         grad = torch.is_grad_enabled()

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from pyro_mpt.infer.model_structure import read_structure
-from pyro_mpt.infer.trace_utils import same_random_state
+from pyro_mpt.trace.model_structure import read_structure
+from pyro_mpt.trace.trace_utils import same_random_state
 
 __all__ = ["RememberedStructure", "call_signature", "same"]
 

@@ -30,11 +30,11 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
-from pyro_mpt.infer.factors import check_factors, factor_log_prob
-from pyro_mpt.infer.model_structure import observed_in_run
-from pyro_mpt.infer.structure_checks import scale_mismatch
-from pyro_mpt.infer.trace_utils import narrow_broadcast_dims, unwrap_independent
-from pyro_mpt.infer.vectorized_run_check import batch_norm_hint, check_run_at_points
+from pyro_mpt.trace.factors import check_factors, factor_log_prob
+from pyro_mpt.trace.model_structure import observed_in_run
+from pyro_mpt.trace.structure_checks import scale_mismatch
+from pyro_mpt.trace.trace_utils import narrow_broadcast_dims, unwrap_independent
+from pyro_mpt.trace.vectorized_run_check import batch_norm_hint, check_run_at_points
 
 __all__ = [
     "PointsRun",
@@ -52,7 +52,7 @@ class PointsRun(NamedTuple):
     :ivar fn: the observed site's distribution, with a leading dim of size ``Q`` (or 1
         where it does not depend on the latents).
     :ivar trace: the run's trace.
-    :ivar observed: the run's :class:`~pyro_mpt.infer.model_structure.ObservedSite`.
+    :ivar observed: the run's :class:`~pyro_mpt.trace.model_structure.ObservedSite`.
     :ivar scale: its log-probability scale per observation.
     :ivar extra_log_prob: the model's ``pyro.factor`` terms (see :func:`factor_log_prob`).
     """
@@ -265,7 +265,7 @@ def _check_model_at_points(model, args, kwargs, structure):
     latents, such as dropout in training mode) and when run among three more points (no
     statistics across the batch, such as batch normalisation in training mode), and give
     the likelihood and prior densities of plain runs at those latent values
-    (:func:`~pyro_mpt.infer.vectorized_run_check.check_run_at_points`: no operation over a
+    (:func:`~pyro_mpt.trace.vectorized_run_check.check_run_at_points`: no operation over a
     fixed positive dim); otherwise a :class:`ValueError` says what to change. The compact
     layout is used when the model runs so, with latents of size one along the observations'
     dims (every prior taken from its first observation), and gives the likelihood of the
