@@ -36,7 +36,10 @@ Figures per case:
 
 Usage::
 
-    python benchmarks/step_footprint.py [--json benchmarks/results/step_footprint.json]
+    python benchmarks/step_footprint.py [--json benchmarks/results/step_footprint.json] [--list]
+
+``--list`` prints, for each case, the ``(file, function)`` pairs of ``pyro_mpt`` that the
+steady step runs.
 """
 
 import argparse
@@ -361,6 +364,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="after", help="key of this run in the JSON file")
     parser.add_argument("--json", default=DEFAULT_JSON, help="results file (runs are merged)")
+    parser.add_argument(
+        "--list", action="store_true", help="print the (file, function) pairs of each steady step"
+    )
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float32)
     report = run(args.label)
@@ -369,6 +375,11 @@ def main(argv=None):
     for r in report["results"]:
         if r["sync_sites"]:
             print(f"  {r['case']}: " + ", ".join(f"{k} x{v}" for k, v in r["sync_sites"].items()))
+    if args.list:
+        for r in report["results"]:
+            print(f"{r['case']}: {r['files']} files, {r['functions']} functions")
+            for pair in r["visited"]:
+                print(f"  {pair}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     merged = {}
     if os.path.exists(args.json):

@@ -11,7 +11,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_site_shape, warn_if_nan
 
-from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, as_conditionals
 from pyro_mpt.conditionals.importance import warn_if_unreliable
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
@@ -153,12 +153,17 @@ class MPTLoss(ELBO):
 
     def _prepare_and_estimate(self, model, guide, args, kwargs):
         validating = is_validation_enabled()
-        if (self._call_key(model, guide, args, kwargs), validating) == self._last_call:
+        key = self._call_key(model, guide, args, kwargs)
+        if (key, validating) == self._last_call:
             # A later call like the last one that succeeded (the next mini-batch): the
             # plate nesting is known, the guide's sites were compared, parameters exist.
+            # The strategies of this package take the call's signature worked out above.
             try:
-                nesting = self.max_plate_nesting
-                prepared = self.conditionals.prepare(model, guide, args, kwargs, nesting)
+                conditionals, nesting = self.conditionals, self.max_plate_nesting
+                if type(conditionals).prepare in SIGNATURE_AWARE:
+                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting, key[0])
+                else:
+                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
                 estimates = self._estimate(prepared)
             except BaseException:
                 self._last_call = None
@@ -239,10 +244,12 @@ class MPTLoss(ELBO):
         its gradient is the MPT gradient for the model's parameters and the guide loss's for
         the guide's.
         """
-        loss, prepared = self._mpt_loss(model, guide, args, kwargs)
+        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
+        loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
+        warn_if_nan(loss, "loss")
         mode = self.guide_loss
         if mode == "auto":
-            mode = _chosen(self.conditionals).guide_loss
+            mode = (getattr(self.conditionals, "chosen", None) or self.conditionals).guide_loss
         proposal_loss = prepared.proposal_loss() if mode == "wake" else None
         if mode == "wake" and proposal_loss is None:
             raise ValueError(
@@ -256,7 +263,9 @@ class MPTLoss(ELBO):
             if isinstance(guide, torch.nn.Module):
                 return _with_zero_gradients(loss, guide)
             return loss
-        model_params, guide_params = self._split_params(model, guide, args, kwargs)
+        # The call's key, as the successful preparation above left it.
+        key = self._last_call[0]
+        model_params, guide_params = self._split_params(model, guide, args, kwargs, key)
         if mode == "elbo":
             guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
         else:
@@ -290,14 +299,18 @@ class MPTLoss(ELBO):
             )
         return loss.item()
 
-    def _split_params(self, model, guide, args, kwargs):
+    def _split_params(self, model, guide, args, kwargs, key=None):
         """The unconstrained parameters of the model, and those of the guide only.
 
         Found by tracing the guide and the model, once per model, guide and argument shapes
         while Pyro's param store holds the same tensors: a later step of the same call takes
-        the lists found then (the parameters that still need a gradient)."""
+        the lists found then (the parameters that still need a gradient).
+
+        :param key: the call's :meth:`_call_key` when the caller has it already.
+        """
         store = tuple(pyro.get_param_store().named_parameters())
-        key = self._call_key(model, guide, args, kwargs)
+        if key is None:
+            key = self._call_key(model, guide, args, kwargs)
         found = getattr(self, "_params_found", None)
         guessed, self._guess_traces = self._guess_traces, None
         if found is None or found[0] != key or not _same_store(found[1], store):

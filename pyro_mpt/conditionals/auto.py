@@ -114,14 +114,28 @@ class Auto(Conditionals):
             self._strategies[name] = STRATEGIES[name]()
         return self._strategies[name]
 
-    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        key = call_signature(model, args, kwargs, max_plate_nesting)
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """The chosen strategy's :meth:`~Conditionals.prepare` for a call like the one it was
+        chosen for; otherwise a search for the strategy that suits the model.
+
+        :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
+            when the caller has it already (worked out here otherwise).
+        """
+        key = signature
+        if key is None:
+            key = call_signature(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
-            state = RandomState()
+            # No snapshot of the random state on this path (a copy of it on every step): the
+            # strategies read a model under same_random_state, and only a model whose
+            # structure changed while its argument shapes did not fails here, after which
+            # the search starts from the random state that the failed attempt left.
+            chosen = self.chosen
             try:
-                return self.chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
+                if type(chosen).prepare in SIGNATURE_AWARE:
+                    return chosen.prepare(model, guide, args, kwargs, max_plate_nesting, key)
+                return chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
             except NotApplicableError:
-                state.restore()  # the model changed: search again
+                pass  # the model changed: search again
         return self._search(model, guide, args, kwargs, max_plate_nesting, key)
 
     def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons):
@@ -229,6 +243,10 @@ class Auto(Conditionals):
         self.chosen, self._chosen_for, self.reason = strategy, key, reason
         return prepared
 
+
+#: The ``prepare`` methods that take the call's signature (``signature=``), so that a caller
+#: that has it already passes it on instead of having it worked out again.
+SIGNATURE_AWARE = frozenset({Auto.prepare, Exact.prepare, Quadrature.prepare, Importance.prepare})
 
 #: A sentence of a strategy's error that advises ``conditionals='auto'``.
 _ADVISES_AUTO = re.compile(r"Use conditionals='auto'[^.]*\.")

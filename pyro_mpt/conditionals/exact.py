@@ -113,8 +113,13 @@ class Exact(Conditionals):
     def __init__(self):
         self._structure = RememberedStructure()
 
-    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        structure = self._structure.get(model, args, kwargs, max_plate_nesting)
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """See :meth:`Conditionals.prepare`.
+
+        :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
+            when the caller has it already (worked out here otherwise).
+        """
+        structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
         if not structure.latents:
             # The model's one run is the structure trace itself.
             structure = read_structure(model, args, kwargs, max_plate_nesting)

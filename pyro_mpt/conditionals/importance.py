@@ -485,11 +485,16 @@ class Importance(Conditionals):
         shared = ", share_samples=True" if self.share_samples else ""
         return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared})"
 
-    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """See :meth:`Conditionals.prepare`.
+
+        :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
+            when the caller has it already (worked out here otherwise).
+        """
         # The model is read, and the guide checked, once per model, guide and argument shapes.
         remembered = vars(self).setdefault("_remembered", RememberedGuided())
         call = (model, guide, args, kwargs, max_plate_nesting, "importance")
-        guided = remembered.get(*call)[0]
+        guided = remembered.get(*call, signature=signature)[0]
         return ImportanceSelfPredictive(
             guided, self.num_samples, self.fill, self.debias, self.share_samples
         )

@@ -130,8 +130,13 @@ class Quadrature(Conditionals):
         """Nodes at the guide need a guide fitted to the posterior: ``"elbo"`` trains it."""
         return "elbo" if self.center == "guide" else None
 
-    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
-        structure = self._structure.get(model, args, kwargs, max_plate_nesting)
+    def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """See :meth:`Conditionals.prepare`.
+
+        :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
+            when the caller has it already (worked out here otherwise).
+        """
+        structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
         observed = structure.observed
         if not structure.latents:
             raise NotApplicableError(

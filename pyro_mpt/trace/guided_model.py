@@ -204,12 +204,18 @@ class RememberedGuided:
         self._signature = None
         self._guided = None
 
-    def get(self, model, guide, args, kwargs, max_plate_nesting, what):
+    def get(self, model, guide, args, kwargs, max_plate_nesting, what, signature=None):
         """``(guided, fresh)``: the :class:`GuidedModel` of this call (see
         :func:`prepare_guided`, which raises as it does) and whether it was read afresh,
-        so that a strategy runs checks of its own on fresh ones only."""
+        so that a strategy runs checks of its own on fresh ones only.
+
+        :param signature: ``call_signature(model, args, kwargs, max_plate_nesting)`` when the
+            caller has it already (worked out here otherwise).
+        """
+        if signature is None:
+            signature = call_signature(model, args, kwargs, max_plate_nesting)
         signature = (
-            call_signature(model, args, kwargs, max_plate_nesting),
+            signature,
             same(getattr(guide, "__func__", guide)),
             same(getattr(guide, "__self__", None)),
         )

@@ -61,8 +61,15 @@ class RememberedStructure:
         self._signature = None
         self._structure = None
 
-    def get(self, model, args, kwargs, max_plate_nesting=math.inf):
-        signature = call_signature(model, args, kwargs, max_plate_nesting)
+    def get(self, model, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """The structure of ``model`` on these arguments, read again only when the call's
+        signature changed.
+
+        :param signature: ``call_signature(model, args, kwargs, max_plate_nesting)`` when the
+            caller has it already (it is worked out here otherwise).
+        """
+        if signature is None:
+            signature = call_signature(model, args, kwargs, max_plate_nesting)
         if signature != self._signature:
             # No graph: the remembered trace must not keep the first call's tensors alive.
             with same_random_state(), torch.no_grad():
