@@ -27,9 +27,9 @@ class _Same:
         return id(self.value)
 
 
-def same(value):
-    """``value`` wrapped to compare by identity (and kept alive) in a call signature."""
-    return _Same(value)
+#: ``same(value)``: ``value`` wrapped to compare by identity (and kept alive) in a call
+#: signature (the class itself, so that wrapping is one call).
+same = _Same
 
 
 def call_signature(model, args, kwargs, max_plate_nesting):

@@ -184,7 +184,7 @@ class _LatentsAtPoints(Messenger):
         first_rows = self.first_rows
 
         def narrow(tensor):
-            tensor = _narrow_broadcast_dims(tensor)
+            tensor = narrow_broadcast_dims(tensor, tensor.dim())
             if self.compact or first_rows:
                 tensor = _narrow_equal_rows(tensor, obs_dims, first_rows)
             return tensor
