@@ -37,16 +37,19 @@ def call_signature(model, args, kwargs, max_plate_nesting):
     method and its object) and the shapes and dtypes of its tensor arguments; other objects
     by identity."""
 
-    def describe(value):
+    # Plain loops (no helper or generator): this runs on every step.
+    described = []
+    for value in (*args, *kwargs.values()):
         if torch.is_tensor(value):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("object", _Same(value))
-
+            described.append(("tensor", tuple(value.shape), value.dtype, value.device))
+        else:
+            described.append(("object", _Same(value)))
+    named = sorted(zip(kwargs, described[len(args) :]))
     return (
         _Same(getattr(model, "__func__", model)),
         _Same(getattr(model, "__self__", None)),
-        tuple(describe(a) for a in args),
-        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+        tuple(described[: len(args)]),
+        tuple(named),
         max_plate_nesting,
     )
 
