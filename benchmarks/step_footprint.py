@@ -30,7 +30,7 @@ Figures per case:
   ``syncs (validation on)`` is the same count with validation on. Reads of CPU tensors in
   the CPU-only branches of :mod:`pyro_mpt.ops.masks`, of
   :func:`pyro_mpt.ops.bernoulli.log_sigmoid` and of the Bernoulli quadrature
-  (:data:`CPU_ONLY`) are not counted:
+  (``CPU_ONLY`` of ``experiments/zoo/host_reads.py``) are not counted:
   those branches never see a GPU tensor. Before this count existed, those functions read
   every tensor, so the "before" figures count them.
 
@@ -61,6 +61,9 @@ from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import Importance
 from pyro_mpt.models import VAE
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.zoo.host_reads import READ_METHODS, host_reads  # noqa: E402
+
 __all__ = ["count_syncs", "main", "measure", "run", "visited"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,31 +74,6 @@ NUM_DATA, BATCH, SEED = 256, 32, 0
 #: The step that is measured; the ones before it are the first step and warm-up steps.
 STEADY_STEP = 4
 
-#: Functions whose host reads happen for CPU tensors only (NumPy's sort of CPU keys, and the
-#: CPU fast paths of masks, masked sums, log sigmoid and the Bernoulli quadrature): no
-#: device to wait for, so not counted.
-CPU_ONLY = {
-    ("ops/bernoulli.py", "log_sigmoid"),
-    ("ops/quadrature_bernoulli.py", "_orient"),
-    ("ops/quadrature_bernoulli.py", "forward"),
-    ("ops/quadrature_bernoulli.py", "_oriented_forward"),
-    ("ops/masks.py", "sort_rows"),
-    ("ops/masks.py", "masks_of_sizes"),
-    ("ops/masks.py", "masked_sum"),
-}
-
-#: Tensor methods that copy a value to the host, and so wait for the device.
-SYNC_METHODS = (
-    "item",
-    "tolist",
-    "numpy",
-    "cpu",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-    "nonzero",
-)
 
 
 def _linear_gaussian_model(x):
@@ -195,71 +173,15 @@ def visited(directories):
         sys.setprofile(None)
 
 
-def _from_package(frame):
-    """Whether the code that called a patched method is in ``pyro_mpt`` (not its models)."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(PACKAGE_DIR):
-            return not filename.startswith(os.path.join(PACKAGE_DIR, "models"))
-        if not filename.startswith(os.path.dirname(torch.__file__)):
-            return False
-        frame = frame.f_back
-    return False
-
-
 @contextlib.contextmanager
 def count_syncs():
-    """Counts host synchronisations called from ``pyro_mpt`` code in the block: yields a
-    :class:`collections.Counter` of ``"method at file:line"``."""
+    """Counts host synchronisations called from ``pyro_mpt`` code in the block (see
+    :mod:`experiments.zoo.host_reads`): yields a Counter of ``"method at file:line"``."""
     counts = collections.Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-    original_getitem = torch.Tensor.__getitem__
-    original_equal, original_allclose = torch.equal, torch.allclose
-
-    def note(what, tensor):
-        frame = sys._getframe(2)
-        if _from_package(frame):
-            while not frame.f_code.co_filename.startswith(PACKAGE_DIR):
-                frame = frame.f_back
-            name = frame.f_code.co_filename[len(PACKAGE_DIR) :]
-            if (name, frame.f_code.co_name) in CPU_ONLY and tensor.device.type == "cpu":
-                return
-            counts[f"{what} at {name}:{frame.f_lineno}"] += 1
-
-    def patched(name):
-        original = originals[name]
-
-        def method(self, *args, **kwargs):
-            note(name, self)
-            return original(self, *args, **kwargs)
-
-        return method
-
-    def getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(torch.is_tensor(i) and i.dtype == torch.bool for i in parts):
-            note("boolean index", self)
-        return original_getitem(self, index)
-
-    def equal(a, *args, **kwargs):
-        note("torch.equal", a)
-        return original_equal(a, *args, **kwargs)
-
-    def allclose(a, *args, **kwargs):
-        note("torch.allclose", a)
-        return original_allclose(a, *args, **kwargs)
-
-    for name in SYNC_METHODS:
-        setattr(torch.Tensor, name, patched(name))
-    torch.Tensor.__getitem__ = getitem
-    torch.equal, torch.allclose = equal, allclose
-    try:
+    with host_reads() as reads:
         yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-        torch.Tensor.__getitem__ = original_getitem
-        torch.equal, torch.allclose = original_equal, original_allclose
+    for (file, _, what, line), number in reads.items():
+        counts[f"{what} at {file}:{line}"] += number
 
 
 def measure(make, validation=True):
@@ -323,7 +245,7 @@ def run(label):
         "machine": platform.machine(),
     }
     config = dict(
-        num_data=NUM_DATA, batch=BATCH, steady_step=STEADY_STEP, sync_methods=SYNC_METHODS
+        num_data=NUM_DATA, batch=BATCH, steady_step=STEADY_STEP, sync_methods=READ_METHODS
     )
     return {"label": label, "config": config, "environment": environment, "results": results}
 

@@ -1,17 +1,14 @@
 """A steady SVI step reads nothing back from the device, reads the model once, and leaves
 the random state alone where it promises to.
 
-Host reads are counted by patching the tensor methods that copy values to the host
-(``item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__int__``, ``__float__``,
-``__index__``, ``nonzero``), ``torch.equal``, ``torch.allclose`` and indexing with a boolean
-tensor, and keeping the calls made from ``pyro_mpt`` code (its example models aside).
+Host reads are counted by :func:`experiments.zoo.host_reads.host_reads` (the tensor methods
+that copy values to the host, ``torch.equal``, ``torch.allclose`` and boolean indexing,
+called from ``pyro_mpt`` code); its CPU-only branches are not counted for CPU tensors (the
+meta-device tests below show the other branch reads nothing).
 """
 
 import collections
-import contextlib
 import math
-import os
-import sys
 
 import pyro
 import pyro.distributions as dist
@@ -20,7 +17,7 @@ import torch
 from pyro.infer import SVI
 from torch.distributions import constraints
 
-import pyro_mpt
+from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import Importance
 from pyro_mpt.models import VAE
@@ -28,27 +25,6 @@ from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
 
-PACKAGE = os.path.dirname(os.path.abspath(pyro_mpt.__file__)) + os.sep
-TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-METHODS = (
-    "item",
-    "tolist",
-    "numpy",
-    "cpu",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-    "nonzero",
-)
-#: Reads that are no device synchronisation: branches taken for CPU tensors only (the
-#: meta-device tests below show the other branch reads nothing).
-CPU_ONLY = {
-    ("ops/bernoulli.py", "log_sigmoid"),
-    ("ops/masks.py", "masked_sum"),
-    ("ops/masks.py", "masks_of_sizes"),
-    ("ops/masks.py", "sort_rows"),
-}
 #: ``loss_and_grads`` returns the loss as a float, as ``Trace_ELBO``'s does.
 PYRO_CONVENTION = {("loss.py", "MPTLoss.loss_and_grads", "item")}
 #: Reads that remain, by case (none). Listed so that a case can name one that must go.
@@ -56,68 +32,6 @@ REMAINING = {
     "linear-gaussian auto": {},
     "vae importance": {},
 }
-
-
-def _caller(frame):
-    """``(file, function)`` of the nearest ``pyro_mpt`` frame (not its example models) that
-    called into torch, or None."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(PACKAGE):
-            if filename.startswith(os.path.join(PACKAGE, "models")):
-                return None
-            return filename[len(PACKAGE) :], frame.f_code.co_qualname
-        if not filename.startswith(TORCH):
-            return None
-        frame = frame.f_back
-    return None
-
-
-@contextlib.contextmanager
-def host_reads():
-    """Yields a Counter of ``(file, function, what)`` for host reads from ``pyro_mpt``."""
-    reads = collections.Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in METHODS}
-    getitem, equal, allclose = torch.Tensor.__getitem__, torch.equal, torch.allclose
-
-    def note(what, tensor):
-        caller = _caller(sys._getframe(2))
-        if caller is None or (caller in CPU_ONLY and tensor.device.type == "cpu"):
-            return
-        reads[caller + (what,)] += 1
-
-    def patched(name):
-        def method(self, *args, **kwargs):
-            note(name, self)
-            return originals[name](self, *args, **kwargs)
-
-        return method
-
-    def patched_getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(torch.is_tensor(i) and i.dtype == torch.bool for i in parts):
-            note("boolean index", self)
-        return getitem(self, index)
-
-    def patched_equal(a, *args, **kwargs):
-        note("torch.equal", a)
-        return equal(a, *args, **kwargs)
-
-    def patched_allclose(a, *args, **kwargs):
-        note("torch.allclose", a)
-        return allclose(a, *args, **kwargs)
-
-    for name in METHODS:
-        setattr(torch.Tensor, name, patched(name))
-    torch.Tensor.__getitem__ = patched_getitem
-    torch.equal, torch.allclose = patched_equal, patched_allclose
-    try:
-        yield reads
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-        torch.Tensor.__getitem__ = getitem
-        torch.equal, torch.allclose = equal, allclose
 
 
 def _linear_gaussian(x):
@@ -161,10 +75,13 @@ def _steady_step(name):
     model.calls = 0
     pyro.enable_validation(False)
     try:
-        with host_reads() as reads:
+        with host_reads() as counted:
             svi.step(data[torch.randint(64, (16,))])
     finally:
         pyro.enable_validation(True)
+    reads = collections.Counter()
+    for (file, function, what, _), count in counted.items():
+        reads[(file, function, what)] += count
     return reads, model.calls, loss
 
 
