@@ -5,7 +5,7 @@ per epoch, and the held-out LML gap to the ELBO against the step time."""
 from experiments import _common as common
 from experiments._experiment import Report
 from experiments._vae_deep_summary import TARGET, verdict
-from experiments._vae_deep_training import ALL_METHODS, GROUPS
+from experiments._vae_deep_training import ALL_METHODS, GROUPS, masks_text
 
 __all__ = ["GUIDE_TRAINED_BY", "figure", "report", "target_cell", "verdict_lines"]
 
@@ -142,7 +142,7 @@ def report(cfg, measured):
         f"{target['question']}\nDeep VAE on MNIST, N={cfg['N']} training and {cfg['N_test']} "
         f"held-out images, {cfg['hidden']} hidden units, Adam lr {cfg['lr']}, batch "
         f"{cfg['batch']}, {cfg['epochs']} epochs, S={cfg['train_samples']} importance samples "
-        f"(pooled over {cfg.get('train_masks', 1)} masks per image) and IWAE particles, "
+        f"per image ({masks_text(cfg)}) and IWAE particles, "
         f"{cfg['seeds']} seeds (mean ± sd). Held-out LML: a fresh encoder "
         f"fitted to each frozen decoder ({cfg['refit_steps']} steps of IWAE, "
         f"k={cfg['refit_samples']}), then the IWAE bound with S={cfg['final_samples']}."

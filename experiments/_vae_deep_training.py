@@ -27,6 +27,7 @@ __all__ = [
     "count_warnings",
     "describe_loss",
     "make_loss",
+    "masks_text",
     "mean_log_marginal",
     "new_vae",
     "own_random_numbers",
@@ -82,10 +83,12 @@ ALL_METHODS = {**SMALL_LATENT_METHODS, **METHODS, **GAUSSIAN_METHODS}
 def make_loss(method, cfg):
     """The training loss of one row (a value of :data:`ALL_METHODS`): ``Trace_ELBO``, the
     IWAE bound ``RenyiELBO(alpha=0, num_particles=S)``, or ``MPTLoss(rate="uniform",
-    num_masks=P, conditionals=Importance(num_samples=S // P, share_samples=True),
-    guide_loss=...)``, with ``S = cfg["train_samples"]`` and ``P = cfg["train_masks"]``
-    (1 when absent): ``P`` masks per image whose draws are pooled, so that every mask's
-    conditionals use ``S`` samples and the model runs ``S`` times per image, as IWAE's."""
+    num_masks=P, conditionals=Importance(num_samples=S // Q, share_samples=True,
+    num_proposals=Q), guide_loss=...)``, with ``S = cfg["train_samples"]``,
+    ``P = cfg["train_masks"]`` (1 when absent) and ``Q = cfg["train_proposals"]`` (``P``
+    when absent): ``P`` masks per image, ``Q`` of which draw ``S // Q`` samples each; the
+    draws are pooled, so that every mask's conditionals use ``S`` samples and the model
+    runs ``S`` times per image, as IWAE's."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -95,16 +98,34 @@ def make_loss(method, cfg):
         )
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
+        proposals = min(cfg.get("train_proposals", masks), masks)
+        conditionals = Importance(
+            num_samples=samples // proposals,
+            share_samples=masks > 1,
+            num_proposals=proposals if proposals < masks else None,
+        )
         return MPTLoss(
             rate="uniform",
             num_masks=masks,
-            conditionals=Importance(num_samples=samples // masks, share_samples=masks > 1),
+            conditionals=conditionals,
             guide_loss=method["guide_loss"],
             max_plate_nesting=1,
         )
     raise ValueError(
         f"loss_kind must be 'elbo', 'iwae' or 'mpt', got {kind!r}; pick a row of ALL_METHODS."
     )
+
+
+def masks_text(cfg):
+    """How the MPT rows' masks use the draws, in words, e.g. "16 masks per image, 4 of
+    which draw, the draws pooled"."""
+    masks = cfg.get("train_masks", 1)
+    proposals = min(cfg.get("train_proposals", masks), masks)
+    if masks == 1:
+        return "1 mask per image"
+    if proposals == masks:
+        return f"{masks} masks per image, each drawing, the draws pooled"
+    return f"{masks} masks per image, {proposals} of which draw, the draws pooled"
 
 
 def describe_loss(method, cfg):

@@ -4,6 +4,7 @@ Over 300 lines while the ``vae-deep`` block also renders a result file written b
 experiment's seeded layout (:func:`_vae_deep_block_one_seed`), as committed until it reruns.
 """
 
+from experiments._vae_deep_training import masks_text as _masks_text
 from experiments.results_format import num
 
 __all__ = [
@@ -30,8 +31,8 @@ def _vae_compare_deep_text(ctx, deep):
         f"Deep VAE: the Bernoulli rows of {ctx.code('vae-deep')} at K=16, {deep['hidden']} "
         f"hidden units, N={deep['N']} training and {deep['N_test']} held-out images, "
         f"{deep['epochs']} epochs of batches of {deep['batch']}, Adam at {deep['lr']:g}, "
-        f"{ctx.code('Importance')} with S={deep['train_samples']} draws pooled over "
-        f"{deep.get('train_masks', 1)} masks per image, means over {deep['seeds']} "
+        f"{ctx.code('Importance')} with S={deep['train_samples']} draws per image, "
+        f"{_masks_text(deep)}, means over {deep['seeds']} "
         f"seeds; final LML by the IWAE bound with each run's encoder, "
         f"S={deep['eval_samples']}, on {deep['eval_size']} training images; held-out LML "
         f"with a fresh encoder fitted to each decoder, S={deep['final_samples']}:"
@@ -255,8 +256,8 @@ def vae_deep_block(ctx):
         f"{ctx.code('Trace_ELBO')}, by the IWAE bound "
         f"({ctx.code('RenyiELBO(alpha=0, num_particles=S)')}) and by "
         f"{ctx.code(VAE_DEEP_MPT_LOSS)} "
-        f"with each {ctx.code('guide_loss')}, S={cfg['train_samples']}, "
-        f"P={cfg.get('train_masks', 1)}; {seeds} seeds from "
+        f"with each {ctx.code('guide_loss')}, S={cfg['train_samples']} draws per image, "
+        f"{_masks_text(cfg)}; {seeds} seeds from "
         f"one initialisation per seed and group, mean ± sd. Held-out LML per image in nats, "
         f"favouring no run's own encoder: a fresh encoder, from the same initialisation, "
         f"fitted to each frozen decoder by the IWAE bound (k={cfg['refit_samples']}, "

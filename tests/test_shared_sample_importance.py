@@ -16,6 +16,7 @@ from pyro_mpt.ops.self_normalised_importance import plain_importance_log_conditi
 from pyro_mpt.ops.shared_sample_importance import (
     context_log_likelihoods,
     mixture_log_density,
+    proposal_masks,
     shared_sample_log_conditionals,
 )
 
@@ -107,9 +108,7 @@ def test_pooled_conditionals_approach_the_exact_ones():
     x = _data(4)
     masks = masks_of_sizes(torch.tensor([[1, 4, 2, 3], [3, 1, 4, 2], [5, 2, 1, 4]]), 5)
     exact = _exact_conditionals(x, masks)
-    prepared = Importance(2000, share_samples=True).prepare(
-        _model, _mask_aware_guide, (x,), {}, 1
-    )
+    prepared = Importance(2000, share_samples=True).prepare(_model, _mask_aware_guide, (x,), {}, 1)
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
     assert prepared.diagnostics.num_samples == 6000
     error = (repeats.mean(0) - exact)[masks]
@@ -211,3 +210,60 @@ def test_pooled_draws_of_a_guide_with_two_dependent_sites():
     error = (repeats.mean(0) - exact)[masks]
     standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
     assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
+
+
+def test_proposal_masks_are_the_middles_of_equal_runs():
+    assert proposal_masks(16, 4).tolist() == [2, 6, 10, 14]
+    assert proposal_masks(5, 2).tolist() == [1, 3]
+    assert proposal_masks(3, 1).tolist() == [1]
+    assert proposal_masks(4, 4) == slice(None)
+    assert proposal_masks(4, None) == slice(None)
+
+
+def test_masks_that_draw_nothing_approach_the_exact_conditionals():
+    """Six masks, two of which draw 3000 samples each: all six masks' conditionals, those of
+    the four that only reweight the pooled draws included, are within a few standard errors
+    of the closed form (weights against the mixture of the two drawing masks' proposals)."""
+    x = _data(3)
+    sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
+    masks = masks_of_sizes(sizes, 5)
+    exact = _exact_conditionals(x, masks)
+    prepared = Importance(3000, share_samples=True, num_proposals=2).prepare(
+        _model, _mask_aware_guide, (x,), {}, 1
+    )
+    repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
+    assert prepared.diagnostics.num_samples == 6000
+    assert prepared.diagnostics.pareto_k.shape == (6, 3)  # every mask's weights are checked
+    error = (repeats.mean(0) - exact)[masks]
+    standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
+    assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
+
+
+def test_wake_gradient_trains_the_drawing_masks_proposals():
+    """With num_proposals, the wake loss is that of the masks that drew samples: its
+    gradient is d KL(p(z | x_{R_p}) || q_p) averaged over those masks only."""
+    x = _data(6)
+    sizes = torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5], [4, 1, 2, 5, 1, 3]])
+    sizes = torch.cat([sizes, sizes.flip(0)])
+    masks = masks_of_sizes(sizes, 5)
+    prepared = Importance(num_samples=20000, share_samples=True, num_proposals=2).prepare(
+        _model, _mask_aware_guide, (x,), {}, 1
+    )
+    prepared.log_prob(masks)
+    m, s = pyro.param("m"), pyro.param("s")
+    grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
+    drawing = masks[proposal_masks(6, 2)]
+    mu, var = _posterior(x, ~drawing)
+    loc = m + 0.3 * drawing.to(x.dtype).sum(-1)
+    expected_m = ((loc - mu) / s**2).mean(0).sum()
+    expected_s = (1 / s - (var + (mu - loc) ** 2) / s**3).mean(0).sum()
+    torch.testing.assert_close(grads[0], expected_m, atol=0.05, rtol=0)
+    torch.testing.assert_close(grads[1], expected_s, atol=0.08, rtol=0)
+
+
+def test_num_proposals_is_checked():
+    with pytest.raises(ValueError, match=r"num_proposals=2 needs share_samples=True"):
+        Importance(num_samples=4, num_proposals=2)
+    with pytest.raises(ValueError, match=r"num_proposals"):
+        Importance(num_samples=4, share_samples=True, num_proposals=0)
+    assert "num_proposals=2" in repr(Importance(4, share_samples=True, num_proposals=2))

@@ -30,6 +30,7 @@ from pyro_mpt.ops.self_normalised_importance import (
 from pyro_mpt.ops.shared_sample_importance import (
     context_log_likelihoods,
     mixture_log_density,
+    proposal_masks,
     shared_sample_log_conditionals,
 )
 from pyro_mpt.trace.defensive_proposal import GUIDE_FN, defensive_discrete
@@ -187,13 +188,16 @@ class ImportanceSelfPredictive(SelfPredictive):
         :meth:`log_prob` or :meth:`log_marginal`, or None before the first.
     """
 
-    def __init__(self, guided, num_samples, fill, debias=None, share_samples=False):
+    def __init__(
+        self, guided, num_samples, fill, debias=None, share_samples=False, num_proposals=None
+    ):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
         self.num_samples = num_samples
         self.fill = fill
         self.debias = debias
         self.share_samples = share_samples
+        self.num_proposals = num_proposals
         self.diagnostics = None
         self._proposal_terms = None
 
@@ -284,12 +288,14 @@ class ImportanceSelfPredictive(SelfPredictive):
         context = self.context(masks)
         filled, hidden = fill_masked(self.observed.value, ~context, self.fill), ~context
         if self.share_samples and filled.shape[0] > 1:
-            shared = self._sample_shared(filled, hidden.expand(filled.shape))
+            drawing = proposal_masks(filled.shape[0], self.num_proposals, filled.device)
+            hidden = hidden.expand(filled.shape)
+            shared = self._sample_shared(filled[drawing], hidden[drawing])
             if shared is not None:
                 log_w, ll = shared
                 context = context.expand(filled.shape)
                 log_joint = log_w.unsqueeze(1) + context_log_likelihoods(ll, context)
-                self._record(log_joint.detach(), self.observed.entries)
+                self._record(log_joint.detach(), self.observed.entries, drawing)
                 return shared_sample_log_conditionals(log_joint, ll)
         log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
@@ -299,11 +305,13 @@ class ImportanceSelfPredictive(SelfPredictive):
             return jackknife_importance_log_conditionals(log_w, ll, context)
         return importance_log_conditionals(log_w, ll, context)
 
-    def _record(self, log_joint, entries):
+    def _record(self, log_joint, entries, drawing=slice(None)):
+        """Keeps the weights' diagnostics of every mask, and the log weights of the masks
+        that drew samples (``drawing``), the targets of :meth:`proposal_loss`."""
         self.diagnostics = ImportanceDiagnostics.of(
             log_joint, None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
         )
-        self._log_joint = log_joint
+        self._log_joint = log_joint[:, drawing]
 
     def proposal_loss(self):
         """The wake-phase loss of the guide for the samples of the last :meth:`log_prob`:
@@ -434,6 +442,11 @@ class Importance(Conditionals):
         pool their draws: each mask's conditionals use all ``S * P`` samples, weighted
         against the equal mixture of the ``P`` masks' proposals, at the model cost of
         separate samples (see "What to do" in the accuracy docs). Not with ``debias``.
+    :param int num_proposals: with ``share_samples``, how many of the ``P`` masks draw
+        samples (``S`` each, spread over the mask sizes); the other masks only reweight the
+        pooled ``S * num_proposals`` draws. More masks than proposals cut the spread of the
+        MPT estimate over masks, the main noise of its gradient, at the cost of matrix
+        products instead of model runs (see :ref:`deep-vae-masks`). None: every mask draws.
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as
@@ -454,7 +467,9 @@ class Importance(Conditionals):
     name = "importance"
     guide_loss = "wake"
 
-    def __init__(self, num_samples=64, fill="zeros", debias=None, share_samples=False):
+    def __init__(
+        self, num_samples=64, fill="zeros", debias=None, share_samples=False, num_proposals=None
+    ):
         self.num_samples = check_positive_int("num_samples", num_samples)
         if share_samples not in (True, False):
             raise ValueError(
@@ -467,6 +482,15 @@ class Importance(Conditionals):
                 f"leaves out one sample of a mask's own set. Use one of them."
             )
         self.share_samples = bool(share_samples)
+        if num_proposals is not None:
+            check_positive_int("num_proposals", num_proposals)
+            if not share_samples:
+                raise ValueError(
+                    f"num_proposals={num_proposals!r} needs share_samples=True: only pooled "
+                    f"samples can be used by masks that draw none. Pass share_samples=True, "
+                    f"or leave num_proposals=None."
+                )
+        self.num_proposals = num_proposals
         self.fill = check_fill(fill)
         if debias not in DEBIAS:
             raise ValueError(
@@ -483,6 +507,8 @@ class Importance(Conditionals):
     def __repr__(self):
         debias = "" if self.debias is None else f", debias={self.debias!r}"
         shared = ", share_samples=True" if self.share_samples else ""
+        if self.num_proposals is not None:
+            shared += f", num_proposals={self.num_proposals}"
         return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
@@ -496,5 +522,10 @@ class Importance(Conditionals):
         call = (model, guide, args, kwargs, max_plate_nesting, "importance")
         guided = remembered.get(*call, signature=signature)[0]
         return ImportanceSelfPredictive(
-            guided, self.num_samples, self.fill, self.debias, self.share_samples
+            guided,
+            self.num_samples,
+            self.fill,
+            self.debias,
+            self.share_samples,
+            self.num_proposals,
         )

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "context_log_likelihoods",
     "mixture_log_density",
+    "proposal_masks",
     "shared_sample_log_conditionals",
 ]
 
@@ -80,3 +81,18 @@ def mixture_log_density(log_densities):
     :returns: a tensor of shape ``(S,) + batch``.
     """
     return torch.logsumexp(log_densities, 1) - math.log(log_densities.shape[1])
+
+
+def proposal_masks(num_masks, num_proposals, device=None):
+    """Which of an observation's ``num_masks`` stratified masks draw the pooled samples
+    when only ``num_proposals`` of them do: the middle mask of each of ``num_proposals``
+    equal runs, so that the proposals spread over the mask sizes (the masks of
+    :func:`~pyro_mpt.ops.masks.sample_masks` are ordered by size stratum). All of them
+    when ``num_proposals`` is None or at least ``num_masks``.
+
+    :returns: a long tensor of mask indices, or ``slice(None)`` for all.
+    """
+    if num_proposals is None or num_proposals >= num_masks:
+        return slice(None)
+    middles = (torch.arange(num_proposals, dtype=torch.float64) + 0.5) * num_masks
+    return (middles / num_proposals).floor().long().to(device)
