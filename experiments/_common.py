@@ -14,12 +14,7 @@ import numpy as np
 import pyro
 import torch
 
-try:  # notebook bars need ipywidgets; without it tqdm.auto warns, so take the text bar
-    import ipywidgets  # noqa: F401
-except ImportError:
-    from tqdm.std import tqdm
-else:
-    from tqdm.auto import tqdm
+from pyro_mpt.progress import progress_bar as _text_or_widget_bar
 
 __all__ = [
     "Stopwatch",
@@ -119,7 +114,9 @@ def num_threads(count):
 
 def progress_bar(iterable=None, enabled=True, **kwargs):
     """A tqdm progress bar (on stderr), or the bare iterable when ``enabled`` is False."""
-    return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kwargs)
+    return _text_or_widget_bar(
+        iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kwargs
+    )
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.errors import check_positive_int
@@ -17,6 +16,7 @@ from pyro_mpt.ops.orderings import (
     select_steps,
     summarize_orderings,
 )
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["OrderingLogLikelihoods", "ordering_log_likelihoods"]
@@ -233,7 +233,7 @@ def _chain_rule_sums(prepared, num_orderings, progress):
     per_mask = max(1, value.numel() * _width(prepared))
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
     values = None
-    with tqdm(
+    with progress_bar(
         total=num_orderings * num_steps, desc="orderings", disable=not progress, leave=False
     ) as bar:
         if chunk >= num_steps:

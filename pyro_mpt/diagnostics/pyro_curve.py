@@ -4,12 +4,12 @@ conditionals, whose sum over ``M = 1 ... D`` is log p(x)."""
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.ops.estimators import mask_scores
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.progress import progress_bar
 
 __all__ = ["mpt_curve"]
 
@@ -93,7 +93,7 @@ def mpt_curve(
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
 
     per_size = []
-    for size in tqdm(sizes.tolist(), desc="MPT curve", disable=not progress):
+    for size in progress_bar(sizes.tolist(), desc="MPT curve", disable=not progress):
         scores = []
         for start in range(0, num_masks, chunk):
             count = min(chunk, num_masks - start)

@@ -3,12 +3,12 @@
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.progress import progress_bar
 
 __all__ = ["gibbs"]
 
@@ -90,7 +90,7 @@ def gibbs(
     )
     sizes = torch.full(observed.batch_shape, block_size, device=data.device)
     chain = [data]
-    for step in tqdm(range(num_steps), desc="Gibbs", disable=not progress, leave=False):
+    for step in progress_bar(range(num_steps), desc="Gibbs", disable=not progress, leave=False):
         step_args = (chain[-1],) + rest
         if step > 0:
             prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)

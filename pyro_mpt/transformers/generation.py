@@ -17,9 +17,9 @@ import time
 from typing import NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.errors import check_positive_int
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.mlm_sampling_steps import (
     TokenConditionals,
     fill_start,
@@ -268,7 +268,7 @@ def sample_mlm(
     training = model.training
     model.eval()
     start = time.perf_counter()
-    with tqdm(total=total, desc=f"sample_mlm ({method})", disable=not progress) as bar:
+    with progress_bar(total=total, desc=f"sample_mlm ({method})", disable=not progress) as bar:
         cond = TokenConditionals(model, banned, float(temperature), top_k, generator, bar)
         try:
             if method == "mask-predict":

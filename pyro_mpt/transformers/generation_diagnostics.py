@@ -6,9 +6,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.errors import check_positive_int
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.generation import (
     MLMSamples,
     check_mask_token,
@@ -109,7 +109,7 @@ def pseudo_log_likelihood(
     model.eval()
     try:
         starts = range(0, rows.numel(), batch_size)
-        for start in tqdm(starts, desc="pseudo-log-likelihood", disable=not progress):
+        for start in progress_bar(starts, desc="pseudo-log-likelihood", disable=not progress):
             r, c = rows[start : start + batch_size], cols[start : start + batch_size]
             copies = ids[r].clone()
             here = torch.arange(r.numel(), device=device)

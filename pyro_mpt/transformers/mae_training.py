@@ -2,11 +2,11 @@
 or the uniform schedule of masked pre-training."""
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.vit_mae import masked_forward, num_patches
 
 __all__ = ["mae_loss", "train_mae"]
@@ -83,7 +83,7 @@ def train_mae(
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     model.train()
     losses = []
-    with tqdm(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
+    with progress_bar(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
         for _ in range(epochs):
             order = torch.randperm(num_images, generator=generator).to(images.device)
             for index in order.split(batch_size):

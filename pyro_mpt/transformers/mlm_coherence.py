@@ -4,11 +4,11 @@ random orderings of each sequence's tokens, one forward pass per prefix (:doc:`/
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.diagnostics.coherence import OrderingLogLikelihoods
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import prefix_masks, random_orderings
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers._padding import pad_examples
 from pyro_mpt.transformers.generation import content_positions, default_attention
 from pyro_mpt.transformers.mlm_curve import _encode, _model_device
@@ -267,7 +267,7 @@ def mlm_ordering_log_likelihoods(
     training = getattr(model, "training", False)
     model.eval()
     try:
-        for input_ids, attention_rows, labels, owners in tqdm(
+        for input_ids, attention_rows, labels, owners in progress_bar(
             rows.batches(batch_size),
             total=math.ceil(rows.num_rows / batch_size),
             desc="orderings",

@@ -5,11 +5,11 @@ import math
 import numbers
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 
 __all__ = ["mlm_mpt_curve"]
@@ -200,7 +200,7 @@ def mlm_mpt_curve(
     model.eval()
     scores = torch.zeros(len(plan.ids), plan.rows_per_sequence, dtype=torch.float64)
     total = math.ceil(plan.num_rows / batch_size)
-    for input_ids, attention, targets, owners in tqdm(
+    for input_ids, attention, targets, owners in progress_bar(
         plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
     ):
         logits = model(input_ids=input_ids, attention_mask=attention).logits

@@ -4,11 +4,11 @@ masking ratio, and its area (paper Fig. 6)."""
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.vit_mae import (
     masked_forward,
     num_patches,
@@ -93,7 +93,7 @@ def mae_mpt_curve(
     rows = num_images * num_masks
     scores = torch.zeros(num_images, len(rates), num_masks, dtype=torch.float64)
     steps = len(rates) * math.ceil(rows / batch_size)
-    with tqdm(total=steps, desc="MAE curve", disable=not progress) as bar:
+    with progress_bar(total=steps, desc="MAE curve", disable=not progress) as bar:
         for k, size in enumerate(sizes.tolist()):
             for start in range(0, rows, batch_size):
                 index = torch.arange(start, min(rows, start + batch_size))

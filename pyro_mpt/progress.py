@@ -1,0 +1,15 @@
+"""The progress bar of long calls (curves, Gibbs sweeps, coherence, MLM sampling).
+
+``tqdm.auto`` draws a widget in a Jupyter kernel, but only with ``ipywidgets`` installed;
+without it, it warns "IProgress not found" and falls back to text. This module takes the
+text bar directly in that case, so a notebook shows the same bar with no warning.
+"""
+
+try:
+    import ipywidgets  # noqa: F401
+except ImportError:
+    from tqdm.std import tqdm as progress_bar
+else:
+    from tqdm.auto import tqdm as progress_bar
+
+__all__ = ["progress_bar"]
