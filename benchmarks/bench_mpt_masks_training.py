@@ -112,8 +112,7 @@ def run(device, smoke=False, seeds=2):
                 held_out=statistics.mean(values),
                 held_out_per_seed=values,
                 vs_elbo=statistics.mean(gaps),
-                seconds_per_epoch=statistics.mean(r["seconds"] for r in per_seed)
-                / cfg["epochs"],
+                seconds_per_epoch=statistics.mean(r["seconds"] for r in per_seed) / cfg["epochs"],
                 curves=[r["held_out_curve"] for r in per_seed],
             )
         )

@@ -17,7 +17,7 @@ Losses, all with ``rate="uniform"`` and one mask per image:
 
 * ``quadrature``: ``Quadrature(20)``, 20 x 20 = 400 Gauss–Hermite nodes under the prior
   (linear VAE only: quadrature takes ``K <= 3``); target ``<= 3x`` the ELBO step;
-* ``importance S``: ``Importance(S)``, S guide samples on the masked image per image;
+* ``importance S``: ``ImportanceSampling(S)``, S guide samples on the masked image per image;
   target ``<= (S + 1)x`` a one-particle ``Trace_ELBO`` step;
 * ``encode-decode``: ``EncodeDecode(num_iterations=3)``.
 
@@ -62,7 +62,7 @@ from _common import (
 from pyro.infer import Trace_ELBO
 
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import EncodeDecode, Importance, Quadrature
+from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling, Quadrature
 from pyro_mpt.models import VAE, LinearVAE
 
 __all__ = ["LOSSES", "main", "print_report", "run"]
@@ -102,7 +102,7 @@ def _make_loss(name):
     if name == "quadrature":
         conditionals = Quadrature(num_points=NUM_POINTS)
     elif name.startswith("importance"):
-        conditionals = Importance(num_samples=int(name.split()[1]))
+        conditionals = ImportanceSampling(num_samples=int(name.split()[1]))
     elif name == "encode-decode":
         conditionals = EncodeDecode(num_iterations=ENCODE_DECODE_ITERATIONS)
     else:

@@ -76,7 +76,7 @@ from _common import (  # noqa: E402
 from experiments.zoo import deep_models as deep  # noqa: E402
 from experiments.zoo.references import trapezoid_log_weights  # noqa: E402
 from pyro_mpt import MPTLoss, log_marginal  # noqa: E402
-from pyro_mpt.conditionals import Exact, Importance, as_conditionals  # noqa: E402
+from pyro_mpt.conditionals import Exact, ImportanceSampling, as_conditionals  # noqa: E402
 from pyro_mpt.datasets import load_mnist  # noqa: E402
 from pyro_mpt.errors import ImportanceAccuracyWarning  # noqa: E402
 from pyro_mpt.models import VAE  # noqa: E402
@@ -376,7 +376,7 @@ def _errors(draws, reference):
 def _tolerance(strategy):
     if isinstance(strategy, Exact):
         return EXACT_TOL
-    if isinstance(strategy, Importance):
+    if isinstance(strategy, ImportanceSampling):
         return IMPORTANCE_TOL
     return QUADRATURE_TOL
 
@@ -768,7 +768,7 @@ def _log_marginal_store(seed):
             for label, conditionals in (
                 ("default ('exact')", None),
                 ("'auto'", "auto"),
-                ("Importance(64)", Importance(64)),
+                ("ImportanceSampling(64)", ImportanceSampling(64)),
             ):
                 pyro.clear_param_store()
                 pyro.set_rng_seed(seed)

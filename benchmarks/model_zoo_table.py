@@ -77,7 +77,7 @@ def zoo_row(factory):
     seconds = time.perf_counter() - start
     if error > case.auto_tol and status == "ok":
         # Importance sampling at auto's default sample size is consistent, not exact.
-        status = "approximate" if case.strategy.__name__ == "Importance" else "FAIL (error)"
+        status = "approximate" if case.strategy.__name__ == "ImportanceSampling" else "FAIL (error)"
     return case.name, expected, chosen_name, f"{error:.2e} ({seconds:.2f} s)", status
 
 

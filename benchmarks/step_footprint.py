@@ -11,7 +11,7 @@ For each case the script takes a first step, two more, and then measures a stead
   Bernoulli likelihood through ``tanh``, under ``MPTLoss(conditionals="auto")``, which picks
   quadrature;
 * ``vae importance``: :class:`pyro_mpt.models.VAE` (8 latents, 20 binary features) under
-  ``MPTLoss(conditionals=Importance(8))`` with its amortized guide;
+  ``MPTLoss(conditionals=ImportanceSampling(8))`` with its amortized guide;
 * ``vae elbo``: the same VAE under ``Trace_ELBO``, for reference.
 
 Figures per case:
@@ -58,7 +58,7 @@ from torch.distributions import constraints
 
 import pyro_mpt
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Importance
+from pyro_mpt.conditionals import ImportanceSampling
 from pyro_mpt.models import VAE
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +73,6 @@ PYRO_DIR = os.path.dirname(os.path.abspath(pyro.__file__)) + os.sep
 NUM_DATA, BATCH, SEED = 256, 32, 0
 #: The step that is measured; the ones before it are the first step and warm-up steps.
 STEADY_STEP = 4
-
 
 
 def _linear_gaussian_model(x):
@@ -147,7 +146,7 @@ def _cases():
     return [
         ("linear-gaussian auto", linear_gaussian),
         ("nonlinear auto", nonlinear),
-        ("vae importance", vae(lambda: MPTLoss(conditionals=Importance(8)))),
+        ("vae importance", vae(lambda: MPTLoss(conditionals=ImportanceSampling(8)))),
         ("vae elbo", vae(Trace_ELBO)),
     ]
 

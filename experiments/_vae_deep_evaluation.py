@@ -12,7 +12,7 @@ from pyro.infer import RenyiELBO
 from experiments import _common as common
 from experiments._vae_deep_training import count_warnings, new_vae, own_random_numbers
 from pyro_mpt import log_marginal
-from pyro_mpt.conditionals import Importance, Quadrature
+from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 
 __all__ = ["fair_evaluation", "iwae_log_marginal", "quadrature_log_marginal", "refit_encoder"]
 
@@ -79,7 +79,9 @@ def iwae_log_marginal(vae, x, num_samples, chunk):
     with torch.no_grad():
         for part in x.split(per_pass):
             terms = [
-                log_marginal(vae.model, part, conditionals=Importance(size), guide=vae.guide)
+                log_marginal(
+                    vae.model, part, conditionals=ImportanceSampling(size), guide=vae.guide
+                )
                 + math.log(size)
                 for size in sample_blocks
             ]

@@ -14,7 +14,7 @@ from pyro.infer import RenyiELBO, Trace_ELBO
 
 from experiments import _common as common
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Importance
+from pyro_mpt.conditionals import ImportanceSampling
 from pyro_mpt.models import VAE
 
 __all__ = [
@@ -83,7 +83,7 @@ ALL_METHODS = {**SMALL_LATENT_METHODS, **METHODS, **GAUSSIAN_METHODS}
 def make_loss(method, cfg):
     """The training loss of one row (a value of :data:`ALL_METHODS`): ``Trace_ELBO``, the
     IWAE bound ``RenyiELBO(alpha=0, num_particles=S)``, or ``MPTLoss(rate="uniform",
-    num_masks=P, conditionals=Importance(num_samples=S // Q, share_samples=True,
+    num_masks=P, conditionals=ImportanceSampling(num_samples=S // Q, share_samples=True,
     num_proposals=Q), guide_loss=...)``, with ``S = cfg["train_samples"]``,
     ``P = cfg["train_masks"]`` (1 when absent) and ``Q = cfg["train_proposals"]`` (``P``
     when absent): ``P`` masks per image, ``Q`` of which draw ``S // Q`` samples each; the
@@ -99,7 +99,7 @@ def make_loss(method, cfg):
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
         proposals = min(cfg.get("train_proposals", masks), masks)
-        conditionals = Importance(
+        conditionals = ImportanceSampling(
             num_samples=samples // proposals,
             share_samples=masks > 1,
             num_proposals=proposals if proposals < masks else None,
@@ -117,15 +117,15 @@ def make_loss(method, cfg):
 
 
 def masks_text(cfg):
-    """How the MPT rows' masks use the draws, in words, e.g. "16 masks per image, 4 of
+    """How the MPT rows' masks use the draws, in words, e.g. "P=16 masks per image, Q=4 of
     which draw, the draws pooled"."""
     masks = cfg.get("train_masks", 1)
     proposals = min(cfg.get("train_proposals", masks), masks)
     if masks == 1:
-        return "1 mask per image"
+        return "P=Q=1 mask per image"
     if proposals == masks:
-        return f"{masks} masks per image, each drawing, the draws pooled"
-    return f"{masks} masks per image, {proposals} of which draw, the draws pooled"
+        return f"P=Q={masks} masks per image, each drawing, the draws pooled"
+    return f"P={masks} masks per image, Q={proposals} of which draw, the draws pooled"
 
 
 def describe_loss(method, cfg):
@@ -200,7 +200,7 @@ def mean_log_marginal(vae, x, num_samples, chunk):
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for part in x.split(chunk):
             values = log_marginal(
-                vae.model, part, conditionals=Importance(num_samples), guide=vae.guide
+                vae.model, part, conditionals=ImportanceSampling(num_samples), guide=vae.guide
             )
             total += float(values.sum())
     return total / x.shape[0]

@@ -10,7 +10,7 @@ Conditionals that come from one joint distribution give every ordering the same 
   Gaussian density ``N(x; mu, W W^T + sigma^2 I)``.
 * **A deep Bernoulli VAE** (:class:`pyro_mpt.models.VAE` on binarised MNIST from
   :func:`pyro_mpt.datasets.load_mnist`, trained briefly by ``Trace_ELBO``), on a few held-out
-  images: :class:`~pyro_mpt.conditionals.Importance` at several ``S`` and
+  images: :class:`~pyro_mpt.conditionals.ImportanceSampling` at several ``S`` and
   :class:`~pyro_mpt.conditionals.EncodeDecode`. The gap is to the importance estimate of
   ``log p(x)`` with the encoder on the full image and many samples (the IWAE bound).
 * **AntiBERTy** (:mod:`pyro_mpt.transformers.antiberty`), pre-trained and randomly
@@ -45,7 +45,7 @@ GROUPS = ("PPCA", "deep VAE", "AntiBERTy")
 
 #: The sizes of each preset: ``ppca_*`` the PPCA (``N`` observations, ``D`` features, ``K``
 #: latents); ``vae_*`` the VAE (training images ``N``, held-out images scored, hidden units,
-#: latent size, epochs, batch, learning rate, the ``S`` of each ``Importance`` row, the
+#: latent size, epochs, batch, learning rate, the ``S`` of each ``ImportanceSampling`` row, the
 #: ``EncodeDecode`` iterations, the samples of the reference); ``bert_*`` AntiBERTy (how many
 #: sequences, residues kept per sequence, ``None`` for all, and the MPT curve's rates and
 #: masks); ``*_orderings`` orderings per observation. The default takes about 8 minutes of
@@ -167,9 +167,9 @@ def _train_vae(cfg, x, seed):
 
 
 def _vae_rows(cfg, device, seed, progress):
-    """Importance at each ``S`` and encode-decode on held-out images of a trained VAE."""
+    """ImportanceSampling at each ``S`` and encode-decode on held-out images of a trained VAE."""
     from pyro_mpt import log_marginal, ordering_log_likelihoods
-    from pyro_mpt.conditionals import EncodeDecode, Importance
+    from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling
     from pyro_mpt.datasets import load_mnist
 
     with common.default_dtype(torch.float32):
@@ -185,12 +185,13 @@ def _vae_rows(cfg, device, seed, progress):
             common.Stopwatch() as watch,
         ):
             reference = torch.cat([
-                log_marginal(vae.model, part, conditionals=Importance(cfg["vae_reference_samples"]),
+                log_marginal(vae.model, part,
+                             conditionals=ImportanceSampling(cfg["vae_reference_samples"]),
                              guide=vae.guide)
                 for part in x_test.split(4)
             ])  # fmt: skip
         training.update(reference_seconds=watch.seconds)
-        strategies = [Importance(s) for s in cfg["vae_samples"]]
+        strategies = [ImportanceSampling(s) for s in cfg["vae_samples"]]
         strategies.append(EncodeDecode(num_iterations=cfg["vae_iterations"]))
         kind = f"importance log p(x), S={cfg['vae_reference_samples']}"
         rows = []
@@ -206,8 +207,8 @@ def _vae_rows(cfg, device, seed, progress):
                     conditionals=strategy, progress=progress,
                 )  # fmt: skip
             label = (
-                f"Importance({strategy.num_samples})"
-                if isinstance(strategy, Importance)
+                f"ImportanceSampling({strategy.num_samples})"
+                if isinstance(strategy, ImportanceSampling)
                 else f"EncodeDecode({strategy.num_iterations})"
             )
             rows.append(

@@ -26,8 +26,8 @@ UNIFORM_LOSS = 'MPTLoss(rate="uniform")'
 #: bench_vae_step loss name -> its row label.
 VAE_STEP_LOSSES = {
     "quadrature": "Quadrature(20)",
-    "importance 4": "Importance(4)",
-    "importance 16": "Importance(16)",
+    "importance 4": "ImportanceSampling(4)",
+    "importance 16": "ImportanceSampling(16)",
     "encode-decode": "EncodeDecode(3)",
 }
 

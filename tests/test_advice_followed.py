@@ -13,7 +13,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Importance, Quadrature
+from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.errors import NotApplicableError
 
 
@@ -91,7 +91,7 @@ def test_data_without_a_feature_dim_are_told_to_take_shape_n_by_1():
 
     x = torch.randn(20)
     with pytest.raises(ValueError) as caught:
-        MPTLoss(conditionals=Importance()).loss(model, guide, x)
+        MPTLoss(conditionals=ImportanceSampling()).loss(model, guide, x)
     message = str(caught.value)
     assert "Observed site 'x' has no feature dim (data of shape (20,))" in message
     assert "pass the data as shape (20, 1)" in message and ".to_event(1)" in message
@@ -109,7 +109,7 @@ def test_data_without_a_feature_dim_are_told_to_take_shape_n_by_1():
 
     num_samples = 4096
     x1 = x.unsqueeze(-1)
-    loss = MPTLoss(conditionals=Importance(num_samples)).loss(model_n1, guide_n1, x1)
+    loss = MPTLoss(conditionals=ImportanceSampling(num_samples)).loss(model_n1, guide_n1, x1)
     # One feature: the only mask hides it, so the estimate is log p(x) by importance sampling
     # from the prior (the guide), against the closed form N(0, K w^2 + 1). Its error: the
     # relative spread of p(x | z) under the prior over sqrt(S), estimated independently.
@@ -150,7 +150,10 @@ def test_a_half_cauchy_prior_is_named_and_importance_with_a_guide_works():
     MPTLoss(conditionals="importance").loss(model, guide, x)
     # Its log p(x) against a grid over log s, repeated to measure its own spread.
     estimates = torch.stack(
-        [log_marginal(model, x, conditionals=Importance(2048), guide=guide) for _ in range(6)]
+        [
+            log_marginal(model, x, conditionals=ImportanceSampling(2048), guide=guide)
+            for _ in range(6)
+        ]
     )
 
     def log_joint(t):  # t = log s on the grid, (G, 1)
@@ -272,7 +275,7 @@ def test_auto_advises_what_gets_past_it():
     with pytest.warns(UserWarning):  # AutoNormal's first, narrow proposal may be flagged
         value = loss.loss(model, AutoNormal(model), x)
     assert math.isfinite(value)
-    assert isinstance(loss.conditionals.chosen, Importance)
+    assert isinstance(loss.conditionals.chosen, ImportanceSampling)
 
 
 # 6. A guide that flattens with x.reshape(-1, D) is told to keep the leading dims.

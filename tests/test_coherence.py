@@ -17,7 +17,7 @@ import pyro_mpt
 from experiments.zoo.cases import grid_1d, grid_2d, seeded
 from experiments.zoo.references import mvn_log_prob, mvn_observed_log_prob
 from pyro_mpt import OrderingLogLikelihoods, log_marginal, ordering_log_likelihoods
-from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
 from pyro_mpt.diagnostics import coherence
 from pyro_mpt.models import PPCA, FactorAnalysis
 from pyro_mpt.ops.orderings import (
@@ -316,7 +316,7 @@ def test_importance_spread_is_positive_and_shrinks_with_more_samples():
     for num_samples in (8, 512):
         pyro.set_rng_seed(num_samples)
         result = ordering_log_likelihoods(
-            model, x, guide=guide, num_orderings=24, conditionals=Importance(num_samples)
+            model, x, guide=guide, num_orderings=24, conditionals=ImportanceSampling(num_samples)
         )
         s = result.summary()
         spreads[num_samples] = s
@@ -329,7 +329,7 @@ def test_importance_spread_is_positive_and_shrinks_with_more_samples():
     assert large["gap"] is not None
     # The mean over orderings approaches log p(x) too.
     result = ordering_log_likelihoods(
-        model, x, guide=guide, num_orderings=24, conditionals=Importance(512)
+        model, x, guide=guide, num_orderings=24, conditionals=ImportanceSampling(512)
     )
     assert (result.mean - exact).abs().mean() < 0.1
 

@@ -103,3 +103,12 @@ def test_old_name_loads_no_second_copy_of_any_file(fresh_old_name):
     assert {stem: len(ids) for stem, ids in by_file.items()} == {
         stem: 1 for stem in ["__init__", *SUBMODULES]
     }
+
+
+def test_old_importance_name_warns_and_builds_the_renamed_strategy():
+    from pyro_mpt.conditionals import Importance, ImportanceSampling
+
+    with pytest.warns(DeprecationWarning, match=r"renamed ImportanceSampling"):
+        old = Importance(16, share_samples=True, num_proposals=2)
+    assert isinstance(old, ImportanceSampling)
+    assert repr(old) == repr(ImportanceSampling(16, share_samples=True, num_proposals=2))

@@ -13,7 +13,7 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Importance, Quadrature
+from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.trace.guided_model import check_guide_sites
 
@@ -129,7 +129,7 @@ def test_a_larger_latent_names_the_misspelled_site_and_runs_once_renamed():
     loss = MPTLoss()
     value, messages = _call(lambda: loss.loss(model, guide, x))
     assert messages == []
-    assert isinstance(loss.conditionals.chosen, Importance)
+    assert isinstance(loss.conditionals.chosen, ImportanceSampling)
     assert torch.isfinite(torch.tensor(value))
 
 

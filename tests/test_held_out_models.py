@@ -27,7 +27,7 @@ from pyro.infer.autoguide import (
 from experiments.zoo import cases as zoo
 from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import EncodeDecode, Exact, Importance, Quadrature
+from pyro_mpt.conditionals import EncodeDecode, Exact, ImportanceSampling, Quadrature
 from pyro_mpt.errors import NotApplicableError
 
 QUADRATURE_TOL = 1e-3
@@ -502,15 +502,15 @@ def subsampled_with_pyro_subsample():
 def _importance_case(name, model, x, reference, autoguide):
     """A model ``conditionals="auto"`` scores by importance sampling with ``autoguide`` (at
     ``init_scale=1``), checked at 20000 samples to 0.05 nats, and to 0.3 nats at auto's
-    Importance(64) (a few tenths of a nat of Monte Carlo error); not checked for
+    ImportanceSampling(64) (a few tenths of a nat of Monte Carlo error); not checked for
     unbiasedness."""
     return Case(
         name,
         model,
         (x,),
         reference,
-        Importance,
-        conditionals=lambda: Importance(num_samples=20000),
+        ImportanceSampling,
+        conditionals=lambda: ImportanceSampling(num_samples=20000),
         tol=0.05,
         guide=lambda model: autoguide(model, init_scale=1.0),
         auto_tol=0.3,
@@ -594,7 +594,7 @@ def low_rank_guide_importance():
         Exact,
         # The proposals are broad (the guide is untrained): observations in the tail of the
         # prior keep about 0.1 nats of Monte Carlo error at S=50000.
-        conditionals=lambda: Importance(num_samples=50000),
+        conditionals=lambda: ImportanceSampling(num_samples=50000),
         tol=0.15,
         guide=lambda model: AutoLowRankMultivariateNormal(model, rank=2, init_scale=1.0),
         unbiased=False,
@@ -720,9 +720,11 @@ def test_discrete_latent_under_importance_matches_enumeration():
     model, guide, x, reference = _discrete_mixture()
     loss = MPTLoss(conditionals="auto")
     loss.loss(model, guide, x)
-    assert isinstance(loss.conditionals.chosen, Importance)
+    assert isinstance(loss.conditionals.chosen, ImportanceSampling)
     with torch.no_grad():
-        value = log_marginal(model, x, conditionals=Importance(num_samples=20000), guide=guide)
+        value = log_marginal(
+            model, x, conditionals=ImportanceSampling(num_samples=20000), guide=guide
+        )
     torch.testing.assert_close(value, reference, atol=0.03, rtol=0.0)
 
 
@@ -801,7 +803,7 @@ def test_importance_estimate_with_masked_data_is_close_to_the_reference(factory)
         with pyro.plate("data", x.shape[-2], dim=dim):
             pyro.sample("z", dist.Normal(0.0, 1.2))
 
-    loss = MPTLoss(rate="uniform", num_masks=2, conditionals=Importance(num_samples=1000))
+    loss = MPTLoss(rate="uniform", num_masks=2, conditionals=ImportanceSampling(num_samples=1000))
     draws = zoo.estimate_draws(loss, case, guide, 40)
     with torch.no_grad():
         reference = case.reference()

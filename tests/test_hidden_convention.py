@@ -15,7 +15,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
 
 from pyro_mpt import impute
-from pyro_mpt.conditionals import EncodeDecode, Importance
+from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling
 from pyro_mpt.models import VAE, LinearVAE
 from pyro_mpt.ops.self_normalised_importance import fill_masked
 from pyro_mpt.trace.guided_model import run_guided
@@ -104,7 +104,7 @@ def test_importance_tells_the_guide_the_masked_and_missing_entries():
     x, observed = _data()
     masks = _masks()
     guide = Recorder()
-    prepared = Importance(num_samples=3).prepare(model, guide, (x, observed), {}, NESTING)
+    prepared = ImportanceSampling(num_samples=3).prepare(model, guide, (x, observed), {}, NESTING)
     assert prepared.guided.takes_hidden
     # The check run at preparation hides nothing.
     assert all(not h.any() for _, h in guide.calls)
@@ -127,7 +127,7 @@ def test_masks_shared_across_the_batch_reach_the_guide_broadcast():
     x, _ = _data()
     masks = _masks()[:, :1]  # (P, 1, D): one mask for the whole batch
     guide = Recorder()
-    prepared = Importance(num_samples=2).prepare(model, guide, (x,), {}, NESTING)
+    prepared = ImportanceSampling(num_samples=2).prepare(model, guide, (x,), {}, NESTING)
     guide.calls.clear()
     prepared.log_prob(masks)
     ((data, hidden),) = guide.calls
@@ -154,7 +154,9 @@ def test_encode_decode_tells_the_guide_at_every_iteration():
     assert torch.equal(guide.calls[0][0], _expected_data(x, expected))
 
 
-@pytest.mark.parametrize("strategy", [Importance(num_samples=5), EncodeDecode(num_iterations=2)])
+@pytest.mark.parametrize(
+    "strategy", [ImportanceSampling(num_samples=5), EncodeDecode(num_iterations=2)]
+)
 def test_imputation_tells_the_guide_the_drawn_and_missing_entries(strategy):
     x, observed = _data()
     missing = _masks(1)[0]
@@ -172,7 +174,7 @@ def test_imputation_tells_the_guide_the_drawn_and_missing_entries(strategy):
     assert draws.shape == (4, N, D)
     expected = missing | ~observed
     calls = [(data, hidden) for data, hidden in guide.calls if hidden.any()]
-    assert len(calls) == (1 if isinstance(strategy, Importance) else 2)
+    assert len(calls) == (1 if isinstance(strategy, ImportanceSampling) else 2)
     for data, hidden in calls:
         assert torch.equal(hidden, expected.expand(hidden.shape))
         visible = ~expected.expand(data.shape)
@@ -192,7 +194,9 @@ def test_guides_without_the_parameter_get_no_hidden_argument():
         blind_oracle(x, observed)
 
     for guide in (plain, open_kwargs):
-        prepared = Importance(num_samples=3).prepare(model, guide, (x, observed), {}, NESTING)
+        prepared = ImportanceSampling(num_samples=3).prepare(
+            model, guide, (x, observed), {}, NESTING
+        )
         assert not prepared.guided.takes_hidden
         assert torch.isfinite(prepared.log_prob(masks)).all()
     # **kwargs does not count as declaring the parameter: nothing extra is passed.
@@ -202,7 +206,7 @@ def test_guides_without_the_parameter_get_no_hidden_argument():
 def test_an_autoguide_takes_no_hidden_argument_and_works():
     x, _ = _data()
     guide = AutoNormal(model)
-    prepared = Importance(num_samples=3).prepare(model, guide, (x,), {}, NESTING)
+    prepared = ImportanceSampling(num_samples=3).prepare(model, guide, (x,), {}, NESTING)
     assert not prepared.guided.takes_hidden
     assert torch.isfinite(prepared.log_prob(_masks())).all()
 
@@ -239,7 +243,7 @@ def _linear_vae_case():
 )
 def test_the_parameter_is_found_on_modules_callables_and_methods(case):
     model_fn, guide, args, nesting = case()
-    prepared = Importance(num_samples=2).prepare(model_fn, guide, args, {}, nesting)
+    prepared = ImportanceSampling(num_samples=2).prepare(model_fn, guide, args, {}, nesting)
     assert prepared.guided.takes_hidden
 
 
@@ -250,7 +254,7 @@ def test_a_hidden_argument_already_given_by_the_call_is_refused():
         oracle(x, None, hidden)
 
     with pytest.raises(ValueError, match=r"declares a parameter 'hidden'.*already give"):
-        Importance().prepare(model, guide, (x, observed), {}, NESTING)
+        ImportanceSampling().prepare(model, guide, (x, observed), {}, NESTING)
 
 
 def _reference_conditionals(x, masks):
@@ -273,7 +277,7 @@ def test_a_mask_aware_oracle_makes_every_weight_equal(num_samples):
     # they are not.
     x, observed = _data()
     masks = _masks(4)
-    strategy = Importance(num_samples=num_samples)
+    strategy = ImportanceSampling(num_samples=num_samples)
     for args in ((x,), (x, observed)):
         prepared = strategy.prepare(model, oracle, args, {}, NESTING)
         prepared.log_prob(masks)
@@ -306,7 +310,7 @@ def test_a_mask_aware_oracle_gives_conditionals_within_monte_carlo_error():
     masks = _masks(4)
     num_samples = 2000
     reference = _reference_conditionals(x, masks)[masks]
-    strategy = Importance(num_samples=num_samples)
+    strategy = ImportanceSampling(num_samples=num_samples)
     estimate = strategy.prepare(model, oracle, (x,), {}, NESTING).log_prob(masks)[masks]
     error = _oracle_standard_errors(x, masks, num_samples)[masks]
     assert ((estimate - reference) / error).abs().max() < 4.5
@@ -324,7 +328,7 @@ def test_a_mask_aware_oracle_gives_the_exact_marginal_of_observed_entries():
             for n, o in enumerate(observed)
         ]
     )
-    strategy = Importance(num_samples=1)
+    strategy = ImportanceSampling(num_samples=1)
     estimate = strategy.prepare(model, oracle, (x, observed), {}, NESTING).log_marginal()
     torch.testing.assert_close(estimate, reference, atol=1e-10, rtol=0)
 
@@ -347,7 +351,7 @@ def test_a_mask_aware_oracle_imputes_from_the_exact_conditional():
         x,
         missing=missing,
         num_samples=num_draws,
-        conditionals=Importance(num_samples=num_proposals),
+        conditionals=ImportanceSampling(num_samples=num_proposals),
         guide=oracle,
         max_plate_nesting=NESTING,
     )[:, :, 3]
@@ -409,7 +413,7 @@ def test_vae_guide_gets_the_mask_from_the_strategies(cls):
             p.add_(0.5 * torch.randn_like(p))
     x = torch.randint(0, 2, (N, D)).double()
     masks = _masks()
-    prepared = Importance(num_samples=2).prepare(vae.model, vae.guide, (x,), {}, 1)
+    prepared = ImportanceSampling(num_samples=2).prepare(vae.model, vae.guide, (x,), {}, 1)
     assert prepared.guided.takes_hidden
     filled = fill_masked(x, masks)
     trace, _ = run_guided(prepared.guided, filled, 1, False, hidden=masks)

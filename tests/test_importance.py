@@ -14,7 +14,7 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Exact, Importance, Quadrature, as_conditionals
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature, as_conditionals
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.models import PPCA, LinearVAE
 from pyro_mpt.ops.masks import masks_of_sizes
@@ -140,7 +140,7 @@ def test_importance_agrees_with_exact_within_its_monte_carlo_error(fill):
         ppca.encoder_weight.copy_(encoder)
     masks = masks_of_sizes(torch.randint(1, 7, (2, 8)), 6)
     exact = Exact().prepare(ppca.model, None, (x,), {}).log_prob(masks)[masks]
-    prepared = Importance(num_samples=4000, fill=fill).prepare(
+    prepared = ImportanceSampling(num_samples=4000, fill=fill).prepare(
         ppca.model, _amortized_guide(ppca), (x,), {}
     )
     sd = _assert_within_monte_carlo_error(_replicates(prepared, masks, 16), exact)
@@ -155,7 +155,9 @@ def test_importance_error_shrinks_with_the_number_of_samples():
     exact = Exact().prepare(ppca.model, None, (x,), {}).log_prob(masks)[masks]
     errors = {}
     for num_samples in (16, 1024):
-        prepared = Importance(num_samples).prepare(ppca.model, _amortized_guide(ppca), (x,), {})
+        prepared = ImportanceSampling(num_samples).prepare(
+            ppca.model, _amortized_guide(ppca), (x,), {}
+        )
         estimates = _replicates(prepared, masks, 8)
         errors[num_samples] = (estimates - exact).abs().mean().item()
     # Monte Carlo error falls like 1/sqrt(S): 8 times from S=16 to S=1024.
@@ -191,7 +193,7 @@ def test_gradients_reach_every_encoder_and_decoder_parameter():
     vae = LinearVAE(num_features=7, latent_dim=3)
     x = vae.sample(5)
     masks = masks_of_sizes(torch.randint(1, 8, (2, 5)), 7)
-    prepared = Importance(num_samples=16).prepare(vae.model, vae.guide, (x,), {})
+    prepared = ImportanceSampling(num_samples=16).prepare(vae.model, vae.guide, (x,), {})
     params = list(vae.parameters())
     assert len(params) == 5  # weight, bias and three encoder parameters
     grads = torch.autograd.grad(prepared.log_prob(masks)[masks].sum(), params)
@@ -210,7 +212,7 @@ def test_svi_with_importance_reaches_the_lml_of_the_true_parameters():
     target = lml(truth)
     pyro.clear_param_store()
     vae = LinearVAE(num_features=12, latent_dim=2)
-    loss = MPTLoss(conditionals=Importance(num_samples=16), num_masks=2)
+    loss = MPTLoss(conditionals=ImportanceSampling(num_samples=16), num_masks=2)
     svi = pyro.infer.SVI(vae.model, vae.guide, pyro.optim.Adam({"lr": 0.05}), loss)
     svi.step(x)
     before = lml(vae)
@@ -225,7 +227,7 @@ def test_auto_picks_importance_for_a_large_latent_with_a_guide():
     x = vae.sample(4)
     loss = MPTLoss()
     loss.loss(vae.model, vae.guide, x)
-    assert isinstance(loss.conditionals.chosen, Importance)
+    assert isinstance(loss.conditionals.chosen, ImportanceSampling)
     with pytest.raises(NotApplicableError, match=r"(?s)'importance'.*importance: .*no guide"):
         MPTLoss().loss(vae.model, None, x)
 
@@ -234,9 +236,9 @@ def test_guide_errors_name_the_fix():
     vae = LinearVAE(num_features=6, latent_dim=5)
     x = vae.sample(4)
     with pytest.raises(NotApplicableError, match=r"no guide was given.*amortized guide"):
-        Importance().prepare(vae.model, None, (x,), {})
+        ImportanceSampling().prepare(vae.model, None, (x,), {})
     with pytest.raises(NotApplicableError, match=r"samples no site \['z'\]"):
-        Importance().prepare(vae.model, lambda data: None, (x,), {})
+        ImportanceSampling().prepare(vae.model, lambda data: None, (x,), {})
     ppca, x, _, _ = _ppca()
 
     def rigid_guide(data):
@@ -247,7 +249,7 @@ def test_guide_errors_name_the_fix():
     with pytest.raises(
         NotApplicableError, match=r"rigid_guide failed on a batch of filled copies.*x\.shape\[-2\]"
     ):
-        Importance().prepare(ppca.model, rigid_guide, (x,), {})
+        ImportanceSampling().prepare(ppca.model, rigid_guide, (x,), {})
 
 
 def test_a_guide_that_ignores_the_data_is_a_valid_proposal():
@@ -255,7 +257,7 @@ def test_a_guide_that_ignores_the_data_is_a_valid_proposal():
     guide = AutoNormal(ppca.model)
     masks = masks_of_sizes(torch.tensor([[1, 3, 5, 6]]), 6)
     guide(x)  # set up its parameters on the full data
-    prepared = Importance(num_samples=32).prepare(ppca.model, guide, (x,), {})
+    prepared = ImportanceSampling(num_samples=32).prepare(ppca.model, guide, (x,), {})
     assert torch.isfinite(prepared.log_prob(masks)).all()
 
 
@@ -269,7 +271,7 @@ def test_models_outside_its_scope_are_rejected():
         pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
 
     with pytest.raises(ValueError, match=r"Latent site 'w' is outside the data plate"):
-        Importance().prepare(global_latent, guide, (torch.zeros(4, 3),), {})
+        ImportanceSampling().prepare(global_latent, guide, (torch.zeros(4, 3),), {})
 
     def dense(x):
         with pyro.plate("data", x.shape[-2]):
@@ -281,34 +283,34 @@ def test_models_outside_its_scope_are_rejected():
             )
 
     with pytest.raises(NotApplicableError, match=r"site 'x'.*does not factorise over features"):
-        Importance().prepare(dense, guide, (torch.zeros(4, 3),), {})
+        ImportanceSampling().prepare(dense, guide, (torch.zeros(4, 3),), {})
     vae = LinearVAE(num_features=6, latent_dim=2, subsample_size=2)
     with pytest.raises(NotApplicableError, match=r"subsampled data plates are not supported"):
-        Importance().prepare(vae.model, vae.guide, (vae.sample(4),), {})
+        ImportanceSampling().prepare(vae.model, vae.guide, (vae.sample(4),), {})
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"num_samples must be at least 1, got 0"):
-        Importance(num_samples=0)
+        ImportanceSampling(num_samples=0)
     with pytest.raises(
         TypeError, match=r"num_samples must be a positive integer, got 2.5 of type float"
     ):
-        Importance(num_samples=2.5)
+        ImportanceSampling(num_samples=2.5)
     with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got 'ones'"):
-        Importance(fill="ones")
-    assert repr(Importance()) == "Importance(num_samples=64, fill='zeros')"
+        ImportanceSampling(fill="ones")
+    assert repr(ImportanceSampling()) == "ImportanceSampling(num_samples=64, fill='zeros')"
 
 
 def test_ppca_guide_serves_importance_sampling():
     from pyro_mpt import log_marginal
-    from pyro_mpt.conditionals import Importance
+    from pyro_mpt.conditionals import ImportanceSampling
     from pyro_mpt.models import PPCA
 
     ppca = PPCA(4, 1, init_scale=1.0, guide_covariance="diagonal")
     x = ppca.sample(5)
     exact = log_marginal(ppca.model, x)
     estimate = log_marginal(
-        ppca.model, x, conditionals=Importance(num_samples=20000), guide=ppca.guide
+        ppca.model, x, conditionals=ImportanceSampling(num_samples=20000), guide=ppca.guide
     )
     # The guide is at its initial values (a poor proposal): a loose but failing-when-broken bound.
     assert (estimate - exact).abs().max() < 0.1

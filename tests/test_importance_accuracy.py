@@ -13,7 +13,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Importance, Quadrature
+from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.conditionals.importance import MAX_PARETO_K
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.masks import masks_of_sizes
@@ -58,7 +58,7 @@ def test_wake_gradient_is_the_gradient_of_kl_from_p_z_given_x_r():
     that row. Weights toward p(z | x), or toward the prior, give other values."""
     x = _data()
     masks = masks_of_sizes(torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5]]), 5)
-    prepared = Importance(num_samples=40000).prepare(_model, _global_guide, (x,), {}, 1)
+    prepared = ImportanceSampling(num_samples=40000).prepare(_model, _global_guide, (x,), {}, 1)
     prepared.log_prob(masks)
     m, s = pyro.param("m"), pyro.param("s")
     grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
@@ -87,12 +87,12 @@ def test_wake_trains_the_guide_and_leaves_the_model_gradient():
             pyro.sample("x", dist.Normal(loc, PSI.sqrt()).to_event(1), obs=x)
 
     # A first call checks the guide (a run that draws random numbers); later calls do not.
-    MPTLoss(conditionals=Importance(num_samples=32)).loss(model, _global_guide, x)
+    MPTLoss(conditionals=ImportanceSampling(num_samples=32)).loss(model, _global_guide, x)
     grads = {}
     for guide_loss in (None, "wake"):
         pyro.set_rng_seed(3)
         loss = MPTLoss(
-            num_masks=3, conditionals=Importance(num_samples=32), guide_loss=guide_loss
+            num_masks=3, conditionals=ImportanceSampling(num_samples=32), guide_loss=guide_loss
         ).differentiable_loss(model, _global_guide, x)
         params = [pyro.param(name) for name in ("shift", "m", "s")]
         grads[guide_loss] = torch.autograd.grad(loss, params, allow_unused=True)
@@ -100,7 +100,7 @@ def test_wake_trains_the_guide_and_leaves_the_model_gradient():
     # The guide's gradient is the wake loss's, which differs from the reparameterised one.
     assert (grads["wake"][1] - grads[None][1]).abs() > 1e-3
     pyro.set_rng_seed(3)
-    loss = MPTLoss(num_masks=3, conditionals=Importance(num_samples=32))
+    loss = MPTLoss(num_masks=3, conditionals=ImportanceSampling(num_samples=32))
     prepared, _ = loss._prepare_and_estimate(model, _global_guide, (x,), {})
     expected = torch.autograd.grad(prepared.proposal_loss(), [pyro.param("m")])[0]
     torch.testing.assert_close(grads["wake"][1], expected, atol=1e-12, rtol=0)
@@ -112,7 +112,7 @@ def test_wake_moves_the_guide_to_the_posterior_of_the_masked_problem():
     s^2 = mean of (var + (mu - m)^2)."""
     x = _data(num_obs=1)
     mask = torch.tensor([[True, True, False, False, False]])
-    prepared = Importance(num_samples=4000).prepare(_model, _global_guide, (x,), {}, 1)
+    prepared = ImportanceSampling(num_samples=4000).prepare(_model, _global_guide, (x,), {}, 1)
     params = [pyro.param(name).unconstrained() for name in ("m", "s")]
     optimiser = torch.optim.Adam(params, lr=0.05)
     for _ in range(300):
@@ -143,7 +143,7 @@ def test_a_poor_proposal_warns_once_with_its_figures():
         with pyro.plate("data", x.shape[-2]):
             pyro.sample("z", dist.Normal(3.0, 0.3))
 
-    loss = MPTLoss(num_masks=5, conditionals=Importance(num_samples=64))
+    loss = MPTLoss(num_masks=5, conditionals=ImportanceSampling(num_samples=64))
     svi = SVI(_model, far_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -159,7 +159,7 @@ def test_a_poor_proposal_warns_once_with_its_figures():
     # The warning is deserved: the estimate is far from the exact log p(x).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ImportanceAccuracyWarning)
-        estimate = MPTLoss(num_masks=5, conditionals=Importance(64)).estimate(
+        estimate = MPTLoss(num_masks=5, conditionals=ImportanceSampling(64)).estimate(
             _model, far_guide, x
         )
     exact = log_marginal(_model, x)
@@ -179,7 +179,7 @@ def test_later_failures_warn_again_with_their_share():
     def model(x):  # its own function: warnings are counted per model
         _model(x)
 
-    loss = MPTLoss(num_masks=5, conditionals=Importance(num_samples=64))
+    loss = MPTLoss(num_masks=5, conditionals=ImportanceSampling(num_samples=64))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(14):
@@ -202,7 +202,7 @@ def test_a_good_proposal_is_silent_and_accurate():
         with pyro.plate("data", x.shape[-2]):
             pyro.sample("z", dist.Normal(0.0, 1.0))
 
-    loss = MPTLoss(num_masks=5, conditionals=Importance(num_samples=256))
+    loss = MPTLoss(num_masks=5, conditionals=ImportanceSampling(num_samples=256))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ImportanceAccuracyWarning)
         estimates = torch.stack([loss.estimate(_model, prior_guide, x) for _ in range(40)])
@@ -295,12 +295,12 @@ def test_a_discrete_proposal_that_misses_a_value_is_made_defensive():
         weights.log() + dist.Normal(locs, 1.0).log_prob(x.unsqueeze(-1)).sum(-2),
         -1,
     )
-    estimate = log_marginal(model, x, guide=blind_guide, conditionals=Importance(4096))
+    estimate = log_marginal(model, x, guide=blind_guide, conditionals=ImportanceSampling(4096))
     # A tenth of the samples land on the third value (30% uniform mixing over 3 values): the
     # estimate's relative sd is sqrt(0.9 / 409.6) = 0.047, so 0.25 nats is over 5 sd.
     # Without mixing no sample lands there and the estimate is about 30 nats low.
     torch.testing.assert_close(estimate, exact, atol=0.25, rtol=0)
-    prepared = Importance(num_samples=256).prepare(model, blind_guide, (x,), {}, 1)
+    prepared = ImportanceSampling(num_samples=256).prepare(model, blind_guide, (x,), {}, 1)
     prepared.log_prob(torch.tensor([[[True, False]]]))
     grad = torch.autograd.grad(prepared.proposal_loss(), [pyro.param("logits")])[0]
     # Minimising KL(p(c | x_R) || q) raises the third logit: its gradient is -2 (1 - q_3)

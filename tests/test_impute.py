@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyro_mpt import impute
-from pyro_mpt.conditionals import EncodeDecode, Importance, Quadrature
+from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling, Quadrature
 from pyro_mpt.models import PPCA, LinearVAE
 
 NUM_SE = 4.5
@@ -187,7 +187,7 @@ def test_importance_resampling_converges_to_exact():
         x,
         missing=missing,
         num_samples=n,
-        conditionals=Importance(num_samples=4000),
+        conditionals=ImportanceSampling(num_samples=4000),
         guide=ppca.guide,  # zero encoder weights: q(z | x) is the prior, a broad proposal
     )
     assert torch.equal(draws[:, ~missing], x[~missing].expand(n, -1))

@@ -15,7 +15,7 @@ import torch
 
 from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob, standard_normal_log_prob
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
 
 
 def _gaussian_marginal(weight, loc, noise, x):
@@ -105,7 +105,7 @@ def test_a_model_that_does_not_broadcast_over_points_gets_the_fix():
             pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
 
     with pytest.raises(ValueError, match=r"guide's samples.*expand covariates"):
-        MPTLoss(conditionals=Importance(4)).loss(model, guide, x)
+        MPTLoss(conditionals=ImportanceSampling(4)).loss(model, guide, x)
 
 
 def test_a_feature_plate_left_of_the_data_plate_is_refused():
@@ -178,7 +178,7 @@ def test_importance_log_marginal_of_masked_observations():
     reference = grid_log_marginal_1d(log_joint)
     pyro.set_rng_seed(0)
     with torch.no_grad():
-        value = log_marginal(model, x, conditionals=Importance(20000), guide=guide)
+        value = log_marginal(model, x, conditionals=ImportanceSampling(20000), guide=guide)
     assert torch.equal(value[~keep], torch.zeros(3))
     # 20000 samples of a proposal close to the posterior: errors of a few hundredths.
     assert (value[keep] - reference[keep]).abs().max() < 0.05

@@ -59,7 +59,7 @@ from experiments.zoo.models import (
 )
 from experiments.zoo.references import mvn_log_prob
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
 from pyro_mpt.errors import NotApplicableError
 
 SCORED = [f for f in ZOO if f().error is None]
@@ -86,7 +86,7 @@ def test_log_marginal_matches_reference(factory):
 @pytest.mark.parametrize("factory", CHECKED_LML, ids=factory_ids(CHECKED_LML))
 def test_uniform_estimate_is_unbiased(factory):
     case = factory()
-    if case.strategy is Importance:
+    if case.strategy is ImportanceSampling:
         pytest.skip("importance conditionals are consistent, not unbiased: see the auto test")
     assert_uniform_estimate_unbiased(case, case.guide)
 
@@ -302,7 +302,9 @@ def test_hierarchical_latents_under_importance(factory):
             pyro.sample("z2", dist.Normal(0.5, 1.5))
 
     with torch.no_grad():
-        value = log_marginal(case.model, x, conditionals=Importance(num_samples=20000), guide=guide)
+        value = log_marginal(
+            case.model, x, conditionals=ImportanceSampling(num_samples=20000), guide=guide
+        )
         reference = case.reference()
     assert value.shape == reference.shape
     assert (value - reference).abs().max() < 0.15

@@ -18,7 +18,7 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
 
 NUM_OBS, NUM_FEATURES = 8, 6
 
@@ -89,16 +89,16 @@ def _guide(name, model, latent_dim):
 SETTINGS = {
     "exact": (lambda: Exact(), "normal", 2, None),
     "quadrature": (lambda: Quadrature(num_points=12), "bernoulli", 2, None),
-    "importance": (lambda: Importance(num_samples=16), "bernoulli", 2, None),
+    "importance": (lambda: ImportanceSampling(num_samples=16), "bernoulli", 2, None),
     "auto-exact": (lambda: "auto", "normal", 2, Exact),
     "auto-quadrature": (lambda: "auto", "poisson", 1, Quadrature),
-    "auto-importance": (lambda: "auto", "poisson", 5, Importance),
-    "auto-importance-bernoulli": (lambda: "auto", "bernoulli", 5, Importance),
+    "auto-importance": (lambda: "auto", "poisson", 5, ImportanceSampling),
+    "auto-importance-bernoulli": (lambda: "auto", "bernoulli", 5, ImportanceSampling),
 }
 
 
 def _refuses_point_masses(guide_name, setting):
-    """Importance cannot propose from point masses; auto has nothing else for K=5."""
+    """ImportanceSampling cannot propose from point masses; auto has nothing else for K=5."""
     return guide_name == "AutoDelta" and setting in (
         "importance",
         "auto-importance",
@@ -138,7 +138,7 @@ def _model_initial_weight(num_features, latent_dim):
 
 @pytest.mark.parametrize("guide_name", list(GUIDES))
 def test_importance_estimates_are_finite_and_reach_the_guide(guide_name):
-    """Importance conditionals with each proposal: finite per-observation estimates, and a
+    """ImportanceSampling conditionals with each proposal: finite per-observation estimates, and a
     gradient into the guide through the reparameterised samples."""
     if guide_name == "AutoDelta":
         pytest.skip("point masses are refused as proposals (see the step test)")
@@ -146,7 +146,7 @@ def test_importance_estimates_are_finite_and_reach_the_guide(guide_name):
     guide = _guide(guide_name, model, 2)
     x = _data("bernoulli")
     guide(x)  # creates the guide's parameters
-    loss = MPTLoss(rate="uniform", conditionals=Importance(num_samples=16))
+    loss = MPTLoss(rate="uniform", conditionals=ImportanceSampling(num_samples=16))
     estimate = loss.estimate(model, guide, x)
     assert estimate.shape == (NUM_OBS,) and bool(torch.isfinite(estimate).all())
     guide_params = [

@@ -2,7 +2,7 @@
 sparse-gamma DEF, Gaussian mixtures with an amortized classifier, eight schools, ProdLDA)
 against independent references of ``log p(x)`` computed in ``experiments/zoo/deep_models.py``.
 
-For each model and strategy (``conditionals="auto"`` and ``Importance(num_samples=64)``)
+For each model and strategy (``conditionals="auto"`` and ``ImportanceSampling(num_samples=64)``)
 the tests pin one outcome, for the uniform-rate MPT estimate (``MPTLoss.estimate``, mean of
 many seeded calls) and for ``log_marginal``:
 
@@ -24,7 +24,7 @@ import torch
 
 from experiments.zoo import deep_models as deep
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Exact, Importance, as_conditionals
+from pyro_mpt.conditionals import Exact, ImportanceSampling, as_conditionals
 from pyro_mpt.errors import ImportanceAccuracyWarning
 
 RIGHT, FLAGGED = "right", "flagged"
@@ -39,7 +39,7 @@ CASES = {
     "eight_schools_t": functools.partial(deep.eight_schools, "t"),
 }
 
-STRATEGIES = {"auto": lambda: "auto", "importance64": lambda: Importance(num_samples=64)}
+STRATEGIES = {"auto": lambda: "auto", "importance64": lambda: ImportanceSampling(num_samples=64)}
 
 #: Tolerances in nats per observation, on top of 4 standard errors.
 #: Exact conditionals make the uniform-rate estimate unbiased, and the closed form is exact.
@@ -47,7 +47,7 @@ EXACT_TOL = 1e-8
 #: Auto's quadrature rule for the 1-D school effect has converged to 1e-3 nats (the rule
 #: it refines against agrees to that), so 1e-2 covers its bias.
 QUADRATURE_TOL = 1e-2
-#: Importance with 64 samples and a proposal whose ESS is near 64 (the eight schools: the
+#: ImportanceSampling with 64 samples and a proposal whose ESS is near 64 (the eight schools: the
 #: AutoNormal posterior is close to every p(theta | y_R)) has a ratio bias of order
 #: (1/ESS - 1/S) / 2 per log-mean-exp term, hundredths of a nat summed over D = 4 features;
 #: a tenth of a nat covers it. The same bound serves as the size an error must pass to be
@@ -99,7 +99,7 @@ def _tolerance(chosen, importance_tol):
     """The tolerance of the strategy auto chose (or was given)."""
     if isinstance(chosen, Exact):
         return EXACT_TOL
-    if isinstance(chosen, Importance):
+    if isinstance(chosen, ImportanceSampling):
         return importance_tol
     return QUADRATURE_TOL
 
@@ -207,7 +207,7 @@ def test_reference_is_trustworthy(case_name):
 #
 # Measured on this tree (mean of the calls set in NUM_DRAWS; error = mean - reference, nats
 # per observation: mean over the 8 observations, and the largest with its SE). Auto chose
-# Importance(64) for the first five models, Exact and Quadrature(20) for the schools.
+# ImportanceSampling(64) for the first five models, Exact and Quadrature(20) for the schools.
 #
 #   model                  error: mean; largest +- SE     auto            importance64
 #   bernoulli_vae          -1.05;  -3.70 +- 0.22          silent          silent
@@ -337,7 +337,7 @@ def test_log_marginal_is_right_or_flagged(case_name, strategy_name, outcome):
     error, se = _errors(draws, case.reference)
     what = f"log_marginal under {chosen!r}"
     if outcome == RIGHT:
-        # Importance gives the IWAE bound on the full data, below log p(x) by its gap.
+        # ImportanceSampling gives the IWAE bound on the full data, below log p(x) by its gap.
         _assert_right(error, se, _tolerance(chosen, IWAE_TOL), what)
     else:
         _assert_flagged(error, se, caught, IMPORTANCE_TOL, what)

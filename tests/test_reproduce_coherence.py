@@ -44,7 +44,7 @@ def test_writes_the_json_and_png_with_one_row_per_conditionals(smoke):
     assert list(dict.fromkeys(r["group"] for r in res["rows"])) == list(GROUPS)
     assert [r["label"] for r in _rows(res, "PPCA")] == ["exact"]
     vae = [r["label"] for r in _rows(res, "deep VAE")]
-    assert vae == [f"Importance({s})" for s in cfg["vae_samples"]] + [
+    assert vae == [f"ImportanceSampling({s})" for s in cfg["vae_samples"]] + [
         f"EncodeDecode({cfg['vae_iterations']})"
     ]
     assert [r["label"] for r in _rows(res, "AntiBERTy")] == ["random init.", "pre-trained"]

@@ -1,6 +1,7 @@
-"""Importance conditionals whose masks pool their draws (``Importance(share_samples=True)``):
-the matrix-product conditionals against the plain per-mask formula, and the pooled
-estimates and wake gradients against the closed forms of a 1-D linear-Gaussian model."""
+"""Importance-sampled conditionals whose masks pool their draws
+(``ImportanceSampling(share_samples=True)``): the matrix-product conditionals against the
+plain per-mask formula, and the pooled estimates and wake gradients against the closed
+forms of a 1-D linear-Gaussian model."""
 
 import math
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Importance
+from pyro_mpt.conditionals import ImportanceSampling
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.ops.self_normalised_importance import plain_importance_log_conditionals
 from pyro_mpt.ops.shared_sample_importance import (
@@ -108,7 +109,9 @@ def test_pooled_conditionals_approach_the_exact_ones():
     x = _data(4)
     masks = masks_of_sizes(torch.tensor([[1, 4, 2, 3], [3, 1, 4, 2], [5, 2, 1, 4]]), 5)
     exact = _exact_conditionals(x, masks)
-    prepared = Importance(2000, share_samples=True).prepare(_model, _mask_aware_guide, (x,), {}, 1)
+    prepared = ImportanceSampling(2000, share_samples=True).prepare(
+        _model, _mask_aware_guide, (x,), {}, 1
+    )
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
     assert prepared.diagnostics.num_samples == 6000
     error = (repeats.mean(0) - exact)[masks]
@@ -123,7 +126,7 @@ def test_pooled_wake_gradient_is_the_gradient_of_kl_per_mask():
     (loc_p - mu_p) / s^2 for m and 1/s - (var_p + (mu_p - loc_p)^2) / s^3 for s."""
     x = _data(6)
     masks = masks_of_sizes(torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5]]), 5)
-    prepared = Importance(num_samples=20000, share_samples=True).prepare(
+    prepared = ImportanceSampling(num_samples=20000, share_samples=True).prepare(
         _model, _mask_aware_guide, (x,), {}, 1
     )
     prepared.log_prob(masks)
@@ -151,7 +154,7 @@ def test_share_samples_in_mpt_loss_matches_the_exact_loss_gradient_direction():
 
     grads = {}
     for name, conditionals in (
-        ("pooled", Importance(num_samples=3000, share_samples=True)),
+        ("pooled", ImportanceSampling(num_samples=3000, share_samples=True)),
         ("exact", "exact"),
     ):
         loss = MPTLoss(num_masks=4, conditionals=conditionals, guide_loss=None)
@@ -167,10 +170,10 @@ def test_share_samples_in_mpt_loss_matches_the_exact_loss_gradient_direction():
 
 def test_share_samples_is_checked():
     with pytest.raises(ValueError, match=r"share_samples must be True or False, got 'yes'"):
-        Importance(share_samples="yes")
+        ImportanceSampling(share_samples="yes")
     with pytest.raises(ValueError, match=r"debias='jackknife' and share_samples=True"):
-        Importance(num_samples=4, debias="jackknife", share_samples=True)
-    assert "share_samples=True" in repr(Importance(4, share_samples=True))
+        ImportanceSampling(num_samples=4, debias="jackknife", share_samples=True)
+    assert "share_samples=True" in repr(ImportanceSampling(4, share_samples=True))
 
 
 def test_pooled_draws_of_a_guide_with_two_dependent_sites():
@@ -205,7 +208,7 @@ def test_pooled_draws_of_a_guide_with_two_dependent_sites():
                 loc = mean[j] + gain @ (x[n, c] - mean[c])
                 var = covariance[j, j] - covariance[c, j] @ gain
                 exact[p, n, j] = dist.Normal(loc, var.sqrt()).log_prob(x[n, j])
-    prepared = Importance(3000, share_samples=True).prepare(model, guide, (x,), {}, 1)
+    prepared = ImportanceSampling(3000, share_samples=True).prepare(model, guide, (x,), {}, 1)
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
     error = (repeats.mean(0) - exact)[masks]
     standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
@@ -228,7 +231,7 @@ def test_masks_that_draw_nothing_approach_the_exact_conditionals():
     sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
     masks = masks_of_sizes(sizes, 5)
     exact = _exact_conditionals(x, masks)
-    prepared = Importance(3000, share_samples=True, num_proposals=2).prepare(
+    prepared = ImportanceSampling(3000, share_samples=True, num_proposals=2).prepare(
         _model, _mask_aware_guide, (x,), {}, 1
     )
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
@@ -246,7 +249,7 @@ def test_wake_gradient_trains_the_drawing_masks_proposals():
     sizes = torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5], [4, 1, 2, 5, 1, 3]])
     sizes = torch.cat([sizes, sizes.flip(0)])
     masks = masks_of_sizes(sizes, 5)
-    prepared = Importance(num_samples=20000, share_samples=True, num_proposals=2).prepare(
+    prepared = ImportanceSampling(num_samples=20000, share_samples=True, num_proposals=2).prepare(
         _model, _mask_aware_guide, (x,), {}, 1
     )
     prepared.log_prob(masks)
@@ -263,7 +266,7 @@ def test_wake_gradient_trains_the_drawing_masks_proposals():
 
 def test_num_proposals_is_checked():
     with pytest.raises(ValueError, match=r"num_proposals=2 needs share_samples=True"):
-        Importance(num_samples=4, num_proposals=2)
+        ImportanceSampling(num_samples=4, num_proposals=2)
     with pytest.raises(ValueError, match=r"num_proposals"):
-        Importance(num_samples=4, share_samples=True, num_proposals=0)
-    assert "num_proposals=2" in repr(Importance(4, share_samples=True, num_proposals=2))
+        ImportanceSampling(num_samples=4, share_samples=True, num_proposals=0)
+    assert "num_proposals=2" in repr(ImportanceSampling(4, share_samples=True, num_proposals=2))

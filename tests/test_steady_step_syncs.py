@@ -19,7 +19,7 @@ from torch.distributions import constraints
 
 from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Importance
+from pyro_mpt.conditionals import ImportanceSampling
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
@@ -62,7 +62,7 @@ def _case(name):
         return _Counted(_linear_gaussian), _no_guide, MPTLoss(conditionals="auto"), data
     vae = VAE(10, latent_dim=8, hidden_dim=16)
     data = torch.bernoulli(torch.full((64, 10), 0.3))
-    return _Counted(vae.model), vae.guide, MPTLoss(conditionals=Importance(8)), data
+    return _Counted(vae.model), vae.guide, MPTLoss(conditionals=ImportanceSampling(8)), data
 
 
 def _steady_step(name):
@@ -135,18 +135,20 @@ def test_steady_importance_estimate_is_that_of_a_fresh_read():
     # equals that of a strategy that reads the model afresh, from the same seed.
     vae = VAE(10, latent_dim=3, hidden_dim=8)
     first, second = (torch.bernoulli(torch.full((16, 10), p)) for p in (0.3, 0.6))
-    remembered = MPTLoss(conditionals=Importance(4), num_masks=2)
+    remembered = MPTLoss(conditionals=ImportanceSampling(4), num_masks=2)
     remembered.estimate(vae.model, vae.guide, first)
     pyro.set_rng_seed(5)
     reused = remembered.estimate(vae.model, vae.guide, second)
     pyro.set_rng_seed(5)
-    fresh = MPTLoss(conditionals=Importance(4), num_masks=2).estimate(vae.model, vae.guide, second)
+    fresh = MPTLoss(conditionals=ImportanceSampling(4), num_masks=2).estimate(
+        vae.model, vae.guide, second
+    )
     assert torch.equal(reused, fresh)
 
 
 def test_steady_importance_step_checks_data_under_validation():
     vae = VAE(10, latent_dim=3, hidden_dim=8)
-    loss = MPTLoss(conditionals=Importance(4))
+    loss = MPTLoss(conditionals=ImportanceSampling(4))
     loss.estimate(vae.model, vae.guide, torch.bernoulli(torch.full((16, 10), 0.3)))
     bad = torch.bernoulli(torch.full((16, 10), 0.3))
     bad[2, 3] = math.nan

@@ -19,7 +19,7 @@ from pyro_mpt.conditionals import (
     Conditionals,
     EncodeDecode,
     Exact,
-    Importance,
+    ImportanceSampling,
     Quadrature,
     SelfPredictive,
 )
@@ -131,7 +131,7 @@ def test_importance_interface_against_closed_forms():
     cov, loc = ppca.covariance().detach(), ppca.loc.detach()
     hidden = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     # Zero encoder weights: q(z | x) is the prior, a broad proposal.
-    prepared = Importance(num_samples=200).prepare(ppca.model, ppca.guide, (x,), {})
+    prepared = ImportanceSampling(num_samples=200).prepare(ppca.model, ppca.guide, (x,), {})
     with torch.no_grad():
         assert prepared.diagnostics is None  # nothing estimated yet
         log_prob = prepared.log_prob(hidden.unsqueeze(0))
@@ -140,14 +140,16 @@ def test_importance_interface_against_closed_forms():
         assert prepared.diagnostics.pareto_k.shape == (1, 2)
     # exp(log_marginal) is the mean of S importance weights: unbiased for p(x). Each
     # observation repeated 100 times gives 100 independent estimates in one call.
-    repeated = Importance(num_samples=200).prepare(ppca.model, ppca.guide, (x.repeat(100, 1),), {})
+    repeated = ImportanceSampling(num_samples=200).prepare(
+        ppca.model, ppca.guide, (x.repeat(100, 1),), {}
+    )
     with torch.no_grad():
         estimates = repeated.log_marginal().exp().reshape(100, 2)
     reference = torch.distributions.MultivariateNormal(loc, cov).log_prob(x).exp()
     se = estimates.std(0) / math.sqrt(100)
     assert ((estimates.mean(0) - reference).abs() <= NUM_SE * se).all()
     n = 2000
-    prepared = Importance(num_samples=1000).prepare(ppca.model, ppca.guide, (x,), {})
+    prepared = ImportanceSampling(num_samples=1000).prepare(ppca.model, ppca.guide, (x,), {})
     with torch.no_grad():
         draws = prepared.sample(hidden, n)
     assert torch.equal(draws[:, ~hidden], x[~hidden].expand(n, -1))

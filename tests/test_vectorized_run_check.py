@@ -14,7 +14,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 from experiments.zoo.references import grid_log_marginal_2d, mvn_log_prob, standard_normal_log_prob
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import EncodeDecode, Exact, Importance, Quadrature
+from pyro_mpt.conditionals import EncodeDecode, Exact, ImportanceSampling, Quadrature
 from pyro_mpt.trace.vectorized_run_check import tolerance
 
 NUM_TOPICS, NUM_WORDS, NUM_DOCS = 2, 5, 6
@@ -183,7 +183,7 @@ def _amortized_guide():
     return guide
 
 
-@pytest.mark.parametrize("conditionals", [Importance(num_samples=16), EncodeDecode()])
+@pytest.mark.parametrize("conditionals", [ImportanceSampling(num_samples=16), EncodeDecode()])
 def test_a_guided_run_of_a_model_over_dim_1_is_refused(conditionals):
     """At the guide's samples the model runs inside plates over samples and masks: there
     ``softmax(..., dim=1)`` normalises over masks."""
@@ -199,7 +199,7 @@ def test_importance_scores_the_fixed_model_against_the_grid():
     expected = _prodlda_reference(x, beta)
     estimates = torch.stack(
         [
-            log_marginal(model, x, guide=_amortized_guide(), conditionals=Importance(500))
+            log_marginal(model, x, guide=_amortized_guide(), conditionals=ImportanceSampling(500))
             for _ in range(8)
         ]
     ).detach()
@@ -215,7 +215,10 @@ def test_the_check_costs_no_model_run_on_later_steps():
     x = _counts()
     count = []
     model, _ = _prodlda(softmax_dim=-1, count=count)
-    for conditionals, guide in [(Quadrature(20), None), (Importance(64), _amortized_guide())]:
+    for conditionals, guide in [
+        (Quadrature(20), None),
+        (ImportanceSampling(64), _amortized_guide()),
+    ]:
         loss = MPTLoss(conditionals=conditionals)
         loss.loss(model, guide, x)
         first = len(count)
@@ -247,9 +250,9 @@ def test_log_marginal_leaves_the_param_store_as_it_found_it():
         guide = _guide_sized_by(size)
         if fails:
             with pytest.raises(ValueError, match="guide"):
-                log_marginal(model, x, guide=guide, conditionals=Importance(8))
+                log_marginal(model, x, guide=guide, conditionals=ImportanceSampling(8))
         else:
-            log_marginal(model, x, guide=guide, conditionals=Importance(8))
+            log_marginal(model, x, guide=guide, conditionals=ImportanceSampling(8))
         assert list(store.keys()) == ["beta"]
         assert dict(store.named_parameters())["beta"] is beta
         assert torch.equal(beta, beta0)

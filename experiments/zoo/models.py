@@ -22,7 +22,7 @@ from pyro.infer.reparam import LocScaleReparam
 from experiments.zoo.cases import ModelCase, grid_1d, grid_2d
 from experiments.zoo.cases import seeded as _seeded
 from experiments.zoo.references import mvn_log_prob, mvn_observed_log_prob
-from pyro_mpt.conditionals import Exact, Importance, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
 
 #: Quadrature rules for reference-quality ``log_marginal`` and MPT conditionals.
 QUADRATURE_1D = 80
@@ -788,8 +788,8 @@ def five_dim_bernoulli():
         (x,),
         guide=broad_guide(5),
         reference=reference,
-        strategy=Importance,
-        conditionals=lambda: Importance(num_samples=4000),
+        strategy=ImportanceSampling,
+        conditionals=lambda: ImportanceSampling(num_samples=4000),
         # Self-normalised importance sampling is consistent, not exact: a seeded draw at
         # S=4000 with the prior as proposal is within a few hundredths of a nat.
         tol=0.1,

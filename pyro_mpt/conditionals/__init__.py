@@ -4,7 +4,10 @@ from pyro_mpt.conditionals.auto import STRATEGIES, Auto, as_conditionals
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
-from pyro_mpt.conditionals.importance import Importance
+from pyro_mpt.conditionals.importance import (
+    Importance,  # noqa: F401 (deprecated alias)
+    ImportanceSampling,
+)
 from pyro_mpt.conditionals.quadrature import Quadrature
 
 __all__ = [
@@ -12,7 +15,7 @@ __all__ = [
     "Conditionals",
     "EncodeDecode",
     "Exact",
-    "Importance",
+    "ImportanceSampling",
     "Quadrature",
     "SelfPredictive",
     "STRATEGIES",

@@ -12,7 +12,7 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
-from pyro_mpt.conditionals.importance import Importance, warn_if_unreliable
+from pyro_mpt.conditionals.importance import ImportanceSampling, warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
@@ -30,7 +30,7 @@ logger = logging.getLogger("pyro_mpt")
 STRATEGIES = {
     "exact": Exact,
     "quadrature": Quadrature,
-    "importance": Importance,
+    "importance": ImportanceSampling,
     "encode-decode": EncodeDecode,
 }
 
@@ -246,7 +246,9 @@ class Auto(Conditionals):
 
 #: The ``prepare`` methods that take the call's signature (``signature=``), so that a caller
 #: that has it already passes it on instead of having it worked out again.
-SIGNATURE_AWARE = frozenset({Auto.prepare, Exact.prepare, Quadrature.prepare, Importance.prepare})
+SIGNATURE_AWARE = frozenset(
+    {Auto.prepare, Exact.prepare, Quadrature.prepare, ImportanceSampling.prepare}
+)
 
 #: A sentence of a strategy's error that advises ``conditionals='auto'``.
 _ADVISES_AUTO = re.compile(r"Use conditionals='auto'[^.]*\.")

@@ -117,7 +117,7 @@ class SelfPredictive(ABC):
         """
         raise NotImplementedError(
             f"{type(self).__name__} gives no log-marginal likelihood; use exact conditionals, "
-            f"a Quadrature rule, or Importance."
+            f"a Quadrature rule, or ImportanceSampling."
         )
 
 

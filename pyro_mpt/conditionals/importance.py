@@ -45,7 +45,7 @@ from pyro_mpt.trace.guided_model import (
 from pyro_mpt.trace.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [
-    "Importance",
+    "ImportanceSampling",
     "ImportanceDiagnostics",
     "ImportanceSelfPredictive",
     "MAX_PARETO_K",
@@ -174,7 +174,7 @@ def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
         f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
         f"observation, in either direction. Fix: use a guide that sees which entries are "
         f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
-        f"(MPTLoss(guide_loss='wake')), raise Importance(num_samples=...), or use exact or "
+        f"(MPTLoss(guide_loss='wake')), raise ImportanceSampling(num_samples=...), or use exact or "
         f"quadrature conditionals where the model allows.",
         ImportanceAccuracyWarning,
         stacklevel=stacklevel,
@@ -394,7 +394,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         return torch.where(entries.any(-1), result, 0.0)
 
 
-class Importance(Conditionals):
+class ImportanceSampling(Conditionals):
     """Conditionals by self-normalised importance sampling, with the guide on the masked
     input as proposal.
 
@@ -460,8 +460,8 @@ class Importance(Conditionals):
     Example::
 
         >>> from pyro_mpt import MPTLoss
-        >>> from pyro_mpt.conditionals import Importance
-        >>> loss = MPTLoss(rate="uniform", conditionals=Importance(num_samples=64))
+        >>> from pyro_mpt.conditionals import ImportanceSampling
+        >>> loss = MPTLoss(rate="uniform", conditionals=ImportanceSampling(num_samples=64))
     """
 
     name = "importance"
@@ -509,7 +509,8 @@ class Importance(Conditionals):
         shared = ", share_samples=True" if self.share_samples else ""
         if self.num_proposals is not None:
             shared += f", num_proposals={self.num_proposals}"
-        return f"Importance(num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared})"
+        options = f"num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared}"
+        return f"ImportanceSampling({options})"
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
         """See :meth:`Conditionals.prepare`.
@@ -529,3 +530,19 @@ class Importance(Conditionals):
             self.share_samples,
             self.num_proposals,
         )
+
+
+class Importance(ImportanceSampling):
+    """Deprecated alias of :class:`ImportanceSampling`, renamed so that it no longer shares
+    its name with :class:`pyro.infer.Importance` (an inference algorithm, not conditionals);
+    warns with ``DeprecationWarning``."""
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn(
+            "pyro_mpt.conditionals.Importance is renamed ImportanceSampling (it is not "
+            "pyro.infer.Importance); the old name will be removed. Use "
+            "pyro_mpt.conditionals.ImportanceSampling.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)

@@ -1,0 +1,184 @@
+"""What a deep VAE trained by MPT with importance-sampled conditionals gains from more
+masks per image and from more draws, and what each costs: a K=16 Bernoulli VAE on MNIST
+trained by ``Trace_ELBO``, by the IWAE bound and by ``MPTLoss(guide_loss="wake")`` with
+``Importance(S, share_samples=True, num_proposals=Q)`` and ``P`` masks per image.
+
+``Q`` masks per image draw ``S`` samples each from the guide; all ``P`` masks weight the
+``S * Q`` pooled draws toward their own context (the model runs ``S * Q`` times per image,
+as the IWAE bound with ``k = S * Q`` does). Masks that draw nothing cost matrix products
+only, and average more stages of the chain rule per image, the main noise of the MPT
+gradient. Every run starts from the same initialisation per seed and sees the same
+batches; held-out LML per image by the IWAE bound with each run's own encoder and
+``eval_samples`` draws (the same procedure for every row). Step: the median over
+interleaved rounds of one optimiser step on a batch, against a ``Trace_ELBO`` step in the
+same rounds.
+
+Usage::
+
+    python benchmarks/bench_importance_masks_training.py [--smoke] [--seeds 2] [--threads 1]
+        [--json PATH]
+
+Without ``--json`` the figures are written to
+``benchmarks/results/importance_masks_training.json``, the committed file that
+docs/deep_vae.rst cites (2 seeds, 1 thread, about 15 minutes).
+"""
+
+import pathlib
+import statistics
+import sys
+
+import pyro
+import torch
+from _common import benchmark_main, make_report, median_ms, print_results, time_calls
+from pyro.infer import RenyiELBO, Trace_ELBO
+
+from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt.conditionals import Importance
+from pyro_mpt.datasets import load_mnist
+from pyro_mpt.models import VAE
+
+DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "importance_masks_training.json"
+
+#: Sizes: images, held-out images, hidden units, latent size, epochs, batch, Adam's rate,
+#: draws of the held-out IWAE bound, timing rounds and steps per round.
+SIZES = {
+    "default": dict(N=2000, N_test=100, hidden=200, latent=16, epochs=20, batch=100, lr=3e-3,
+                    eval_samples=1000, timing_rounds=5, timing_steps=5),
+    "smoke": dict(N=64, N_test=16, hidden=16, latent=4, epochs=2, batch=32, lr=1e-2,
+                  eval_samples=32, timing_rounds=1, timing_steps=1),
+}  # fmt: skip
+
+#: Rows: label -> (loss kind, masks P, proposals Q, draws S per proposal).
+ROWS = {
+    "Trace_ELBO": ("elbo", None, None, 1),
+    "IWAE, k=8": ("iwae", None, None, 8),
+    "IWAE, k=32": ("iwae", None, None, 32),
+    "MPT, P=4, Q=4, S=2": ("mpt", 4, 4, 2),
+    "MPT, P=16, Q=4, S=2": ("mpt", 16, 4, 2),
+    "MPT, P=64, Q=4, S=2": ("mpt", 64, 4, 2),
+    "MPT, P=16, Q=4, S=4": ("mpt", 16, 4, 4),
+    "MPT, P=16, Q=4, S=8": ("mpt", 16, 4, 8),
+}
+
+
+def _loss(label):
+    kind, masks, proposals, samples = ROWS[label]
+    if kind == "elbo":
+        return Trace_ELBO(max_plate_nesting=1)
+    if kind == "iwae":
+        return RenyiELBO(
+            alpha=0, num_particles=samples, vectorize_particles=True, max_plate_nesting=1
+        )
+    conditionals = Importance(samples, share_samples=True, num_proposals=proposals)
+    return MPTLoss(
+        rate="uniform",
+        num_masks=masks,
+        conditionals=conditionals,
+        guide_loss="wake",
+        max_plate_nesting=1,
+    )
+
+
+def _new_vae(cfg, seed, like):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    vae = VAE(784, latent_dim=cfg["latent"], hidden_dim=cfg["hidden"], likelihood="bernoulli")
+    return vae.to(dtype=like.dtype, device=like.device)
+
+
+def _held_out(vae, x_test, cfg):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        conditionals = Importance(cfg["eval_samples"])
+        values = log_marginal(vae.model, x_test, conditionals=conditionals, guide=vae.guide)
+    return float(values.mean())
+
+
+def _train(label, x, x_test, cfg, seed):
+    vae = _new_vae(cfg, seed, x)
+    optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
+    loss_fn = _loss(label)
+    pyro.set_rng_seed(seed + 1)  # the same batches for every row of a seed
+    curve = []
+    for _ in range(cfg["epochs"]):
+        for idx in torch.randperm(x.shape[0]).split(cfg["batch"]):
+            optimizer.zero_grad()
+            loss_fn.loss_and_grads(vae.model, vae.guide, x[idx])
+            optimizer.step()
+        curve.append(_held_out(vae, x_test, cfg))
+    pyro.clear_param_store()
+    return dict(held_out_curve=curve, held_out=curve[-1])
+
+
+def _step_ratios(x, cfg, device):
+    """Median milliseconds of one step of every row, timed in interleaved rounds."""
+    vae = _new_vae(cfg, 0, x)
+    optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
+    batch = x[: cfg["batch"]]
+
+    def step(loss_fn):
+        def call():
+            optimizer.zero_grad()
+            loss_fn.loss_and_grads(vae.model, vae.guide, batch)
+            optimizer.step()
+
+        return call
+
+    fns = {label: step(_loss(label)) for label in ROWS}
+    times = time_calls(fns, device, cfg["timing_steps"], cfg["timing_rounds"])
+    pyro.clear_param_store()
+    return {label: median_ms(ms) for label, ms in times.items()}
+
+
+def run(device, smoke=False, seeds=2):
+    cfg = SIZES["smoke" if smoke else "default"]
+    x_all, _ = load_mnist(cfg["N"] + cfg["N_test"], binarize=True, seed=0, dtype=torch.float32)
+    x, x_test = x_all[: cfg["N"]].to(device), x_all[cfg["N"] :].to(device)
+    step_ms = _step_ratios(x, cfg, device)
+    runs = {label: [_train(label, x, x_test, cfg, 10 * s) for s in range(seeds)] for label in ROWS}
+    elbo = [r["held_out"] for r in runs["Trace_ELBO"]]
+    results = []
+    for label, per_seed in runs.items():
+        kind, masks, proposals, samples = ROWS[label]
+        values = [r["held_out"] for r in per_seed]
+        gaps = [v - e for v, e in zip(values, elbo)]
+        results.append(
+            dict(
+                row=label,
+                draws_per_image=samples * (proposals or 1),
+                held_out=statistics.mean(values),
+                held_out_per_seed=values,
+                vs_elbo=statistics.mean(gaps),
+                vs_elbo_per_seed=gaps,
+                step_ms=step_ms[label],
+                step_vs_elbo=step_ms[label] / step_ms["Trace_ELBO"],
+                curves=[r["held_out_curve"] for r in per_seed],
+            )
+        )
+    return make_report(device, results, dict(cfg, seeds=seeds))
+
+
+def print_report(report):
+    print_results(
+        report,
+        "row: {row} | draws: {draws_per_image} | held-out LML: {held_out:.2f} | "
+        "vs ELBO: {vs_elbo:+.2f} | step: {step_vs_elbo:.2f}x ELBO",
+        "Deep Bernoulli VAE, K={latent}: held-out LML (IWAE bound, own encoder) after {epochs} "
+        "epochs, mean over {seeds} seeds ({device}, {threads} threads)",
+        latent=report["config"]["latent"],
+        epochs=report["config"]["epochs"],
+        seeds=report["config"]["seeds"],
+    )
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not any(arg == "--json" or arg.startswith("--json=") for arg in argv):
+        DEFAULT_JSON.parent.mkdir(exist_ok=True)
+        argv += ["--json", str(DEFAULT_JSON)]
+    smoke = ("--smoke", {"action": "store_true", "help": "a few seconds: tiny sizes"})
+    seeds = ("--seeds", {"type": int, "default": 2, "help": "seeds per row"})
+    return benchmark_main(__doc__, argv, run, print_report, options=[smoke, seeds])
+
+
+if __name__ == "__main__":
+    main()
