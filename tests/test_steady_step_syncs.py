@@ -19,7 +19,8 @@ from torch.distributions import constraints
 
 from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import ImportanceSampling
+from pyro_mpt.conditionals import ImportanceSampling, Quadrature
+from pyro_mpt.conditionals.quadrature_self_predictive import _is_binary
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
@@ -31,6 +32,7 @@ PYRO_CONVENTION = {("loss.py", "MPTLoss.loss_and_grads", "item")}
 REMAINING = {
     "linear-gaussian auto": {},
     "vae importance": {},
+    "bernoulli quadrature": {},
 }
 
 
@@ -44,6 +46,13 @@ def _linear_gaussian(x):
 
 def _no_guide(x):
     pass
+
+
+def _bernoulli_decoder(x):
+    weight = pyro.param("weight", lambda: 0.3 * torch.randn(x.shape[-1], 2))
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        pyro.sample("x", dist.Bernoulli(logits=z @ weight.T).to_event(1), obs=x)
 
 
 class _Counted:
@@ -60,6 +69,10 @@ def _case(name):
     if name == "linear-gaussian auto":
         data = torch.randn(64, 2) @ torch.randn(2, 6) + 0.5 * torch.randn(64, 6)
         return _Counted(_linear_gaussian), _no_guide, MPTLoss(conditionals="auto"), data
+    if name == "bernoulli quadrature":
+        data = torch.bernoulli(torch.full((64, 10), 0.3))
+        loss = MPTLoss(conditionals=Quadrature(8))
+        return _Counted(_bernoulli_decoder), _no_guide, loss, data
     vae = VAE(10, latent_dim=8, hidden_dim=16)
     data = torch.bernoulli(torch.full((64, 10), 0.3))
     return _Counted(vae.model), vae.guide, MPTLoss(conditionals=ImportanceSampling(8)), data
@@ -85,7 +98,7 @@ def _steady_step(name):
     return reads, model.calls, loss
 
 
-@pytest.mark.parametrize("name", ["linear-gaussian auto", "vae importance"])
+@pytest.mark.parametrize("name", ["linear-gaussian auto", "vae importance", "bernoulli quadrature"])
 def test_steady_step_reads_nothing_back(name):
     reads, _, loss = _steady_step(name)
     if name == "linear-gaussian auto":
@@ -106,6 +119,16 @@ def test_masks_off_the_cpu_read_nothing_back():
     masks = masks_of_sizes(sizes, 5)
     assert masks.shape == (1, 4, 5) and masks.device.type == "meta"
     assert masked_sum(torch.empty(2, 1, 4, 5, device="meta"), masks).shape == (2, 1, 4)
+
+
+def test_binary_data_off_the_cpu_are_taken_from_the_support():
+    # Any read of a meta tensor raises: off the CPU, a Bernoulli's data are not read, while
+    # on the CPU grey values are found.
+    ones = torch.empty(4, 3, device="meta")
+    assert _is_binary(ones, dist.Bernoulli(logits=ones, validate_args=False))
+    grey = torch.tensor([[0.0, 0.5, 1.0]])
+    assert not _is_binary(grey, dist.Bernoulli(logits=torch.zeros(3), validate_args=False))
+    assert _is_binary(grey.round(), dist.Bernoulli(logits=torch.zeros(3), validate_args=False))
 
 
 def test_log_sigmoid_off_the_cpu_reads_nothing_back():

@@ -36,8 +36,10 @@ READ_METHODS = (
 )
 
 #: ``(file, function name)`` whose reads happen for CPU tensors only (NumPy's sort of CPU
-#: keys, and the CPU fast paths of masks, masked sums, log sigmoid and Bernoulli quadrature).
+#: keys, and the CPU fast paths of masks, masked sums, log sigmoid and Bernoulli quadrature,
+#: and the test for binary data that chooses it).
 CPU_ONLY = {
+    ("conditionals/quadrature_self_predictive.py", "_is_binary"),
     ("ops/bernoulli.py", "log_sigmoid"),
     ("ops/quadrature_bernoulli.py", "_orient"),
     ("ops/quadrature_bernoulli.py", "forward"),

@@ -14,7 +14,6 @@ from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import ImportanceSampling, warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
-from pyro_mpt.conditionals.quadrature_self_predictive import QuadratureSelfPredictive
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import sample_masks
@@ -293,11 +292,7 @@ def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nestin
 
 def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
     dim = prepared.latent_dim
-    # A rule that keeps every observation's likelihood at every node; tables keep one row.
-    per_node = 1
-    if isinstance(prepared, QuadratureSelfPredictive):
-        per_node = prepared.observed.value.numel()
-    budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // per_node)
+    budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // prepared.likelihood_entries_per_node)
     with torch.no_grad():
         log_marginal = prepared.log_marginal()
     mean_gap = tail_gap = math.inf

@@ -5,6 +5,7 @@ are shared by every observation (binary pixels, small counts)."""
 import copy
 
 import torch
+from torch.distributions import constraints
 
 from pyro_mpt.conditionals.base import SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
@@ -62,6 +63,13 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     def latent_dim(self):
         """``K``, the total dimension of the latents the rule integrates over."""
         return self.nodes.shape[-1]
+
+    @property
+    def likelihood_entries_per_node(self):
+        """How many log-likelihood entries the rule keeps per node: one row of a table
+        shared by every observation (1) here; every entry of every observation where the
+        log-likelihoods are kept at each node. ``auto`` sizes its finer rules by it."""
+        return 1
 
     def node_log_joint(self):
         """``log w_g + log p(x | z_g)`` over the observed entries, ``(G,) + batch``."""
@@ -123,6 +131,10 @@ class QuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     ):
         super().__init__(observed, scale, log_weights, extra_log_prob, nodes=nodes, run_at=run_at)
         self.log_likelihoods = log_likelihoods
+
+    @property
+    def likelihood_entries_per_node(self):
+        return self.observed.value.numel()
 
     def log_prob(self, masks):
         return quadrature_log_conditionals(
@@ -230,6 +242,17 @@ def _binary_indicators(ones):
     return torch.stack([1 - ones, ones], -2).movedim(-2, 0)
 
 
+def _is_binary(ones, base):
+    """Whether the data ``ones`` are zeros and ones (NaN was ruled out by the trace). Read
+    from the data on the CPU, where the read waits for no device. Elsewhere a likelihood
+    whose support is boolean is taken at its word, as Pyro does: while validation is
+    enabled :func:`~pyro_mpt.trace.observed_site.read_observed_site` has checked the data
+    against it, and with validation off the data are trusted."""
+    if ones.device.type != "cpu" and base.support is constraints.boolean:
+        return True
+    return not bool((ones * (1 - ones)).any())
+
+
 def _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule):
     """A :class:`BernoulliQuadratureSelfPredictive` for ``Bernoulli(logits)`` over binary
     data, or a :class:`TabulatedQuadratureSelfPredictive` with tables ``(G, V, D)`` and
@@ -258,7 +281,7 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule):
     param = param.reshape(param.shape[:1] + param.shape[-1:])  # (G, D)
     value = observed.value
     ones = value.to(param.dtype)
-    if not bool((ones * (1 - ones)).any()):  # binary data (NaN was ruled out by the trace)
+    if _is_binary(ones, base):
         if name == "logits" and isinstance(base, torch.distributions.Bernoulli):
             return BernoulliQuadratureSelfPredictive(
                 observed, scale, log_weights, param, extra, **rule
