@@ -12,7 +12,7 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_site_shape, warn_if_nan
 
 from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, as_conditionals
-from pyro_mpt.conditionals.importance import warn_if_unreliable
+from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks

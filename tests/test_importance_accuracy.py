@@ -14,7 +14,7 @@ from pyro.infer import SVI
 
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
-from pyro_mpt.conditionals.importance import MAX_PARETO_K
+from pyro_mpt.conditionals.importance_diagnostics import MAX_PARETO_K
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.masks import masks_of_sizes
 

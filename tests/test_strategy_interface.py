@@ -23,7 +23,7 @@ from pyro_mpt.conditionals import (
     Quadrature,
     SelfPredictive,
 )
-from pyro_mpt.conditionals.importance import ImportanceDiagnostics
+from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
 from pyro_mpt.models import PPCA, LinearVAE
 from pyro_mpt.trace.model_structure import read_structure
 from tests.helpers import dense_schur_log_conditionals

@@ -12,7 +12,8 @@ import torch
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
-from pyro_mpt.conditionals.importance import ImportanceSampling, warn_if_unreliable
+from pyro_mpt.conditionals.importance import ImportanceSampling
+from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.mask_rates import as_rate_schedule

@@ -3,7 +3,7 @@
 import math
 
 from pyro_mpt.conditionals.auto import as_conditionals
-from pyro_mpt.conditionals.importance import warn_if_unreliable
+from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]

@@ -1,0 +1,146 @@
+"""The diagnostics of importance weights (Pareto k-hat of PSIS, effective sample size) per
+(mask, observation) row, the thresholds past which an estimate cannot be trusted, and the
+warning that states the figures."""
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+from pyro.infer.util import is_validation_enabled
+
+from pyro_mpt.errors import ImportanceAccuracyWarning
+from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
+
+__all__ = [
+    "ImportanceDiagnostics",
+    "MAX_PARETO_K",
+    "MAX_UNRELIABLE_SHARE",
+    "MIN_EFFECTIVE_SAMPLES",
+    "warn_if_unreliable",
+]
+
+#: Above this Pareto k-hat the importance estimate cannot be trusted: its variance is
+#: infinite or its pre-asymptotic error is large (Vehtari et al., PSIS, 2024).
+MAX_PARETO_K = 0.7
+#: The most (observation, mask) rows whose k-hat may pass :data:`MAX_PARETO_K` before the
+#: whole batch is flagged: k-hat from a 13-point tail (S=64) is noisy, so a few rows pass
+#: it by chance, but when one row in five does, single observations are off by nats.
+MAX_UNRELIABLE_SHARE = 0.2
+#: Below this many effective samples the self-normalised estimate rests on a handful of
+#: draws, and the ``-(1/ESS - 1/S)/2`` bias of each log-mean-exp term passes a tenth of a nat.
+MIN_EFFECTIVE_SAMPLES = 5.0
+
+
+class ImportanceDiagnostics(NamedTuple):
+    """The diagnostics of one batch of importance weights, detached.
+
+    One entry per (mask, observation) row: the weights are those of the proposal as an
+    approximation of ``p(z | x_R)`` for that row's context ``R``.
+
+    :ivar torch.Tensor pareto_k: Pareto k-hat of each row's weights (PSIS); above
+        :data:`MAX_PARETO_K` the estimate is unreliable.
+    :ivar torch.Tensor ess: Kish's effective sample size of each row, out of ``num_samples``.
+    :ivar int num_samples: ``S``.
+    """
+
+    pareto_k: torch.Tensor
+    ess: torch.Tensor
+    num_samples: int
+
+    @classmethod
+    def of(cls, log_weights, entries=None):
+        """The diagnostics of log-weights ``(S,) + rows``; rows where ``entries`` is False
+        (nothing to estimate) are NaN."""
+        log_weights = log_weights.detach()
+        k, ess = pareto_shape(log_weights), effective_sample_size(log_weights)
+        if entries is not None:
+            k = torch.where(entries, k, math.nan)
+            ess = torch.where(entries, ess, math.nan)
+        return cls(k, ess, log_weights.shape[0])
+
+    def summary(self):
+        """Plain numbers for messages and logs: the share of rows with k-hat above
+        :data:`MAX_PARETO_K`, the median and largest k-hat (NaN where ``S`` is too small
+        to fit a tail), and the median ESS."""
+
+        def finite(values):
+            return values[~values.isnan()].float()
+
+        k, ess = finite(self.pareto_k), finite(self.ess)
+        nan = math.nan
+        return dict(
+            unreliable=float((k > MAX_PARETO_K).float().mean()) if k.numel() else nan,
+            median_k=float(k.median()) if k.numel() else nan,
+            max_k=float(k.max()) if k.numel() else nan,
+            median_ess=float(ess.median()) if ess.numel() else nan,
+        )
+
+    def reliable(self):
+        """Whether the weights pass both thresholds: at most :data:`MAX_UNRELIABLE_SHARE` of
+        the rows with k-hat above :data:`MAX_PARETO_K`, and a median ESS of at least
+        :data:`MIN_EFFECTIVE_SAMPLES`."""
+        figures = self.summary()
+        return not (
+            figures["unreliable"] > MAX_UNRELIABLE_SHARE
+            or figures["median_ess"] < MIN_EFFECTIVE_SAMPLES
+        )
+
+    def describe(self):
+        """The figures in one sentence."""
+        f = self.summary()
+        ess = f"median effective sample size {f['median_ess']:.1f} of {self.num_samples}"
+        if math.isnan(f["median_k"]):
+            return f"{ess} (too few samples to fit the Pareto tail)"
+        return (
+            f"Pareto k-hat above {MAX_PARETO_K} for {100 * f['unreliable']:.0f}% of "
+            f"(observation, mask) pairs (median {f['median_k']:.2f}, max {f['max_k']:.2f}); "
+            f"{ess}"
+        )
+
+
+#: Per (what, model key): ``[checks, failures]`` of :func:`warn_if_unreliable`.
+_CHECKS = {}
+
+
+def _model_key(model, args):
+    """A model (a function, or a method and its object) and the shapes of its tensor
+    arguments, identified by ``id`` so that no model is kept alive."""
+    function = getattr(model, "__func__", model)
+    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
+    owner = id(getattr(model, "__self__", None))
+    return (getattr(function, "__qualname__", type(model).__name__), id(function), owner, shapes)
+
+
+def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
+    """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
+    call per model and argument shapes, stating the figures and, from the second warning,
+    how many of the calls so far failed. Early failures of an untrained guide thus do not
+    hide later ones, and a long run is not flooded. The check reads the figures (a device
+    synchronisation), so it runs only while Pyro's validation is enabled (the default).
+
+    :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
+    :param str what: what was estimated, the subject of the message.
+    """
+    if diagnostics is None or not is_validation_enabled():
+        return
+    counts = _CHECKS.setdefault((what, _model_key(model, args)), [0, 0])
+    counts[0] += 1
+    if diagnostics.reliable():
+        return
+    counts[1] += 1
+    checks, failures = counts
+    if failures != 10 ** int(math.log10(failures) + 1e-9):
+        return
+    history = "" if failures == 1 else f" ({failures} of the {checks} calls so far failed)"
+    warnings.warn(
+        f"{what} by importance sampling cannot be trusted here{history}: "
+        f"{diagnostics.describe()}. "
+        f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
+        f"observation, in either direction. Fix: use a guide that sees which entries are "
+        f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
+        f"(MPTLoss(guide_loss='wake')), raise ImportanceSampling(num_samples=...), or use exact or "
+        f"quadrature conditionals where the model allows.",
+        ImportanceAccuracyWarning,
+        stacklevel=stacklevel,
+    )
