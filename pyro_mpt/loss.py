@@ -195,8 +195,12 @@ class MPTLoss(ELBO):
                 # first call draws the same masks as any later one. The model is read first
                 # so that its errors come in MPTLoss's words.
                 with same_random_state():
-                    read_structure(model, args, kwargs)
-                    traces = _guide_and_model_traces(model, guide or _no_guide, args, kwargs)
+                    structure = read_structure(model, args, kwargs)
+                    if guide is None:
+                        # The model's own run serves the guess: no guide to replay it against.
+                        traces = (poutine.Trace(), _copied(structure.trace))
+                    else:
+                        traces = _guide_and_model_traces(model, guide, args, kwargs)
                 self.max_plate_nesting = _guessed_plate_nesting(*traces)
                 # Their param sites serve _split_params on this call.
                 self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
@@ -385,8 +389,13 @@ def _guessed_plate_nesting(guide_trace, model_trace):
     return -min(dims) if dims else 0
 
 
-def _no_guide(*args, **kwargs):
-    """Stands for a missing guide when the plate nesting is guessed."""
+def _copied(trace):
+    """A copy of ``trace`` whose site dicts are copies too, so that computing log-probs on it
+    leaves the original's sites as they were."""
+    copy = trace.copy()
+    for name, site in trace.nodes.items():
+        copy.nodes[name] = dict(site)
+    return copy
 
 
 def _chosen(conditionals):

@@ -11,12 +11,14 @@ vectorised run is compared with plain runs of the model, ``poutine.condition``-e
 latent values that the vectorised run had at a few of its points, as a user would run it:
 the observed site's per-entry log-likelihood and each latent site's log-density must agree.
 
-The cost falls on the first call only. The points path compares the run at two check
-points that its first call per :class:`~pyro_mpt.trace.model_structure.ModelStructure` makes
-anyway: two plain model runs more. The guided path runs the guide and the model once at two
-samples of two copies of the data, and the model plainly twice, on the first call for each
-model, guide and argument shapes; it remembers those by weak reference
-(:class:`_CheckedCalls`), so later steps only look them up.
+The cost falls on the first call only. The points path compares the run at the first of
+the two check points that its first call per
+:class:`~pyro_mpt.trace.model_structure.ModelStructure` makes anyway: one plain model run
+more. The guided path runs the guide and the model once at two
+samples of two copies of the data, and the model plainly once, at the second sample of the
+second copy (an operation over a leading dim mixes that point with the others, so one point
+shows it), on the first call for each model, guide and argument shapes; it remembers those
+by weak reference (:class:`_CheckedCalls`), so later steps only look them up.
 """
 
 import collections
@@ -293,19 +295,20 @@ def batch_norm_hint(model, args, kwargs, who="model"):
     )
 
 
-def check_run_at_points(model, args, kwargs, structure, trace, num_points):
-    """Compares a run of ``model`` at whitened points with a plain run at each point.
+def check_run_at_points(model, args, kwargs, structure, trace, points):
+    """Compares a run of ``model`` at whitened points with a plain run at some of them.
 
     :param trace: the run's trace (:mod:`~pyro_mpt.trace.whitened_latents`), whose sites
         have one leading dim over the points, left of the model's plates.
-    :param int num_points: how many points it ran at.
+    :param list points: the indices of the points to compare (an operation over a leading
+        dim mixes every point with the others, so one point shows it).
     :raises ValueError: as :func:`compare_with_plain_runs`.
     """
     how = (
         "MPTLoss runs the model at several latent values at once (an extra batch dim left "
         "of its plates, as Pyro's vectorized particles do)"
     )
-    indices = [(q,) for q in range(num_points)]
+    indices = [(q,) for q in points]
     compare_with_plain_runs(model, args, kwargs, structure, trace, indices, how)
 
 
@@ -369,8 +372,8 @@ _CHECKED = CheckedCalls()
 
 def check_guided_run(guided, what):
     """Compares the model replayed at a guide's samples (two samples of two copies of the
-    full data, through :func:`~pyro_mpt.trace.guided_model.run_guided`) with plain runs at
-    two of them; once per model, guide and argument shapes.
+    full data, through :func:`~pyro_mpt.trace.guided_model.run_guided`) with a plain run at
+    the second sample of the second copy; once per model, guide and argument shapes.
 
     :param guided: a :class:`~pyro_mpt.trace.guided_model.GuidedModel`.
     :param str what: the strategy's name, for the error message.
@@ -391,7 +394,7 @@ def check_guided_run(guided, what):
         with torch.no_grad(), same_random_state():
             _, trace = run_guided(guided, value.expand((2,) + value.shape), 2)
         compare_with_plain_runs(
-            guided.model, guided.args, guided.kwargs, local, trace, [(0, 0), (1, 1)], how
+            guided.model, guided.args, guided.kwargs, local, trace, [(1, 1)], how
         )
     except ValueError as error:
         _CHECKED.forget(*call)

@@ -264,7 +264,7 @@ def _check_model_at_points(model, args, kwargs, structure):
     left of its plates, give the same likelihood when run again (no randomness at fixed
     latents, such as dropout in training mode) and when run among three more points (no
     statistics across the batch, such as batch normalisation in training mode), and give
-    the likelihood and prior densities of plain runs at those latent values
+    the likelihood and prior densities of a plain run at the first of them
     (:func:`~pyro_mpt.trace.vectorized_run_check.check_run_at_points`: no operation over a
     fixed positive dim); otherwise a :class:`ValueError` says what to change. The compact
     layout is used when the model runs so, with latents of size one along the observations'
@@ -341,7 +341,7 @@ def _check_model_at_points(model, args, kwargs, structure):
             f"observation and latent value alone: call .eval() on BatchNorm modules, or use a "
             f"normalization without batch statistics (LayerNorm)."
         )
-    check_run_at_points(model, args, kwargs, structure, full_run.trace, 2)
+    check_run_at_points(model, args, kwargs, structure, full_run.trace, [0])
     return compact is not None and _same(compact.expand_as(at_first_rows), at_first_rows)
 
 
