@@ -40,7 +40,7 @@ from experiments import _common as common
 from experiments._experiment import Report, run_experiment
 from experiments._probe import linear_probe_accuracy
 
-__all__ = ["NAME", "RATES", "run"]
+__all__ = ["CONVERGED_BELOW", "NAME", "RATES", "loss_convergence", "run"]
 
 NAME = "mae-curve"
 
@@ -48,19 +48,26 @@ NAME = "mae-curve"
 RATES = {"fixed 75%": 0.75, "random 55-95%": (0.55, 0.95), "uniform": "uniform"}
 COLORS = {"random init.": "C7", "fixed 75%": "C3", "random 55-95%": "C2", "uniform": "C0"}
 SCALE = 0.1
+#: A run has levelled off when its training loss, averaged over a tenth of the run, changes
+#: by less than this share between 80% and 100% of training (see :func:`loss_convergence`).
+CONVERGED_BELOW = 0.02
 
 
 def _config(smoke, full):
     cfg = dict(
-        hidden=64, layers=4, decoder_layers=2, batch=32, lr=1e-3, num_masks=2, probe_iters=100
-    )
+        hidden=64, layers=1, decoder_layers=1, batch=64, lr=2e-3, warmup=200, num_masks=2,
+        probe_iters=100, rates=[round(0.05 + 0.1 * k, 2) for k in range(10)],
+    )  # fmt: skip
     if smoke:
-        cfg.update(N=96, held_out=48, epochs=1, hidden=32, layers=1, decoder_layers=1)
+        cfg.update(N=96, held_out=48, steps=3, warmup=1, hidden=32, layers=1, decoder_layers=1)
         cfg.update(rates=[0.25, 0.5, 0.75], num_masks=1, probe_iters=20, seeds=1)
     elif full:
-        cfg.update(N=4000, held_out=1000, epochs=100, rates=None, num_masks=4, seeds=3)
+        cfg.update(N=4000, held_out=1000, steps=20000, layers=4, decoder_layers=2, lr=1e-3)
+        cfg.update(rates=None, num_masks=4, seeds=3)
     else:
-        cfg.update(N=4000, held_out=1000, epochs=12, rates=None, seeds=3)
+        # A 1+1-layer model at a constant rate 2e-3, so that on one CPU core the training
+        # loss levels off (see CONVERGED_BELOW) within 3000 steps.
+        cfg.update(N=4000, held_out=1000, steps=3000, seeds=3)
     return cfg
 
 
@@ -136,11 +143,63 @@ def _evaluate(model, data, cfg, seed, progress):
     return curve, probe
 
 
+def loss_convergence(losses, threshold=CONVERGED_BELOW):
+    """Whether a run had levelled off when training stopped: its loss, averaged over the
+    last tenth of the values, against the same average ending at 80% of them.
+
+    :param list losses: the training losses in step order (per step, or averages over equal
+        logging intervals).
+    :param float threshold: the largest relative change that counts as levelled off.
+    :returns: ``dict(loss_at_80=..., loss_at_end=..., relative_change=(loss_at_80 -
+        loss_at_end) / |loss_at_end|, threshold=threshold, converged=|relative_change| <
+        threshold)``; a positive change means the loss was still falling.
+    """
+    n = len(losses)
+    if n == 0:
+        raise ValueError("losses=[] holds no training loss; pass the losses of a run.")
+    width = max(1, round(0.1 * n))
+    cut = max(width, round(0.8 * n))
+    at_80 = statistics.fmean(losses[cut - width : cut])
+    at_end = statistics.fmean(losses[n - width :])
+    change = (at_80 - at_end) / abs(at_end)
+    return dict(
+        loss_at_80=at_80,
+        loss_at_end=at_end,
+        relative_change=change,
+        threshold=threshold,
+        converged=abs(change) < threshold,
+    )
+
+
+def _train(model, images, rate, cfg, generator):
+    """``cfg["steps"]`` AdamW steps of :func:`pyro_mpt.transformers.mae_loss` on batches of
+    ``images`` in the order of ``generator``, the learning rate rising linearly over
+    ``cfg["warmup"]`` steps and constant after (so that a flat loss means the run has levelled
+    off, not that the rate has decayed to zero); returns the loss of every step."""
+    from pyro_mpt.transformers import mae_loss
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.05)
+    warmup = cfg["warmup"]
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
+    model.train()
+    losses = []
+    while len(losses) < cfg["steps"]:
+        for index in torch.randperm(images.shape[0], generator=generator).split(cfg["batch"]):
+            if len(losses) == cfg["steps"]:
+                break
+            loss = mae_loss(model, images[index.to(images.device)], rate).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
 def _one_seed(cfg, run_seed, device, progress, bar):
     """Trains every rate from one seed (data split, initial weights, batch order, masks) and
     evaluates them and the untrained model; returns ``{name: record}``."""
-    from pyro_mpt.transformers import train_mae
-
     data = _data(cfg, run_seed, device)
     models = {"random init.": _model(cfg, common.derived_seed(run_seed, 1)).to(device)}
     losses, seconds = {}, {}
@@ -149,22 +208,12 @@ def _one_seed(cfg, run_seed, device, progress, bar):
         # one-off costs are not charged to the training seconds of the first rate timed.
         with common.preserved_rng():
             warm = _model(cfg, common.derived_seed(run_seed, 1)).to(device)
-            batch = data[0][: cfg["batch"]]
-            train_mae(warm, batch, rate=rate, batch_size=cfg["batch"], lr=cfg["lr"], progress=False)
+            _train(warm, data[0][: cfg["batch"]], rate, dict(cfg, steps=1), None)
         model = _model(cfg, common.derived_seed(run_seed, 1)).to(device)
         order = torch.Generator().manual_seed(common.derived_seed(run_seed, 2))
         common.seed_everything(common.derived_seed(run_seed, 4, key))
         with common.Stopwatch() as watch:
-            losses[name] = train_mae(
-                model,
-                data[0],
-                rate=rate,
-                epochs=cfg["epochs"],
-                batch_size=cfg["batch"],
-                lr=cfg["lr"],
-                generator=order,
-                progress=False,
-            )
+            losses[name] = _train(model, data[0], rate, cfg, order)
         seconds[name] = watch.seconds
         models[name] = model
         bar.update()
@@ -180,6 +229,7 @@ def _one_seed(cfg, run_seed, device, progress, bar):
             probe_accuracy=probe,
             train_loss=losses.get(name),
             train_seconds=seconds.get(name),
+            convergence=loss_convergence(losses[name]) if name in losses else None,
         )
     return records
 
@@ -199,7 +249,7 @@ def _summary(reps, fixed, at75):
     """One model's means (± sd) over the seeds."""
     trained = reps[0]["train_loss"] is not None
     final_losses = [statistics.fmean(r["train_loss"][-10:]) for r in reps] if trained else None
-    return dict(
+    out = dict(
         area=common.mean_std([r["area"] for r in reps]),
         # Paired by seed: the models of one seed share data, initial weights and batches.
         area_minus_fixed=common.mean_std([r["area"] - f["area"] for r, f in zip(reps, fixed)]),
@@ -208,9 +258,19 @@ def _summary(reps, fixed, at75):
         score_75=common.mean_std([r["scores"][at75] for r in reps]),
         score_highest_rate=common.mean_std([r["scores"][-1] for r in reps]),
         probe_accuracy=common.mean_std([r["probe_accuracy"] for r in reps]),
+        probe_minus_fixed=common.mean_std(
+            [r["probe_accuracy"] - f["probe_accuracy"] for r, f in zip(reps, fixed)]
+        ),
         final_train_loss=statistics.fmean(final_losses) if trained else None,
         train_seconds=statistics.fmean(r["train_seconds"] for r in reps) if trained else None,
+        relative_change=None,
+        converged=None,
     )
+    if trained:
+        changes = [r["convergence"]["relative_change"] for r in reps]
+        out["relative_change"] = common.mean_std(changes)
+        out["converged"] = sum(r["convergence"]["converged"] for r in reps)
+    return out
 
 
 def _report(cfg, runs):
@@ -225,21 +285,25 @@ def _report(cfg, runs):
             [name]
             + [common.spread_cell(pair, digits, cfg["seeds"]) for pair, digits in cells]
             + [common.spread_cell(s["probe_accuracy"], 1, cfg["seeds"], 100)]
+            + [_convergence_cell(s, cfg["seeds"])]
             + ["-" if s["train_seconds"] is None else f"{s['train_seconds']:.0f}"]
         )
     spread = f"{cfg['seeds']} seeds, mean ± sd" if cfg["seeds"] > 1 else "one seed"
     title = (
         f"Fig. 6 analogue: ViT-MAE (49 patches of 4x4, width {cfg['hidden']}, "
         f"{cfg['layers']}+{cfg['decoder_layers']} layers) trained on {cfg['N']} MNIST images "
-        f"for {cfg['epochs']} epochs; curves on {cfg['held_out']} held-out images, "
+        f"for {cfg['steps']} steps of {cfg['batch']} at a constant learning rate {cfg['lr']:g} "
+        f"after {cfg['warmup']} warm-up steps; curves on {cfg['held_out']} held-out images, "
         f"{len(rates)} rates {100 * rates[0]:.0f}%...{100 * rates[-1]:.0f}%, "
         f"{cfg['num_masks']} mask(s) each; patch log-likelihood with pixel sd {SCALE}; "
         f"area = 49 * mean_r S (nats per image); {spread}; - fixed 75%: area minus the fixed "
-        "75% model's area of the same seed"
+        "75% model's area of the same seed; converged: runs whose training loss (mean over a "
+        "tenth of the run) changed by less than "
+        f"{100 * CONVERGED_BELOW:g}% from 80% to 100% of training, and that relative change"
     )
     r0, r1 = 100 * rates[0], 100 * rates[-1]
     headers = ["model", "area", "- fixed 75%", f"S({r0:.0f}%)", "S(75%)", f"S({r1:.0f}%)"]
-    headers += ["probe acc %", "train s"]
+    headers += ["probe acc %", "converged (change %)", "train s"]
     results = dict(
         summary=summary,
         # Per model: the mean curve over the seeds.
@@ -247,6 +311,14 @@ def _report(cfg, runs):
         runs=runs,
     )
     return Report(common.format_table(headers, rows, title=title), _figure(runs), results)
+
+
+def _convergence_cell(s, seeds):
+    """``k/n (change %)`` for a trained model, ``-`` for the untrained one."""
+    if s["converged"] is None:
+        return "-"
+    change = common.spread_cell(s["relative_change"], 2, seeds, 100)
+    return f"{s['converged']}/{seeds} ({change})"
 
 
 def _mean_curve(reps):

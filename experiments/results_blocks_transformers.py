@@ -101,13 +101,15 @@ def _mae_curve_parts(ctx, res, cfg):
         f"paper Fig. 6 analogue; a ViT-MAE with 4×4 patches of 28×28 MNIST images, width "
         f"{cfg['hidden']}, {cfg['layers']}+{cfg['decoder_layers']} "
         f"layers, trained from the same initial weights on the same batches of {cfg['N']} "
-        f"images for {cfg['epochs']} epoch(s) with each masking schedule; curves on "
+        f"images for {_training_text(cfg)} with each masking schedule; curves on "
         f"{cfg['held_out']} held-out images at {len(rates)} rates "
         f"{percent(min(rates), 0)}…{percent(max(rates), 0)} with {cfg['num_masks']} mask(s) "
         f"each, a masked patch scored as a Gaussian with pixel sd {cfg['pixel_scale']:g}; "
         "area = number of patches · mean_r S in nats per image (higher is better), − fixed "
-        "75% the area minus that of the fixed-75% model of the same seed; linear probe of the "
-        "digit on the mean encoder token; "
+        "75% the area (or probe accuracy) minus that of the fixed-75% model of the same seed; "
+        "linear probe of the digit on the mean encoder token; converged: "
+        + _converged_header_text(res)
+        + "; "
         + _seeds_text(seeds, "split, weights, batches and masks")
     )
     # S(75%) gets a column of its own unless 75% is the lowest or highest rate.
@@ -116,6 +118,7 @@ def _mae_curve_parts(ctx, res, cfg):
     for model, s in res["summary"].items():
         scores = [s["score_lowest_rate"]] + ([s["score_75"]] if middle else [])
         scores.append(s["score_highest_rate"])
+        paired = model not in ("fixed 75%", "random init.") and "probe_minus_fixed" in s
         rows.append(
             [
                 model,
@@ -124,10 +127,12 @@ def _mae_curve_parts(ctx, res, cfg):
             ]
             + [_spread_cell(v, 2, seeds) for v in scores]
             + [_spread_cell(s["probe_accuracy"], 1, seeds, 100) + "%"]
+            + [_spread_cell(s["probe_minus_fixed"], 1, seeds, 100) if paired else ""]
+            + [_converged_cell(s, seeds)]
         )
     first, last = percent(min(rates), 0), percent(max(rates), 0)
     headers = ["model", "area", "− fixed 75%", f"S({first})"] + (["S(75%)"] if middle else [])
-    headers += [f"S({last})", "probe accuracy"]
+    headers += [f"S({last})", "probe accuracy", "− fixed 75%", "converged (change)"]
     paper = (
         "Paper counterpart: Fig. 6, curves only, of one ViT-MAE pre-trained on ImageNet "
         "(random initialisation against pre-trained) on Fashion-MNIST, CIFAR-100 and "
@@ -138,7 +143,11 @@ def _mae_curve_parts(ctx, res, cfg):
         f"with a fixed pixel sd of {cfg['pixel_scale']:g} (the paper does not say how it "
         "scores a patch), so the areas are comparable with one another only."
     )
-    return caption, headers, rows, paper
+    verdict = _comparison_text(
+        res, "fixed 75%", [("area_minus_fixed", "nats of area", 0, 1.0)]
+        + [("probe_minus_fixed", "points of probe accuracy", 1, 100.0)], seeds
+    )  # fmt: skip
+    return caption, headers, rows, _convergence_text(res, cfg) + " " + verdict + "\n\n" + paper
 
 
 def _bert_rates_parts(ctx, res, cfg):
@@ -148,13 +157,18 @@ def _bert_rates_parts(ctx, res, cfg):
         f"WordPiece vocabulary, {cfg['length']}-token sequences, "
         f"trained from the same weights on the same batches of BBC News by "
         f"{ctx.code('MPTTrainer')} + {ctx.code('MPTDataCollator')} for {cfg['steps']} steps of "
-        f"{cfg['batch']} at learning rate {cfg['lr']:g}; held-out area over {len(cfg['rates'])} "
+        f"{cfg['batch']} at a constant learning rate {cfg['lr']:g} after {cfg['warmup']} "
+        f"warm-up steps; held-out area over {len(cfg['rates'])} "
         f"rates with {cfg['num_masks']} mask(s) each, nats per sequence (higher is better), "
-        "− fixed 15% the area minus that of the fixed-15% model of the same seed; "
+        "− fixed 15% the area (or accuracy) minus that of the fixed-15% model of the same "
+        "seed; converged: "
+        + _converged_header_text(res)
+        + "; "
         + _seeds_text(seeds, "split, tokenizer, weights, batches and masks")
     )
     rows = []
     for scheme, s in res["summary"].items():
+        paired = scheme not in ("fixed 15%", "random init") and "acc15_minus_fixed" in s
         rows.append(
             [
                 scheme,
@@ -162,46 +176,127 @@ def _bert_rates_parts(ctx, res, cfg):
                 _spread_cell(s["area_minus_fixed"], 1, seeds) if scheme != "fixed 15%" else "",
                 _spread_cell(s["area_per_token"], 3, seeds),
                 _spread_cell(s["acc15"], 1, seeds, 100) + "%",
+                _spread_cell(s["acc15_minus_fixed"], 1, seeds, 100) if paired else "",
                 _spread_cell(s["probe"], 1, seeds, 100) + "%",
+                _spread_cell(s["probe_minus_fixed"], 1, seeds, 100) if paired else "",
+                _converged_cell(s, seeds),
             ]
         )
-    headers = ["scheme", "held-out area", "− fixed 15%", "area / token", "acc@15%", "topic probe"]
+    headers = ["scheme", "held-out area", "− fixed 15%", "area / token", "acc@15%"]
+    headers += ["− fixed 15%", "topic probe", "− fixed 15%", "converged (change)"]
     paper = (
         "Paper counterpart: none trains a BERT. Its Sec. 3.2 (Fig. 5, Table 2) draws the MPT "
         "curves of BERT-base, pre-trained and at random initialisation, on GLUE, and its "
         "Sec. 5 suggests that a uniform mask size, an unbiased estimate of the LML, may train "
         "better than a fixed rate; R2MAE (Tian et al., 2025) reports that random ratios beat "
-        "a fixed one. What differs: a small BERT trained from scratch on BBC News, where "
-        "training first sits on a unigram plateau; "
-        + _final_fall_text(res, cfg)
-        + " Its areas are not comparable with the paper's Table 2."
+        "a fixed one. What differs: a small BERT trained from scratch on BBC News. Its areas "
+        "are not comparable with the paper's Table 2."
     )
-    return caption, headers, rows, paper
+    verdict = _comparison_text(
+        res,
+        "fixed 15%",
+        [
+            ("area_minus_fixed", "nats of area", 1, 1.0),
+            ("acc15_minus_fixed", "points of acc@15%", 1, 100.0),
+            ("probe_minus_fixed", "points of topic probe", 1, 100.0),
+        ],
+        seeds,
+    )
+    return caption, headers, rows, _convergence_text(res, cfg) + " " + verdict + "\n\n" + paper
 
 
-def _final_fall_text(res, cfg):
-    """How far each scheme's training loss fell over the last fifth of training, mean over
-    seeds: whether the runs had levelled off when training stopped."""
-    falls = {}
-    for scheme in res["summary"]:
-        drops = []
-        for rep in res["runs"].get(scheme, []):
-            steps, loss = rep.get("loss_steps"), rep.get("loss")
-            if not steps or not loss:
-                continue
-            start = next(i for i, step in enumerate(steps) if step >= 0.8 * steps[-1])
-            drops.append(loss[start] - loss[-1])
-        if drops:
-            falls[scheme] = sum(drops) / len(drops)
-    if not falls:
-        return "the result file keeps no training losses."
-    parts = ", ".join(f"{fall:.2f} ({scheme})" for scheme, fall in falls.items())
+def _training_text(cfg):
+    """How long and at what learning rate the MAEs trained (steps, or epochs in older files)."""
+    if "steps" not in cfg:
+        return f"{cfg['epochs']} epoch(s)"
     return (
-        f"over the last fifth of the {cfg['steps']} steps the training loss (each scheme's "
-        f"own, at its own masking rates) still fell by {parts} nats per token, mean over "
-        "seeds: the runs had not levelled off when training stopped, so the table compares "
-        "the schemes at one point of training, not at convergence."
+        f"{cfg['steps']} steps of {cfg['batch']} at a constant learning rate {cfg['lr']:g} "
+        f"after {cfg['warmup']} warm-up steps"
     )
+
+
+def _threshold(res):
+    """The convergence threshold of a result file, from its first trained run."""
+    for reps in res["runs"].values():
+        for rep in reps:
+            if rep.get("convergence"):
+                return rep["convergence"].get("threshold")
+    return None
+
+
+def _converged_header_text(res):
+    threshold = _threshold(res)
+    if threshold is None:
+        return "not measured in this file"
+    return (
+        "how many seeds' runs had a training loss (mean over a tenth of the run, each scheme "
+        "its own loss at its own rates) that changed by less than "
+        f"{100 * threshold:g}% between 80% and 100% of training, and that relative change "
+        "(mean ± sd, positive while still falling)"
+    )
+
+
+def _converged_cell(s, seeds):
+    """``k/n (change %)`` for a trained model, empty for the untrained one."""
+    if s.get("converged") is None:
+        return ""
+    change = _spread_cell(s["relative_change"], 2, seeds, 100)
+    return f"{s['converged']}/{seeds} ({change}%)"
+
+
+def _convergence_text(res, cfg):
+    """Whether every trained run had levelled off when training stopped."""
+    trained = {k: s for k, s in res["summary"].items() if s.get("converged") is not None}
+    if not trained:
+        return "This file records no convergence measure."
+    runs = sum(len(res["runs"][k]) for k in trained)
+    done = sum(s["converged"] for s in trained.values())
+    if done == runs:
+        return (
+            f"Every trained run ({done} of {runs}) had levelled off by this measure, so the "
+            "schemes are compared at convergence."
+        )
+    lagging = ", ".join(
+        f"{k} ({len(res['runs'][k]) - s['converged']})"
+        for k, s in trained.items()
+        if s["converged"] < len(res["runs"][k])
+    )
+    return (
+        f"Only {done} of {runs} trained runs had levelled off by this measure (not converged: "
+        f"{lagging}), so those comparisons are at one point of training, not at convergence."
+    )
+
+
+#: Two-sided 97.5% quantiles of Student's t by degrees of freedom (1 to 9).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+_T975[9] = 2.262
+
+
+def _comparison_text(res, reference, keys, seeds):
+    """Each trained scheme's paired difference from ``reference`` (mean ± sd over seeds)
+    and whether its 95% t-interval over the seeds excludes zero."""
+    if seeds == 1:
+        return "One seed: there is no spread over seeds to judge the differences by."
+    t = _T975.get(seeds - 1, 1.96)
+    parts = []
+    for scheme, s in res["summary"].items():
+        if scheme == reference or s.get("converged") is None:
+            continue
+        for key, unit, digits, scale in keys:
+            if key not in s:
+                continue
+            mean, sd = scale * s[key][0], scale * s[key][1]
+            half = t * sd / math.sqrt(seeds)
+            verdict = (
+                "resolved, the paired 95% interval over seeds excludes zero"
+                if abs(mean) > half
+                else "within the seed spread, the paired 95% interval over seeds holds zero"
+            )
+            parts.append(
+                f"{scheme} − {reference}: {pm(mean, sd, digits)} {unit} "
+                f"(± {num(half, digits)}; {verdict})"
+            )
+    return "Paired by seed: " + "; ".join(parts) + "."
 
 
 def _mean_se(values, digits, scale=1.0):

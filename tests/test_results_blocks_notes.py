@@ -5,7 +5,7 @@ import json
 
 from experiments.results_blocks_notes import gp_decoder_summary_block
 from experiments.results_blocks_sampling import ppca_curve_block
-from experiments.results_blocks_transformers import _final_fall_text
+from experiments.results_blocks_transformers import _comparison_text, _convergence_text
 from experiments.results_format import Context
 
 MANIFEST = dict(
@@ -55,17 +55,21 @@ def test_ppca_curve_block_gives_area_minus_exact_lml(tmp_path):
     assert "| 5 | 100 | −9.875 | −10.000 | +0.125 | 4.0 |" in text
 
 
-def test_bert_rates_caption_gives_the_fall_over_the_last_fifth_of_training():
-    steps = [200, 400, 600, 800, 1000]
-    runs = {
-        "fixed": [dict(loss_steps=steps, loss=[5, 4, 3, 2.5, 2.0])],  # 2.5 -> 2.0 from 800
-        "uniform": [
-            dict(loss_steps=steps, loss=[5, 5, 5, 5.0, 4.0]),
-            dict(loss_steps=steps, loss=[5, 5, 5, 4.5, 4.0]),
-        ],
+def test_rates_note_states_convergence_and_paired_differences_against_the_seed_spread():
+    runs = {"fixed": [{}] * 3, "slow": [{}] * 3, "fast": [{}] * 3}
+    summary = {
+        "fixed": dict(converged=3),
+        # Paired 95% half-width by hand: 4.303 * sd / sqrt(3) = 2.484 sd.
+        "slow": dict(converged=2, area_minus_fixed=[2.0, 1.0]),  # 2.0 < 2.484: unresolved
+        "fast": dict(converged=3, area_minus_fixed=[-5.0, 1.0]),  # 5.0 > 2.484: resolved
     }
-    res = dict(summary={"fixed": {}, "uniform": {}}, runs=runs)
-    text = _final_fall_text(res, dict(steps=1000))
-    # Means by hand: fixed 0.5; uniform (1.0 + 0.5) / 2 = 0.75.
-    assert "still fell by 0.50 (fixed), 0.75 (uniform) nats per token" in text
-    assert "had not levelled off" in text
+    res = dict(summary=summary, runs=runs)
+    text = _convergence_text(res, {})
+    assert "Only 8 of 9 trained runs had levelled off" in text and "slow (1)" in text
+    text = _comparison_text(res, "fixed", [("area_minus_fixed", "nats", 1, 1.0)], 3)
+    assert "slow − fixed: 2.0 ± 1.0 nats (± 2.5; within the seed spread" in text
+    assert "fast − fixed: −5.0 ± 1.0 nats (± 2.5; resolved" in text
+    summary["slow"]["converged"] = 3
+    assert "Every trained run (9 of 9) had levelled off" in _convergence_text(res, {})
+    one = _comparison_text(res, "fixed", [("area_minus_fixed", "nats", 1, 1.0)], 1)
+    assert one.startswith("One seed")
