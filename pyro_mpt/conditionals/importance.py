@@ -46,7 +46,6 @@ from pyro_mpt.trace.guided_model import (
 from pyro_mpt.trace.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [
-    "Importance",
     "ImportanceSampling",
     "ImportanceSelfPredictive",
 ]
@@ -270,7 +269,7 @@ class ImportanceSelfPredictive(SelfPredictive):
 
 class ImportanceSampling(Conditionals):
     """Conditionals by self-normalised importance sampling, with the guide on the masked
-    input as proposal.
+    input as proposal (formerly ``Importance``, a deprecated alias now).
 
     For every mask the masked features are filled (zeros or feature means), the guide
     encodes the filled data and proposes ``S`` latents ``z_s ~ q(z | x_fill)``, and the model
