@@ -157,8 +157,8 @@ def _bert_rates_parts(ctx, res, cfg):
         f"WordPiece vocabulary, {cfg['length']}-token sequences, "
         f"trained from the same weights on the same batches of BBC News by "
         f"{ctx.code('MPTTrainer')} + {ctx.code('MPTDataCollator')} for {cfg['steps']} steps of "
-        f"{cfg['batch']} at a constant learning rate {cfg['lr']:g} after {cfg['warmup']} "
-        f"warm-up steps; held-out area over {len(cfg['rates'])} "
+        f"{cfg['batch']} at learning rate {cfg['lr']:g} ({_schedule_text(cfg)}); "
+        f"held-out area over {len(cfg['rates'])} "
         f"rates with {cfg['num_masks']} mask(s) each, nats per sequence (higher is better), "
         "− fixed 15% the area (or accuracy) minus that of the fixed-15% model of the same "
         "seed; converged: "
@@ -203,6 +203,15 @@ def _bert_rates_parts(ctx, res, cfg):
         seeds,
     )
     return caption, headers, rows, _convergence_text(res, cfg) + " " + verdict + "\n\n" + paper
+
+
+def _schedule_text(cfg):
+    """The learning-rate schedule of a ``bert-rates`` run."""
+    warmup = cfg["warmup"]
+    warmup = f"{warmup:g} of the steps" if warmup < 1 else f"{warmup} steps"
+    if "constant" in cfg["schedule"]:
+        return f"constant after a warm-up over {warmup}"
+    return f"warm-up over {warmup}, then a linear decay to zero"
 
 
 def _training_text(cfg):
@@ -280,7 +289,7 @@ def _comparison_text(res, reference, keys, seeds):
     t = _T975.get(seeds - 1, 1.96)
     parts = []
     for scheme, s in res["summary"].items():
-        if scheme == reference or s.get("converged") is None:
+        if scheme == reference or scheme.startswith("random init"):
             continue
         for key, unit, digits, scale in keys:
             if key not in s:
@@ -296,7 +305,7 @@ def _comparison_text(res, reference, keys, seeds):
                 f"{scheme} − {reference}: {pm(mean, sd, digits)} {unit} "
                 f"(± {num(half, digits)}; {verdict})"
             )
-    return "Paired by seed: " + "; ".join(parts) + "."
+    return "Paired by seed: " + "; ".join(parts) + "." if parts else ""
 
 
 def _mean_se(values, digits, scale=1.0):
