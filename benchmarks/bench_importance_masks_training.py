@@ -1,7 +1,7 @@
 """What a deep VAE trained by MPT with importance-sampled conditionals gains from more
 masks per image and from more draws, and what each costs: a K=16 Bernoulli VAE on MNIST
 trained by ``Trace_ELBO``, by the IWAE bound and by ``MPTLoss(guide_loss="wake")`` with
-``Importance(S, share_samples=True, num_proposals=Q)`` and ``P`` masks per image.
+``ImportanceSampling(S, share_samples=True, num_proposals=Q)`` and ``P`` masks per image.
 
 ``Q`` masks per image draw ``S`` samples each from the guide; all ``P`` masks weight the
 ``S * Q`` pooled draws toward their own context (the model runs ``S * Q`` times per image,
@@ -18,12 +18,12 @@ Usage::
     python benchmarks/bench_importance_masks_training.py [--smoke] [--seeds 2] [--threads 1]
         [--json PATH]
 
-Without ``--json`` the figures are written to
-``benchmarks/results/importance_masks_training.json``, the committed file that
-docs/deep_vae.rst cites (2 seeds, 1 thread, about 15 minutes).
+The figures that docs/deep_vae.rst renders are in
+``docs/results/importance-masks-training.json``, written by
+``python -m experiments.render --rerun importance-masks-training`` (this script with
+``--threads 1``; 2 seeds, about 25 minutes).
 """
 
-import pathlib
 import statistics
 import sys
 
@@ -33,11 +33,9 @@ from _common import benchmark_main, make_report, median_ms, print_results, time_
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import MPTLoss, log_marginal
-from pyro_mpt.conditionals import Importance
+from pyro_mpt.conditionals import ImportanceSampling
 from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import VAE
-
-DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "importance_masks_training.json"
 
 #: Sizes: images, held-out images, hidden units, latent size, epochs, batch, Adam's rate,
 #: draws of the held-out IWAE bound, timing rounds and steps per round.
@@ -69,7 +67,7 @@ def _loss(label):
         return RenyiELBO(
             alpha=0, num_particles=samples, vectorize_particles=True, max_plate_nesting=1
         )
-    conditionals = Importance(samples, share_samples=True, num_proposals=proposals)
+    conditionals = ImportanceSampling(samples, share_samples=True, num_proposals=proposals)
     return MPTLoss(
         rate="uniform",
         num_masks=masks,
@@ -88,7 +86,7 @@ def _new_vae(cfg, seed, like):
 
 def _held_out(vae, x_test, cfg):
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        conditionals = Importance(cfg["eval_samples"])
+        conditionals = ImportanceSampling(cfg["eval_samples"])
         values = log_marginal(vae.model, x_test, conditionals=conditionals, guide=vae.guide)
     return float(values.mean())
 
@@ -172,9 +170,6 @@ def print_report(report):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not any(arg == "--json" or arg.startswith("--json=") for arg in argv):
-        DEFAULT_JSON.parent.mkdir(exist_ok=True)
-        argv += ["--json", str(DEFAULT_JSON)]
     smoke = ("--smoke", {"action": "store_true", "help": "a few seconds: tiny sizes"})
     seeds = ("--seeds", {"type": int, "default": 2, "help": "seeds per row"})
     return benchmark_main(__doc__, argv, run, print_report, options=[smoke, seeds])

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from experiments.results_blocks_benchmarks import (
     bench_gp_active_set_block,
+    bench_importance_masks_block,
     bench_transformers_block,
     bench_vae_step_block,
     benchmarks_block,
@@ -95,6 +96,7 @@ BLOCKS = {
     "benchmarks": benchmarks_block,
     "bench-vae-step": bench_vae_step_block,
     "bench-gp-active-set": bench_gp_active_set_block,
+    "bench-importance-masks": bench_importance_masks_block,
     "bench-transformers": bench_transformers_block,
 }
 

@@ -1,9 +1,10 @@
 """The rendered result blocks of the benchmarks."""
 
-from experiments.results_format import ratio, spread
+from experiments.results_format import num, ratio, spread
 
 __all__ = [
     "bench_gp_active_set_block",
+    "bench_importance_masks_block",
     "bench_transformers_block",
     "bench_vae_step_block",
     "benchmarks_block",
@@ -149,3 +150,45 @@ def bench_transformers_block(ctx):
     if not parts:
         return "The transformers benchmarks did not run (the optional extra is not installed)."
     return " ".join(parts)
+
+
+#: The MPT rows' loss in bench_importance_masks_training.py.
+MASKS_TRAINING_LOSS = 'MPTLoss(rate="uniform", num_masks=P, guide_loss="wake")'
+
+
+def bench_importance_masks_block(ctx):
+    """The frontier of masks and draws per image for MPT training of a deep VAE with
+    importance-sampled conditionals (``bench_importance_masks_training.py``)."""
+    report = ctx.json("importance-masks-training.json")
+    cfg = report["config"]
+    caption = (
+        f"{ctx.run_text('importance-masks-training')}: a deep Bernoulli VAE "
+        f"(K={cfg['latent']}, one tanh layer of {cfg['hidden']} units in decoder and encoder) "
+        f"on N={cfg['N']} binarised MNIST images, {cfg['epochs']} epochs of batches of "
+        f"{cfg['batch']}, Adam at {cfg['lr']:g}, {cfg['seeds']} seeds, each seed's rows from "
+        f"one initialisation and on the same batches. MPT rows: "
+        f"{ctx.code(MASKS_TRAINING_LOSS)} with "
+        f"{ctx.code('ImportanceSampling(S, share_samples=True, num_proposals=Q)')}: Q of the "
+        f"P masks per image draw S latents each, all P masks use the S·Q pooled draws "
+        f"(the model's cost per image, as IWAE's with k = S·Q). Held-out LML per image on "
+        f"{cfg['N_test']} images by the IWAE bound with each run's own encoder and "
+        f"{cfg['eval_samples']} draws (per seed, then the mean); vs ELBO: paired by seed. "
+        f"Step: median over {cfg['timing_rounds']} interleaved rounds of "
+        f"{cfg['timing_steps']} optimiser steps on a batch, over a "
+        f"{ctx.code('Trace_ELBO')} step's:"
+    )
+    rows = []
+    for r in report["results"]:
+        per_seed = ", ".join(num(v, 1) for v in r["held_out_per_seed"])
+        gaps = ", ".join(num(v, 1, sign=True) for v in r["vs_elbo_per_seed"])
+        rows.append(
+            [
+                r["row"],
+                str(r["draws_per_image"]),
+                f"{num(r['held_out'], 2)} ({per_seed})",
+                "–" if r["row"] == "Trace_ELBO" else f"{num(r['vs_elbo'], 2, sign=True)} ({gaps})",
+                ratio(r["step_vs_elbo"]),
+            ]
+        )
+    headers = ["row", "draws per image", "held-out LML (per seed)", "vs ELBO", "step / ELBO"]
+    return caption + "\n\n" + ctx.table(headers, rows)

@@ -20,6 +20,7 @@ __all__ = [
     "SOURCES",
     "command",
     "read_manifest",
+    "record",
     "repository_root",
     "rerun",
     "write_text",
@@ -31,8 +32,10 @@ MANIFEST = "manifest.json"
 DOCUMENTS = ("README.md", "docs/*.rst")
 
 #: Source name -> what writes its files. ``kind`` is ``"reproduce"`` (``pyro-mpt reproduce
-#: NAME --threads 1 --no-progress``, plus ``--smoke`` or ``--full`` for those sizes) or
-#: ``"benchmarks"`` (``python benchmarks/run_all.py --threads 1 --json ...``); ``size`` is the
+#: NAME --threads 1 --no-progress``, plus ``--smoke`` or ``--full`` for those sizes),
+#: ``"benchmarks"`` (``python benchmarks/run_all.py --threads 1 --json ...``) or
+#: ``"benchmark"`` (one script, ``python benchmarks/SCRIPT --threads 1 --json ...``, its
+#: one file); ``size`` is the
 #: size that ``--rerun`` uses, the default size of every experiment (a rerun of everything
 #: takes about three hours on two CPU cores); ``args`` further options of the command, if
 #: any; ``files`` the JSON files it writes.
@@ -70,6 +73,14 @@ SOURCES = {
     # AntiBERTy forward pass per residue and ordering.
     "coherence": dict(kind="reproduce", size="default", files=["coherence.json"]),
     "benchmarks": dict(kind="benchmarks", size="default", files=["benchmarks.json"]),
+    # About 25 minutes on one core: a K=16 deep VAE trained by the ELBO, IWAE and MPT with
+    # importance-sampled conditionals at several masks and draws per image, 2 seeds per row.
+    "importance-masks-training": dict(
+        kind="benchmark",
+        script="bench_importance_masks_training.py",
+        size="default",
+        files=["importance-masks-training.json"],
+    ),
 }
 
 SIZE_FLAGS = {"default": [], "smoke": ["--smoke"], "full": ["--full"]}
@@ -93,6 +104,11 @@ def command(name, size, out_dir):
         argv = [sys.executable, "benchmarks/run_all.py", "--threads", "1"]
         json_path = str(Path(out_dir) / "benchmarks.json")
         return argv + ["--json", json_path], shown
+    if source["kind"] == "benchmark":
+        script = f"benchmarks/{source['script']}"
+        shown = ["python", script, "--threads", "1"]
+        json_path = str(Path(out_dir) / source["files"][0])
+        return [sys.executable, script, "--threads", "1", "--json", json_path], shown
     flags = ["--threads", "1", *SIZE_FLAGS[size], *source.get("args", [])]
     shown = ["pyro-mpt", "reproduce", name, *flags]
     argv = [sys.executable, "-m", "pyro_mpt.cli", "reproduce", name, *flags]
@@ -190,25 +206,40 @@ def rerun(names=None, root=None, size=None, log=print):
                     f"{shlex.join(shown)} failed with status {proc.returncode}:\n"
                     f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
                 )
-            for file_name in source["files"]:
-                text = (Path(out_dir) / file_name).read_text(encoding="utf-8")
-                # Paths of the temporary folder (vae-compare names its sources) read as
-                # the folder the files are committed to.
-                text = text.replace(str(out_dir), RESULTS_DIR.as_posix())
-                write_text(results_dir / file_name, text)
+            manifest = record(name, out_dir, shlex.join(shown), run_size, seconds, root)
         log(f"[{name}] {seconds:.0f} s; wrote {', '.join(source['files'])}", flush=True)
-        # Read just before writing, so that reruns of other sources running meanwhile keep
-        # their entries.
-        manifest = read_manifest(root)
-        manifest[name] = dict(
-            command=shlex.join(shown),
-            size=run_size,
-            files=source["files"],
-            seconds=round(seconds, 1),
-            date=datetime.date.today().isoformat(),
-            commit=_commit(root),
-            **_machine(),
-        )
-        ordered = {key: manifest[key] for key in SOURCES if key in manifest}
-        write_text(results_dir / MANIFEST, json.dumps(ordered, indent=2) + "\n")
+    return manifest
+
+
+def record(name, out_dir, shown, size, seconds, root=None, commit=None):
+    """Copies the files that source ``name``'s command wrote into ``out_dir`` to
+    ``docs/results/`` and records the run in the manifest: what :func:`rerun` does after
+    each command, usable for a run of the same command started by hand (``shown``, the
+    command as documented, and its wall time ``seconds``).
+
+    :param str commit: the commit the run used (default: the checkout's, now).
+    :returns: the manifest.
+    """
+    root = Path(root or repository_root())
+    results_dir = root / RESULTS_DIR
+    for file_name in SOURCES[name]["files"]:
+        text = (Path(out_dir) / file_name).read_text(encoding="utf-8")
+        # Paths of the output folder (vae-compare names its sources) read as the folder the
+        # files are committed to.
+        text = text.replace(str(out_dir), RESULTS_DIR.as_posix())
+        write_text(results_dir / file_name, text)
+    # Read just before writing, so that reruns of other sources running meanwhile keep
+    # their entries.
+    manifest = read_manifest(root)
+    manifest[name] = dict(
+        command=shown,
+        size=size,
+        files=SOURCES[name]["files"],
+        seconds=round(seconds, 1),
+        date=datetime.date.today().isoformat(),
+        commit=commit or _commit(root),
+        **_machine(),
+    )
+    ordered = {key: manifest[key] for key in SOURCES if key in manifest}
+    write_text(results_dir / MANIFEST, json.dumps(ordered, indent=2) + "\n")
     return manifest

@@ -250,10 +250,13 @@ def test_make_loss_builds_each_row():
             assert loss.num_particles == cfg["train_samples"] and loss.vectorize_particles
         else:
             assert isinstance(loss, MPTLoss) and loss.guide_loss == method["guide_loss"]
-            # P masks per image pool their draws: S samples for each mask's conditionals.
-            masks = cfg["train_masks"]
+            # P masks per image, Q of which draw S // Q each: S pooled samples for each
+            # mask's conditionals.
+            masks, proposals = cfg["train_masks"], cfg["train_proposals"]
+            assert proposals < masks
             assert loss.num_masks == masks and loss.conditionals.share_samples
-            assert loss.conditionals.num_samples * masks == cfg["train_samples"]
+            assert loss.conditionals.num_proposals == proposals
+            assert loss.conditionals.num_samples * proposals == cfg["train_samples"]
             assert "UniformRate()" in describe_loss(method, cfg)
     bad = dict(ALL_METHODS["Bernoulli K=2: ELBO"], loss_kind="exact")
     with pytest.raises(ValueError, match="loss_kind must be 'elbo', 'iwae' or 'mpt', got 'exact'"):
