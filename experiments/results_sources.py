@@ -57,9 +57,9 @@ SOURCES = {
     "gp-decoder": dict(kind="reproduce", size="default", files=["gp-decoder.json"]),
     # 3-7 minutes on one core: 25 rates with 2 masks on 32 sequences, two models.
     "bert-curve": dict(kind="reproduce", size="default", files=["bert-curve.json"]),
-    # About 10-12 minutes a seed on one busy CPU core each (30-40 minutes with three
-    # seeds), sized so that every run's training loss levels off: the committed files are
-    # of the default size, which a rerun keeps.
+    # 20-25 minutes each with three seeds on one busy CPU core; each run records whether
+    # its training loss levelled off. The committed files are of the default size, which a
+    # rerun keeps.
     "mae-curve": dict(
         kind="reproduce", size="default", args=["--seeds", "3"], files=["mae-curve.json"]
     ),
