@@ -2,7 +2,8 @@
 
 ``tqdm.auto`` draws a widget in a Jupyter kernel, but only with ``ipywidgets`` installed;
 without it, it warns "IProgress not found" and falls back to text. This module takes the
-text bar directly in that case, so a notebook shows the same bar with no warning.
+text bar directly in that case, so that the bars of ``pyro_mpt`` add no such warning (Pyro's
+own import of ``tqdm.auto`` still gives one; the tutorials filter it).
 """
 
 try:
