@@ -42,13 +42,11 @@ scheme's area from the fixed 15% one (``--full``: a larger model, longer trainin
     (words split into sub-word pieces whose neighbours are predictable), 16-token
     sequences, a 1-layer model of width 64 without dropout, 2000 steps of 256 at a constant
     learning rate 3e-3 after 200 warm-up steps. It does not make every run converge: in
-    the committed three-seed run the random-ratio runs levelled off (3 of 3) and the
-    uniform ones nearly (2 of 3, changes 1.6-2.4%), but the fixed-15% runs left the plateau
-    last (steps 1100-1900) and were still falling by 5-35% over the last fifth, so the
-    comparison with fixed 15% is at a matched budget of steps, not at convergence. With
-    twice the steps (4000, first seed only) the fixed-15% run nearly levelled off (change
-    2.3%, the others 1.0% and 1.2%) and the random ratio's lead in area shrank from 1.5 to
-    0.9 nats per sequence (uniform: 0.1 both times), so part of the three-seed lead is the
+    the committed three-seed run (its result file records each run's change) the fixed-15%
+    runs left the plateau last and were still falling when training stopped, so the
+    comparison with fixed 15% is at a matched budget of steps, not at convergence. In a
+    one-seed trial with twice the steps (not committed) the fixed-15% run nearly levelled
+    off and the random ratio's lead in area shrank, so part of the three-seed lead is the
     fixed-15% runs' later start. Batches of 256 matter: in one-seed trials with batches of 64
     (1 or 2 layers, learning rates 1e-3 to 3e-3, with or without dropout) the uniform
     scheme was still on the plateau after 3000 steps, and the 2-layer model the table used
