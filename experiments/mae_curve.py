@@ -186,29 +186,24 @@ def loss_convergence(losses, threshold=CONVERGED_BELOW):
 
 
 def _train(model, images, rate, cfg, generator):
-    """``cfg["steps"]`` AdamW steps of :func:`pyro_mpt.transformers.mae_loss` on batches of
+    """``cfg["steps"]`` AdamW steps of :func:`pyro_mpt.transformers.train_mae` on batches of
     ``images`` in the order of ``generator``, the learning rate rising linearly over
     ``cfg["warmup"]`` steps and constant after (so that a flat loss means the run has levelled
     off, not that the rate has decayed to zero); returns the loss of every step."""
-    from pyro_mpt.transformers import mae_loss
+    from pyro_mpt.transformers import train_mae
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.05)
-    warmup = cfg["warmup"]
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
-    model.train()
-    losses = []
-    while len(losses) < cfg["steps"]:
-        for index in torch.randperm(images.shape[0], generator=generator).split(cfg["batch"]):
-            if len(losses) == cfg["steps"]:
-                break
-            loss = mae_loss(model, images[index.to(images.device)], rate).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return train_mae(
+        model,
+        images,
+        rate,
+        batch_size=cfg["batch"],
+        lr=cfg["lr"],
+        generator=generator,
+        progress=False,
+        steps=cfg["steps"],
+        lr_schedule="constant",
+        warmup_steps=cfg["warmup"],
+    )
 
 
 def _one_seed(cfg, run_seed, device, progress, bar):

@@ -191,3 +191,43 @@ def test_models_from_config_get_sine_cosine_positions():
     for table in (model.vit.embeddings.position_embeddings, model.decoder.decoder_pos_embed):
         assert float(table[0, 1:].var(-1).min()) > 0.1  # every patch position is distinct
         assert torch.unique(table[0, 1:], dim=0).shape[0] == 16
+
+
+def _learning_rates(monkeypatch):
+    """The learning rate of every AdamW step, recorded as the step is taken."""
+    rates, step = [], torch.optim.AdamW.step
+
+    def recording(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    return rates
+
+
+@pytest.mark.parametrize("lr_schedule", ["cosine", "constant"])
+def test_train_mae_runs_the_steps_asked_at_the_schedule_asked(monkeypatch, lr_schedule):
+    # 7 steps over 3 passes of 16 images in batches of 6 (3 batches a pass, the last cut).
+    images = torch.rand(16, 1, 8, 8, device=DEVICE)
+    rates = _learning_rates(monkeypatch)
+    warmup = 3 if lr_schedule == "constant" else 0
+    losses = train_mae(
+        _mae(seed=1), images, batch_size=6, lr=0.01, steps=7, progress=False,
+        lr_schedule=lr_schedule, warmup_steps=warmup,
+    )  # fmt: skip
+    assert len(losses) == 7 and len(rates) == 7
+    if lr_schedule == "cosine":
+        expected = [0.01 * (1 + math.cos(math.pi * k / 7)) / 2 for k in range(7)]
+    else:
+        expected = [0.01 * min(1.0, (k + 1) / 3) for k in range(7)]
+    assert rates == pytest.approx(expected, rel=1e-9)
+
+
+def test_train_mae_schedule_arguments_are_checked():
+    images = torch.rand(4, 1, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="lr_schedule must be 'cosine' or 'constant'"):
+        train_mae(_mae(), images, lr_schedule="linear")
+    with pytest.raises(ValueError, match="warmup_steps=5 needs lr_schedule='constant'"):
+        train_mae(_mae(), images, warmup_steps=5)
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        train_mae(_mae(), images, steps=0)

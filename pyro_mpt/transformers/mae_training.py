@@ -60,33 +60,57 @@ def train_mae(
     weight_decay=0.05,
     generator=None,
     progress=True,
+    steps=None,
+    lr_schedule="cosine",
+    warmup_steps=0,
 ):
     """Trains a ViT-MAE on ``images`` with :func:`mae_loss` and AdamW.
 
     :param model: a :class:`transformers.ViTMAEForPreTraining`.
     :param torch.Tensor images: ``(N, C, H, W)`` on the model's device.
     :param rate: the rate schedule (``"uniform"``, ``0.75``, ``(lo, hi)``).
-    :param int epochs: passes over the shuffled images.
+    :param int epochs: passes over the shuffled images (when ``steps`` is None).
     :param int batch_size: images per step.
-    :param float lr: AdamW learning rate (cosine decay to zero over the run).
+    :param float lr: AdamW learning rate.
     :param float weight_decay: AdamW weight decay.
     :param torch.Generator generator: shuffling order (default: torch's global RNG).
     :param bool progress: show a progress bar over steps.
+    :param int steps: train for exactly this many steps instead, reshuffling at every pass.
+    :param str lr_schedule: ``"cosine"`` (decay to zero over the run) or ``"constant"`` (so
+        that a flat loss means the run has levelled off, not that the rate has decayed).
+    :param int warmup_steps: with ``"constant"``, steps over which the rate rises linearly
+        to ``lr``.
     :returns: the loss of every step, a list of floats.
     """
     as_rate_schedule(rate)  # a bad rate fails before any step
-    epochs = check_positive_int("epochs", epochs)
     batch_size = check_positive_int("batch_size", batch_size)
+    if lr_schedule not in ("cosine", "constant"):
+        raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}.")
+    if warmup_steps and lr_schedule != "constant":
+        raise ValueError(
+            f"warmup_steps={warmup_steps!r} needs lr_schedule='constant'; the cosine schedule "
+            f"starts at lr. Pass lr_schedule='constant', or warmup_steps=0."
+        )
     num_images = images.shape[0]
-    steps = epochs * -(-num_images // batch_size)
+    if steps is None:
+        steps = check_positive_int("epochs", epochs) * -(-num_images // batch_size)
+    steps = check_positive_int("steps", steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    if lr_schedule == "cosine":
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    else:
+        warmup = max(1, warmup_steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: min(1.0, (k + 1) / warmup)
+        )
     model.train()
     losses = []
     with progress_bar(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
-        for _ in range(epochs):
+        while len(losses) < steps:
             order = torch.randperm(num_images, generator=generator).to(images.device)
             for index in order.split(batch_size):
+                if len(losses) == steps:
+                    break
                 loss = mae_loss(model, images[index], rate).loss
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
