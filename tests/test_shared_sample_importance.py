@@ -63,6 +63,18 @@ def _exact_conditionals(x, masks):
     return dist.Normal(loc, (var.unsqueeze(-1) * A**2 + PSI).sqrt()).log_prob(x)
 
 
+def _assert_kl_gradients(grads, x, masks, m, s):
+    """``grads`` of ``(m, s)`` against d KL(p(z | x_{R_p}) || q_p) averaged over ``masks``,
+    for q_p = N(m + 0.3 h_p, s^2): (loc_p - mu_p) / s^2 for m and
+    1/s - (var_p + (mu_p - loc_p)^2) / s^3 for s."""
+    mu, var = _posterior(x, ~masks)
+    loc = m + 0.3 * masks.to(x.dtype).sum(-1)
+    expected_m = ((loc - mu) / s**2).mean(0).sum()
+    expected_s = (1 / s - (var + (mu - loc) ** 2) / s**3).mean(0).sum()
+    torch.testing.assert_close(grads[0], expected_m, atol=0.05, rtol=0)
+    torch.testing.assert_close(grads[1], expected_s, atol=0.08, rtol=0)
+
+
 def test_shared_sample_conditionals_equal_the_plain_formula_and_its_gradients():
     """Given every mask the same log-likelihoods, the matrix products give the plain
     formula's values and gradients, with -inf likelihoods outside the context ignored."""
@@ -132,12 +144,7 @@ def test_pooled_wake_gradient_is_the_gradient_of_kl_per_mask():
     prepared.log_prob(masks)
     m, s = pyro.param("m"), pyro.param("s")
     grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
-    mu, var = _posterior(x, ~masks)
-    loc = m + 0.3 * masks.to(x.dtype).sum(-1)
-    expected_m = ((loc - mu) / s**2).mean(0).sum()
-    expected_s = (1 / s - (var + (mu - loc) ** 2) / s**3).mean(0).sum()
-    torch.testing.assert_close(grads[0], expected_m, atol=0.05, rtol=0)
-    torch.testing.assert_close(grads[1], expected_s, atol=0.08, rtol=0)
+    _assert_kl_gradients(grads, x, masks, m, s)
 
 
 def test_share_samples_in_mpt_loss_matches_the_exact_loss_gradient_direction():
@@ -255,13 +262,7 @@ def test_wake_gradient_trains_the_drawing_masks_proposals():
     prepared.log_prob(masks)
     m, s = pyro.param("m"), pyro.param("s")
     grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
-    drawing = masks[proposal_masks(6, 2)]
-    mu, var = _posterior(x, ~drawing)
-    loc = m + 0.3 * drawing.to(x.dtype).sum(-1)
-    expected_m = ((loc - mu) / s**2).mean(0).sum()
-    expected_s = (1 / s - (var + (mu - loc) ** 2) / s**3).mean(0).sum()
-    torch.testing.assert_close(grads[0], expected_m, atol=0.05, rtol=0)
-    torch.testing.assert_close(grads[1], expected_s, atol=0.08, rtol=0)
+    _assert_kl_gradients(grads, x, masks[proposal_masks(6, 2)], m, s)
 
 
 def test_num_proposals_is_checked():
