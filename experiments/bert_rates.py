@@ -87,7 +87,7 @@ _SIZES = {
     # batches of 256 at a constant rate 3e-3 without dropout: on one CPU core every scheme
     # leaves the unigram plateau within 2000 steps (fixed 15% last, near steps 1100-1900,
     # and still falling at the end; the result file records each run's convergence).
-    "default": (None, 300, 16, 64, 1, 2, 2000, 256, 200, 3),
+    "default": (None, 300, 16, 64, 1, 2, 6000, 256, 200, 3),
     "full": (None, 8000, 128, 256, 4, 4, 6000, 64, None, 3),
 }
 _CHANGES = {
