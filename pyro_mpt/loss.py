@@ -16,7 +16,7 @@ from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
-from pyro_mpt.trace.guided_model import check_guide_sites
+from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
 from pyro_mpt.trace.remembered_structure import call_signature, same
 from pyro_mpt.trace.trace_utils import param_store_rollback, same_random_state

@@ -15,7 +15,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.trace.guided_model import check_guide_sites
+from pyro_mpt.trace.guide_site_check import check_guide_sites
 
 NUM_FEATURES = 6
 GUIDE_WARNINGS = ("Found non-auxiliary vars in guide but not model", "Found vars in model but")

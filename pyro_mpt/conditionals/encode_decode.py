@@ -12,12 +12,8 @@ from pyro_mpt.ops.bernoulli import observed_log_prob
 from pyro_mpt.ops.masks import select_masked
 from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.trace.factors import factor_log_prob
-from pyro_mpt.trace.guided_model import (
-    RememberedGuided,
-    describe_guide,
-    observed_tensor,
-    run_guided,
-)
+from pyro_mpt.trace.guide_densities import observed_tensor
+from pyro_mpt.trace.guided_model import RememberedGuided, describe_guide, run_guided
 from pyro_mpt.trace.trace_utils import latent_sites, same_random_state, unwrap_independent
 
 __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]

@@ -36,13 +36,12 @@ from pyro_mpt.ops.shared_sample_importance import (
 )
 from pyro_mpt.trace.defensive_proposal import GUIDE_FN, defensive_discrete
 from pyro_mpt.trace.factors import check_factors, factor_log_prob
-from pyro_mpt.trace.guided_model import (
-    RememberedGuided,
+from pyro_mpt.trace.guide_densities import (
     observed_tensor,
     proposal_log_density,
-    run_guided,
     sites_log_density,
 )
+from pyro_mpt.trace.guided_model import RememberedGuided, run_guided
 from pyro_mpt.trace.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [

@@ -3,30 +3,30 @@
 Strategies that draw the local latents from an amortized guide (importance sampling,
 recursive encoding–decoding) feed the guide a copy of the data with the masked features
 replaced, inside two extra plates, one over samples and one over masks, and replay the
-model against the guide's latents.
+model against the guide's latents. The densities read off those runs are in
+:mod:`pyro_mpt.trace.guide_densities`; the ``Trace_ELBO``-like comparison of the guide's
+sites with the model's is in :mod:`pyro_mpt.trace.guide_site_check`.
 """
 
 import difflib
 import inspect
 import math
 import re
-import warnings
 from typing import NamedTuple
 
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoContinuous, AutoGuide
-from pyro.infer.util import is_validation_enabled
+from pyro.infer.autoguide import AutoGuide
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
-from pyro_mpt.trace.model_structure import latent_names_in, read_structure
+from pyro_mpt.trace.guide_densities import joint_auto_latent
+from pyro_mpt.trace.model_structure import read_structure
 from pyro_mpt.trace.observed_site import read_observed_site
 from pyro_mpt.trace.remembered_structure import call_signature, same
 from pyro_mpt.trace.trace_utils import (
-    flatten_tail,
     latent_sites,
     plate_frames,
     same_random_state,
@@ -42,13 +42,9 @@ from pyro_mpt.trace.vectorized_run_check import (
 __all__ = [
     "GuidedModel",
     "RememberedGuided",
-    "check_guide_sites",
     "describe_guide",
-    "observed_tensor",
-    "proposal_log_density",
     "prepare_guided",
     "run_guided",
-    "sites_log_density",
 ]
 
 _SAMPLE_PLATE = "_mpt_samples"
@@ -269,94 +265,6 @@ def _with_arguments(guided, args, kwargs):
     )
 
 
-#: The (model, guide, argument shapes) whose sites :func:`check_guide_sites` compared.
-_SITES_CHECKED = CheckedCalls()
-
-
-def check_guide_sites(model, guide, args, kwargs, max_plate_nesting, traces=None):
-    """Warns, as ``Trace_ELBO`` does under validation (``pyro.util.check_model_guide_match``),
-    when the guide samples a site the model lacks or lacks a latent of the model: a
-    misspelled guide site is otherwise never noticed by conditionals that do not run the
-    guide. Once per model, guide and argument shapes; nothing without a guide or with
-    validation off.
-
-    The guide runs once and the model against its samples, as ``Trace_ELBO`` runs them,
-    blocked, without gradients, from a forked random state (a seeded step draws the same
-    masks either way); if either raises, nothing is reported here. Guide sites marked
-    ``infer={'is_auxiliary': True}`` are not compared; the model's latents are those MPTLoss
-    integrates (no ``obs_mask`` or deterministic sites). A guide that samples no site at all
-    (a no-op, which exact and quadrature conditionals accept) is not reported.
-
-    :param callable model: the model.
-    :param callable guide: the guide, or None.
-    :param tuple args: their positional arguments.
-    :param dict kwargs: their keyword arguments.
-    :param max_plate_nesting: as the loss holds it (part of the call's record).
-    :param tuple traces: ``(guide_trace, model_trace)`` of such runs made already (for the
-        guess of the plate nesting), so that the model need not run again; None: run them.
-    """
-    if guide is None or not is_validation_enabled():
-        return
-    if _SITES_CHECKED.seen(model, guide, args, kwargs, max_plate_nesting):
-        return
-    if traces is not None:
-        guide_trace, model_trace = traces
-    else:
-        guide_trace, model_trace = _traces_for_sites(model, guide, args, kwargs)
-        if guide_trace is None:
-            return
-    _check_sites_of(guide_trace, model_trace)
-
-
-def _traces_for_sites(model, guide, args, kwargs):
-    """The guide's trace and the model's against it, blocked, without gradients and from a
-    forked random state; ``(None, None)`` if either raises."""
-    try:
-        with torch.no_grad(), same_random_state(), poutine.block():
-            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
-                *args, **kwargs
-            )
-    except Exception:  # noqa: BLE001
-        # Advisory only: a guide that fails here is reported, in MPTLoss's words, by the
-        # conditionals that run it, and conditionals that do not run it never needed it.
-        return None, None
-    return guide_trace, model_trace
-
-
-def _check_sites_of(guide_trace, model_trace):
-    """:func:`check_guide_sites` on the traces of a guide and of the model against it."""
-    guide_names = [
-        name
-        for name in latent_sites(guide_trace)
-        if not guide_trace.nodes[name]["infer"].get("is_auxiliary")
-    ]
-    model_names = latent_names_in(model_trace)
-    # A guide may sample the missing part of an observation (obs_mask), which is no latent.
-    extra = [name for name in guide_names if name not in latent_sites(model_trace)]
-    missing = [name for name in model_names if name not in guide_names]
-    both = f"the model's latent sites are {model_names}, the guide's {guide_names}"
-    if extra:
-        close = [difflib.get_close_matches(n, missing or model_names, 1, 0.0) for n in extra]
-        renames = "; ".join(
-            f"rename {name!r} to {match[0]!r}" for name, match in zip(extra, close) if match
-        )
-        warnings.warn(
-            f"Found non-auxiliary vars in guide but not model, consider marking these "
-            f"infer={{'is_auxiliary': True}}:\n{set(extra)}\n(MPTLoss: {both}"
-            + (f"; {renames} if it is a misspelling" if renames else "")
-            + ".)",
-            stacklevel=7,
-        )
-    if missing and guide_names:  # a guide that samples nothing is a no-op, not a typo
-        warnings.warn(
-            f"Found vars in model but not guide: {set(missing)}\n(MPTLoss: {both}; "
-            f"conditionals that draw the latents from the guide cannot be used, and a "
-            f"guide site that is not named after a model latent is never used.)",
-            stacklevel=7,
-        )
-
-
 #: The (model, guide, argument shapes) whose guide has passed :func:`_check_guide`: the
 #: check runs the guide, so it runs once per such call, not every step.
 _PROPOSAL_CHECKED = CheckedCalls()
@@ -422,7 +330,7 @@ def _check_proposal(guide_trace, local, guide, what):
         )
     for name in names:
         site = guide_trace.nodes[name]
-        if not data_frames <= plate_frames(site) and not _joint_auto_latent(guide, site):
+        if not data_frames <= plate_frames(site) and not joint_auto_latent(guide, site):
             raise NotApplicableError(
                 f"{what} weighs each observation's latents by their proposal density, but "
                 f"guide {describe_guide(guide)} samples site {name!r} outside the data plate, "
@@ -556,97 +464,3 @@ def _hidden_like(hidden, filled):
             f"hidden has shape {tuple(hidden.shape)}, which does not broadcast to the filled "
             f"data's shape {tuple(filled.shape)}; pass one flag per entry of the data."
         ) from None
-
-
-def _per_observation(tensor, lead, tail, site_name):
-    """Drops size-1 pad dims after ``lead`` and broadcasts to ``lead + tail``."""
-    while tensor.dim() > len(lead) + len(tail) and tensor.shape[len(lead)] == 1:
-        tensor = tensor.squeeze(len(lead))
-    try:
-        return tensor.expand(lead + tail)
-    except RuntimeError:
-        raise ValueError(
-            f"Site {site_name!r} has shape {tuple(tensor.shape)} inside the plates over "
-            f"samples and masks, which does not broadcast to {tuple(lead + tail)}; latent "
-            f"sites must sit in the data plate of the observed site."
-        ) from None
-
-
-def sites_log_density(trace, names, guided, lead):
-    """``sum_i log f_i(z_i)`` over the named sites of a trace, shape ``lead + batch``: each
-    ``fn.log_prob(value)``, with the dims of plates inside the data plate summed."""
-    local = guided.local
-    num_inner = -max(local.data_dims) - 1 if local.data_dims else 0
-    total = 0.0
-    for name in names:
-        site = trace.nodes[name]
-        log_prob = site["fn"].log_prob(site["value"])
-        if num_inner:
-            log_prob = log_prob.sum(tuple(range(-num_inner, 0)))
-        total = total + _per_observation(log_prob, lead, local.observed.batch_shape, name)
-    return total
-
-
-def _joint_auto_latent(guide, site):
-    """Whether ``site`` is the joint latent of a Gaussian ``AutoContinuous`` guide, whose
-    marginal over each observation's coordinates is Gaussian and known."""
-    return (
-        isinstance(guide, AutoContinuous)
-        and bool(site["infer"].get("is_auxiliary"))
-        and isinstance(
-            unwrap_independent(site["fn"]),
-            (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal),
-        )
-    )
-
-
-def proposal_log_density(guide_trace, guided, lead):
-    """``log q(z_n)`` of each observation's latents under the guide, ``lead + batch``.
-
-    Sites inside the data plate contribute their densities; the joint latent of a Gaussian
-    ``AutoContinuous`` guide (all observations' coordinates in one vector) contributes the
-    marginal density of each observation's block of coordinates.
-    """
-    names = latent_sites(guide_trace)
-    joint = [n for n in names if _joint_auto_latent(guided.guide, guide_trace.nodes[n])]
-    total = sites_log_density(guide_trace, [n for n in names if n not in joint], guided, lead)
-    for name in joint:
-        total = total + _block_marginal_log_density(guide_trace.nodes[name], guided, lead)
-    return total
-
-
-def _observation_coordinates(guided, num_coordinates):
-    """Which coordinates of an ``AutoContinuous`` guide's joint latent belong to each
-    observation: a long tensor ``batch + (K,)``."""
-    guide, batch = guided.guide, guided.local.observed.batch_shape
-    positions = torch.arange(num_coordinates, dtype=torch.float64)
-    blocks = []
-    for _, value in guide._unpack_latent(positions):
-        blocks.append(value.reshape(batch + (-1,)))
-    return torch.cat(blocks, -1).round().long()
-
-
-def _block_marginal_log_density(site, guided, lead):
-    """The marginal log-density of each observation's block of the joint latent."""
-    fn, value = unwrap_independent(site["fn"]), site["value"]
-    num = value.shape[-1]
-    index = _observation_coordinates(guided, num).to(value.device)
-    picked = value[..., index]  # lead + pad + batch + (K,)
-    if isinstance(fn, dist.Normal):
-        loc = fn.loc.reshape(-1, num)[0][index]
-        scale = fn.scale.reshape(-1, num)[0][index]
-        log_prob = dist.Normal(loc, scale).log_prob(picked).sum(-1)
-    else:
-        loc = fn.loc.reshape(-1, num)[0][index]
-        cov = fn.covariance_matrix.reshape(-1, num, num)[0]
-        block = cov[index.unsqueeze(-1), index.unsqueeze(-2)]
-        log_prob = dist.MultivariateNormal(loc, covariance_matrix=block).log_prob(picked)
-    return _per_observation(log_prob, lead, guided.local.observed.batch_shape, site["name"])
-
-
-def observed_tensor(tensor, guided, lead):
-    """A tensor of the observed site's base shape as ``lead + batch + (D,)``."""
-    observed = guided.local.observed
-    flat = flatten_tail(tensor, observed.num_feature_dims)
-    tail = observed.batch_shape + observed.value.shape[-1:]
-    return _per_observation(flat, lead, tail, observed.name)

@@ -33,7 +33,12 @@ from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
 from pyro_mpt.trace.factors import check_factors, factor_log_prob
 from pyro_mpt.trace.model_structure import observed_in_run
 from pyro_mpt.trace.structure_checks import scale_mismatch
-from pyro_mpt.trace.trace_utils import narrow_broadcast_dims, unwrap_independent
+from pyro_mpt.trace.trace_utils import (
+    RandomState,
+    narrow_broadcast_dims,
+    same_random_state,
+    unwrap_independent,
+)
 from pyro_mpt.trace.vectorized_run_check import batch_norm_hint, check_run_at_points
 
 __all__ = [
@@ -278,17 +283,13 @@ def _check_model_at_points(model, args, kwargs, structure):
     points = torch.randn(_NUM_CHECK_POINTS, structure.latent_dim, generator=generator)
     points[1] *= _FAR_RADIUS / points[1].norm()
     points = points.to(dtype=first.dtype, device=first.device)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        cpu_state = torch.get_rng_state()
-        cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
+    with torch.no_grad(), same_random_state():
+        start = RandomState()
 
         def run_at(points, compact, same_state=True, first_rows=False):
             # From one random state a subsampled plate draws the same subsample.
             if same_state:
-                torch.set_rng_state(cpu_state)
-                for device, cuda_state in zip(devices, cuda_states):
-                    torch.cuda.set_rng_state(cuda_state, device)
+                start.restore()
             return _run(model, args, kwargs, structure, points, compact, first_rows)
 
         def log_prob_at(points, compact, same_state=True, first_rows=False):
