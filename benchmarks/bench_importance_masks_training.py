@@ -13,15 +13,20 @@ batches; held-out LML per image by the IWAE bound with each run's own encoder an
 interleaved rounds of one optimiser step on a batch, against a ``Trace_ELBO`` step in the
 same rounds.
 
+``--long`` trains the ELBO, IWAE (k=8) and one MPT row (P=16, Q=4, S=2) five times as
+long, 100 epochs, with the held-out LML every 5 epochs, to show where each stands once the
+ELBO has levelled off: whether MPT only trains slower, or levels off lower.
+
 Usage::
 
-    python benchmarks/bench_importance_masks_training.py [--smoke] [--seeds 2] [--threads 1]
-        [--json PATH]
+    python benchmarks/bench_importance_masks_training.py [--smoke | --long] [--seeds 2]
+        [--threads 1] [--json PATH]
 
 The figures that docs/deep_vae.rst renders are in
-``docs/results/importance-masks-training.json``, written by
-``python -m experiments.render --rerun importance-masks-training`` (this script with
-``--threads 1``; 2 seeds, about 25 minutes).
+``docs/results/importance-masks-training.json`` and
+``docs/results/importance-masks-long.json``, written by
+``python -m experiments.render --rerun importance-masks-training importance-masks-long``
+(this script with ``--threads 1``, and with ``--long``; 2 seeds, about 35 and 25 minutes).
 """
 
 import statistics
@@ -38,12 +43,17 @@ from pyro_mpt.datasets import load_mnist
 from pyro_mpt.models import VAE
 
 #: Sizes: images, held-out images, hidden units, latent size, epochs, batch, Adam's rate,
-#: draws of the held-out IWAE bound, timing rounds and steps per round.
+#: draws of the held-out IWAE bound, epochs between held-out figures, timing rounds and
+#: steps per round, and the rows trained (None: all of :data:`ROWS`).
 SIZES = {
     "default": dict(N=2000, N_test=100, hidden=200, latent=16, epochs=20, batch=100, lr=3e-3,
-                    eval_samples=1000, timing_rounds=5, timing_steps=5),
+                    eval_samples=1000, eval_every=1, timing_rounds=5, timing_steps=5,
+                    rows=None),
+    "long": dict(N=2000, N_test=100, hidden=200, latent=16, epochs=100, batch=100, lr=3e-3,
+                 eval_samples=1000, eval_every=5, timing_rounds=5, timing_steps=5,
+                 rows=["Trace_ELBO", "IWAE, k=8", "MPT, P=16, Q=4, S=2"]),
     "smoke": dict(N=64, N_test=16, hidden=16, latent=4, epochs=2, batch=32, lr=1e-2,
-                  eval_samples=32, timing_rounds=1, timing_steps=1),
+                  eval_samples=32, eval_every=1, timing_rounds=1, timing_steps=1, rows=None),
 }  # fmt: skip
 
 #: Rows: label -> (loss kind, masks P, proposals Q, draws S per proposal).
@@ -97,18 +107,19 @@ def _train(label, x, x_test, cfg, seed):
     loss_fn = _loss(label)
     pyro.set_rng_seed(seed + 1)  # the same batches for every row of a seed
     curve = []
-    for _ in range(cfg["epochs"]):
+    for epoch in range(1, cfg["epochs"] + 1):
         for idx in torch.randperm(x.shape[0]).split(cfg["batch"]):
             optimizer.zero_grad()
             loss_fn.loss_and_grads(vae.model, vae.guide, x[idx])
             optimizer.step()
-        curve.append(_held_out(vae, x_test, cfg))
+        if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"]:
+            curve.append(_held_out(vae, x_test, cfg))
     pyro.clear_param_store()
     return dict(held_out_curve=curve, held_out=curve[-1])
 
 
-def _step_ratios(x, cfg, device):
-    """Median milliseconds of one step of every row, timed in interleaved rounds."""
+def _step_ratios(x, cfg, device, rows):
+    """Median milliseconds of one step of each of ``rows``, timed in interleaved rounds."""
     vae = _new_vae(cfg, 0, x)
     optimizer = torch.optim.Adam(vae.parameters(), lr=cfg["lr"])
     batch = x[: cfg["batch"]]
@@ -121,18 +132,21 @@ def _step_ratios(x, cfg, device):
 
         return call
 
-    fns = {label: step(_loss(label)) for label in ROWS}
+    fns = {label: step(_loss(label)) for label in rows}
     times = time_calls(fns, device, cfg["timing_steps"], cfg["timing_rounds"])
     pyro.clear_param_store()
     return {label: median_ms(ms) for label, ms in times.items()}
 
 
-def run(device, smoke=False, seeds=2):
-    cfg = SIZES["smoke" if smoke else "default"]
+def run(device, smoke=False, long=False, seeds=2):
+    if smoke and long:
+        raise ValueError("--smoke and --long exclude each other; pass one of them.")
+    cfg = SIZES["smoke" if smoke else "long" if long else "default"]
+    rows = cfg["rows"] or list(ROWS)
     x_all, _ = load_mnist(cfg["N"] + cfg["N_test"], binarize=True, seed=0, dtype=torch.float32)
     x, x_test = x_all[: cfg["N"]].to(device), x_all[cfg["N"] :].to(device)
-    step_ms = _step_ratios(x, cfg, device)
-    runs = {label: [_train(label, x, x_test, cfg, 10 * s) for s in range(seeds)] for label in ROWS}
+    step_ms = _step_ratios(x, cfg, device, rows)
+    runs = {label: [_train(label, x, x_test, cfg, 10 * s) for s in range(seeds)] for label in rows}
     elbo = [r["held_out"] for r in runs["Trace_ELBO"]]
     results = []
     for label, per_seed in runs.items():
@@ -152,7 +166,10 @@ def run(device, smoke=False, seeds=2):
                 curves=[r["held_out_curve"] for r in per_seed],
             )
         )
-    return make_report(device, results, dict(cfg, seeds=seeds))
+    epochs = [e for e in range(1, cfg["epochs"] + 1) if e % cfg["eval_every"] == 0]
+    if epochs[-1] != cfg["epochs"]:
+        epochs.append(cfg["epochs"])
+    return make_report(device, results, dict(cfg, seeds=seeds, rows=rows, curve_epochs=epochs))
 
 
 def print_report(report):
@@ -171,8 +188,9 @@ def print_report(report):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     smoke = ("--smoke", {"action": "store_true", "help": "a few seconds: tiny sizes"})
+    long = ("--long", {"action": "store_true", "help": "three rows, 100 epochs"})
     seeds = ("--seeds", {"type": int, "default": 2, "help": "seeds per row"})
-    return benchmark_main(__doc__, argv, run, print_report, options=[smoke, seeds])
+    return benchmark_main(__doc__, argv, run, print_report, options=[smoke, long, seeds])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from pathlib import Path
 from experiments.results_blocks_benchmarks import (
     bench_gp_active_set_block,
     bench_importance_masks_block,
+    bench_importance_masks_long_block,
+    bench_quadrature_nodes_block,
     bench_transformers_block,
     bench_vae_step_block,
     benchmarks_block,
@@ -97,6 +99,8 @@ BLOCKS = {
     "bench-vae-step": bench_vae_step_block,
     "bench-gp-active-set": bench_gp_active_set_block,
     "bench-importance-masks": bench_importance_masks_block,
+    "bench-importance-masks-long": bench_importance_masks_long_block,
+    "bench-quadrature-nodes": bench_quadrature_nodes_block,
     "bench-transformers": bench_transformers_block,
 }
 

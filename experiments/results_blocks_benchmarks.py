@@ -5,6 +5,8 @@ from experiments.results_format import num, ratio, spread
 __all__ = [
     "bench_gp_active_set_block",
     "bench_importance_masks_block",
+    "bench_importance_masks_long_block",
+    "bench_quadrature_nodes_block",
     "bench_transformers_block",
     "bench_vae_step_block",
     "benchmarks_block",
@@ -191,4 +193,73 @@ def bench_importance_masks_block(ctx):
             ]
         )
     headers = ["row", "draws per image", "held-out LML (per seed)", "vs ELBO", "step / ELBO"]
+    return caption + "\n\n" + ctx.table(headers, rows)
+
+
+def _mean_curve(result):
+    """The held-out LML curve of a row, the mean over its seeds at each evaluated epoch."""
+    curves = result["curves"]
+    return [sum(values) / len(values) for values in zip(*curves)]
+
+
+def bench_importance_masks_long_block(ctx):
+    """Three rows of ``bench_importance_masks_training.py`` trained five times as long
+    (``--long``): where each stands when the ELBO has levelled off."""
+    report = ctx.json("importance-masks-long.json")
+    cfg = report["config"]
+    epochs = cfg["curve_epochs"]
+    shown = [e for e in (20, 50, cfg["epochs"]) if e in epochs]
+    caption = (
+        f"{ctx.run_text('importance-masks-long')}: the model, data, held-out LML (own "
+        f"encoder, IWAE bound with {cfg['eval_samples']} draws on {cfg['N_test']} images) and "
+        f"step timing of the table above, {cfg['epochs']} epochs, the held-out LML every "
+        f"{cfg['eval_every']} epochs, mean over {cfg['seeds']} seeds; best: the highest mean "
+        f"over the evaluated epochs, and its epoch:"
+    )
+    curves = {r["row"]: _mean_curve(r) for r in report["results"]}
+    elbo_best = max(curves["Trace_ELBO"])
+    rows = []
+    for r in report["results"]:
+        curve = curves[r["row"]]
+        best = max(curve)
+        at = [num(curve[epochs.index(e)], 2) for e in shown]
+        gap = "–" if r["row"] == "Trace_ELBO" else num(best - elbo_best, 2, sign=True)
+        rows.append(
+            [r["row"], str(r["draws_per_image"]), *at,
+             f"{num(best, 2)} (epoch {epochs[curve.index(best)]})", gap,
+             ratio(r["step_vs_elbo"])]
+        )  # fmt: skip
+    headers = ["row", "draws per image", *(f"epoch {e}" for e in shown), "best", "best − ELBO's"]
+    headers.append("step / ELBO")
+    return caption + "\n\n" + ctx.table(headers, rows)
+
+
+def bench_quadrature_nodes_block(ctx):
+    """Accuracy and cost of quadrature rules by their nodes (``bench_quadrature_nodes.py``)."""
+    report = ctx.json("quadrature-nodes.json")
+    cfg = report["config"]
+    reference = cfg["reference_points"]
+    caption = (
+        f"{ctx.run_text('quadrature-nodes')}: a linear Bernoulli VAE "
+        f"(K={cfg['latent']}) trained by {ctx.code('Trace_ELBO')} for {cfg['epochs']} epochs "
+        f"on N={cfg['N']} binarised MNIST images, {cfg['dtype']}. Error: the mean over the "
+        f"images of log p(x) under {ctx.code('Quadrature(n)')} (centred at the prior) minus "
+        f"log p(x) under a {reference} × {reference} rule (mean "
+        f"{num(cfg['reference_log_marginal'], 2)} nats per image), and the largest error of "
+        f"one image. Time: one loss-and-gradient evaluation of "
+        f"{ctx.code(UNIFORM_LOSS)} on a batch of {cfg['timing_batch']} over "
+        f"one of {ctx.code('Trace_ELBO')} ({num(cfg['elbo_ms'], 2)} ms), median of "
+        f"{cfg['timing_rounds']} interleaved rounds of {cfg['timing_calls']} calls:"
+    )
+    rows = [
+        [
+            str(r["num_points"]),
+            str(r["nodes"]),
+            num(r["mean_error"], 4, sign=True),
+            num(r["max_abs_error"], 3),
+            f"{num(r['evaluation_ms'], 2)} ms ({ratio(r['vs_elbo'])})",
+        ]
+        for r in report["results"]
+    ]
+    headers = ["num_points", "nodes", "LML error (nats per image)", "worst image", "time"]
     return caption + "\n\n" + ctx.table(headers, rows)

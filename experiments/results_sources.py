@@ -81,6 +81,22 @@ SOURCES = {
         size="default",
         files=["importance-masks-training.json"],
     ),
+    # About 25 minutes on one core: three of those rows trained for 100 epochs.
+    "importance-masks-long": dict(
+        kind="benchmark",
+        script="bench_importance_masks_training.py",
+        size="default",
+        args=["--long"],
+        files=["importance-masks-long.json"],
+    ),
+    # About 20 seconds: a linear VAE trained by the ELBO, its LML under quadrature rules of
+    # 25 to 1600 nodes against a 6400-node rule, and the time of each rule's MPT step.
+    "quadrature-nodes": dict(
+        kind="benchmark",
+        script="bench_quadrature_nodes.py",
+        size="default",
+        files=["quadrature-nodes.json"],
+    ),
 }
 
 SIZE_FLAGS = {"default": [], "smoke": ["--smoke"], "full": ["--full"]}
@@ -106,9 +122,10 @@ def command(name, size, out_dir):
         return argv + ["--json", json_path], shown
     if source["kind"] == "benchmark":
         script = f"benchmarks/{source['script']}"
-        shown = ["python", script, "--threads", "1"]
+        options = ["--threads", "1", *source.get("args", [])]
+        shown = ["python", script, *options]
         json_path = str(Path(out_dir) / source["files"][0])
-        return [sys.executable, script, "--threads", "1", "--json", json_path], shown
+        return [sys.executable, script, *options, "--json", json_path], shown
     flags = ["--threads", "1", *SIZE_FLAGS[size], *source.get("args", [])]
     shown = ["pyro-mpt", "reproduce", name, *flags]
     argv = [sys.executable, "-m", "pyro_mpt.cli", "reproduce", name, *flags]
