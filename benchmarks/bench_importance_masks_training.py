@@ -26,7 +26,7 @@ The figures that docs/deep_vae.rst renders are in
 ``docs/results/importance-masks-training.json`` and
 ``docs/results/importance-masks-long.json``, written by
 ``python -m experiments.render --rerun importance-masks-training importance-masks-long``
-(this script with ``--threads 1``, and with ``--long``; 2 seeds, about 35 and 25 minutes).
+(this script with ``--threads 1``, and with ``--long``; 2 seeds, about 35 and 12 minutes).
 """
 
 import statistics

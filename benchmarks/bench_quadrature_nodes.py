@@ -17,7 +17,7 @@ Usage::
 The figures that docs/performance.rst renders are in
 ``docs/results/quadrature-nodes.json``, written by
 ``python -m experiments.render --rerun quadrature-nodes`` (this script with
-``--threads 1``; about a minute).
+``--threads 1``; about ten seconds).
 """
 
 import sys

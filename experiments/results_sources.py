@@ -81,7 +81,7 @@ SOURCES = {
         size="default",
         files=["importance-masks-training.json"],
     ),
-    # About 25 minutes on one core: three of those rows trained for 100 epochs.
+    # About 12 minutes on one core: three of those rows trained for 100 epochs.
     "importance-masks-long": dict(
         kind="benchmark",
         script="bench_importance_masks_training.py",
@@ -89,7 +89,7 @@ SOURCES = {
         args=["--long"],
         files=["importance-masks-long.json"],
     ),
-    # About 20 seconds: a linear VAE trained by the ELBO, its LML under quadrature rules of
+    # About 10 seconds: a linear VAE trained by the ELBO, its LML under quadrature rules of
     # 25 to 1600 nodes against a 6400-node rule, and the time of each rule's MPT step.
     "quadrature-nodes": dict(
         kind="benchmark",
