@@ -4,10 +4,10 @@ per epoch, and the held-out LML gap to the ELBO against the step time."""
 
 from experiments import _common as common
 from experiments._experiment import Report
-from experiments._vae_deep_summary import TARGET, verdict
+from experiments._vae_deep_summary import TARGET, target_cell, verdict
 from experiments._vae_deep_training import ALL_METHODS, GROUPS, masks_text
 
-__all__ = ["GUIDE_TRAINED_BY", "figure", "report", "target_cell", "verdict_lines"]
+__all__ = ["GUIDE_TRAINED_BY", "figure", "report", "verdict_lines"]
 
 #: (objective, guide_loss) -> what trains the encoder, as the table says it.
 GUIDE_TRAINED_BY = {
@@ -68,20 +68,6 @@ def figure(runs, cfg):
     ax.set_title("target: on or above the line, left of the dotted one", fontsize=8)
     ax.legend(fontsize="xx-small", loc="best")
     return fig
-
-
-def target_cell(checks):
-    """The table's word on one row's checks: ``met``, or what it misses by."""
-    if checks is None:
-        return ""
-    misses = []
-    if not checks["held_out_lml"]:
-        misses.append(f"LML {checks['lml_short_by']:.1f} nats short")
-    if not checks["step_time"]:
-        misses.append(f"step {checks['step_ratio_over_by']:.2f}× over")
-    if not checks["rising_together"]:
-        misses.append("not rising together")
-    return "met" if not misses else "no: " + ", ".join(misses)
 
 
 def _cell(r, key, seeds):

@@ -6,7 +6,15 @@ import statistics
 
 from experiments import _common as common
 
-__all__ = ["ELBO_FREE", "QUESTION", "TARGET", "rising_together", "summarise_row", "verdict"]
+__all__ = [
+    "ELBO_FREE",
+    "QUESTION",
+    "TARGET",
+    "rising_together",
+    "summarise_row",
+    "target_cell",
+    "verdict",
+]
 
 QUESTION = (
     "Does MPT trained without the ELBO reach at least the ELBO-trained model's held-out LML, "
@@ -151,3 +159,27 @@ def verdict(runs, methods, skipped):
         groups=groups,
         met=all(judged) if judged else None,
     )
+
+
+def _fixed(value, digits):
+    return f"{value:.{digits}f}"
+
+
+def target_cell(checks, number=_fixed):
+    """The word on one row's checks of the target: ``met``, or what it misses by.
+
+    :param dict checks: the row's checks, as :func:`verdict` records them (None: not judged,
+        an empty cell).
+    :param number: ``number(value, digits)`` formats a figure (the console's plain digits by
+        default; the rendered tables pass their own).
+    """
+    if checks is None:
+        return ""
+    misses = []
+    if not checks["held_out_lml"]:
+        misses.append(f"LML {number(checks['lml_short_by'], 1)} nats short")
+    if not checks["step_time"]:
+        misses.append(f"step {number(checks['step_ratio_over_by'], 2)}× over")
+    if not checks["rising_together"]:
+        misses.append("not rising together")
+    return "met" if not misses else "no: " + ", ".join(misses)

@@ -4,6 +4,7 @@ Over 300 lines while the ``vae-deep`` block also renders a result file written b
 experiment's seeded layout (:func:`_vae_deep_block_one_seed`), as committed until it reruns.
 """
 
+from experiments._vae_deep_summary import target_cell
 from experiments._vae_deep_training import masks_text as _masks_text
 from experiments.results_format import num
 
@@ -210,16 +211,8 @@ def _spread_cell(run, key, seeds, sign=False):
 
 
 def _vae_deep_target_cell(checks):
-    if checks is None:
-        return ""
-    misses = []
-    if not checks["held_out_lml"]:
-        misses.append(f"LML {num(checks['lml_short_by'])} nats short")
-    if not checks["step_time"]:
-        misses.append(f"step {num(checks['step_ratio_over_by'])}× over")
-    if not checks["rising_together"]:
-        misses.append("not rising together")
-    return "met" if not misses else "no: " + ", ".join(misses)
+    """:func:`~experiments._vae_deep_summary.target_cell` with the rendered tables' numbers."""
+    return target_cell(checks, lambda value, digits: num(value))
 
 
 def _vae_deep_verdict(target, runs):
