@@ -150,7 +150,9 @@ def latent_names_in(trace):
     return _classify(trace)[1]
 
 
-def _theread_observed_site(trace, names, latent_names, what):
+def _the_observed_site(trace, names, latent_names, what):
+    """The name of the model's one observed site, or an error that says what to change when
+    it has none or several."""
     if not names:
         raise ValueError(
             f"{what} found no observed sample site in the model. Pass the data to the "
@@ -321,7 +323,7 @@ def _read_structure(model, args, kwargs, what):
     """:func:`read_structure` with the trace's own plate nesting."""
     trace = poutine.trace(model).get_trace(*args, **kwargs)
     observed_names, latent_names, factors, missing = _classify(trace)
-    obs_name = _theread_observed_site(trace, observed_names, latent_names, what)
+    obs_name = _the_observed_site(trace, observed_names, latent_names, what)
     obs_site = trace.nodes[obs_name]
     for name in [obs_name, *latent_names]:
         check_plates_cover_batch(trace.nodes[name])
