@@ -270,10 +270,24 @@ def _convergence_text(res, cfg):
         for k, s in trained.items()
         if s["converged"] < len(res["runs"][k])
     )
-    return (
+    text = (
         f"Only {done} of {runs} trained runs had levelled off by this measure (not converged: "
         f"{lagging}), so those comparisons are at one point of training, not at convergence."
     )
+    records = [
+        r["convergence"]
+        for k in trained
+        for r in res["runs"][k]
+        if "convergence" in r and not r["convergence"]["converged"]
+    ]
+    if records and len(records) == runs - done:
+        largest = max(abs(c["relative_change"]) for c in records)
+        threshold = records[0]["threshold"]
+        text += (
+            f" The runs that had not levelled off changed their loss by at most "
+            f"{100 * largest:.1f}% (the measure's threshold: {100 * threshold:g}%)."
+        )
+    return text
 
 
 #: Two-sided 97.5% quantiles of Student's t by degrees of freedom (1 to 9).

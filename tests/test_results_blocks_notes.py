@@ -69,6 +69,14 @@ def test_rates_note_states_convergence_and_paired_differences_against_the_seed_s
     text = _comparison_text(res, "fixed", [("area_minus_fixed", "nats", 1, 1.0)], 3)
     assert "slow − fixed: 2.0 ± 1.0 nats (± 2.5; within the seed spread" in text
     assert "fast − fixed: −5.0 ± 1.0 nats (± 2.5; resolved" in text
+    # With the runs' own records, the note says how far the lagging ones were from level.
+    record = dict(relative_change=0.01, threshold=0.02, converged=True)
+    runs["slow"] = [dict(convergence=record)] * 2 + [
+        dict(convergence=dict(record, relative_change=-0.0278, converged=False))
+    ]
+    assert "changed their loss by at most 2.8% (the measure's threshold: 2%)" in _convergence_text(
+        res, {}
+    )
     summary["slow"]["converged"] = 3
     assert "Every trained run (9 of 9) had levelled off" in _convergence_text(res, {})
     one = _comparison_text(res, "fixed", [("area_minus_fixed", "nats", 1, 1.0)], 1)
