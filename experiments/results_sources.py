@@ -57,7 +57,7 @@ SOURCES = {
     "gp-decoder": dict(kind="reproduce", size="default", files=["gp-decoder.json"]),
     # 3-7 minutes on one core: 25 rates with 2 masks on 32 sequences, two models.
     "bert-curve": dict(kind="reproduce", size="default", files=["bert-curve.json"]),
-    # About 40 minutes each with three seeds on one busy CPU core; each run records whether
+    # 40 to 60 minutes each with three seeds on one busy CPU core; each run records whether
     # its training loss levelled off. The committed files are of the default size, which a
     # rerun keeps.
     "mae-curve": dict(
