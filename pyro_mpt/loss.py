@@ -8,7 +8,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
-from pyro.poutine.util import prune_subsample_sites
+from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_site_shape, warn_if_nan
 
 from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, as_conditionals
@@ -200,7 +200,7 @@ class MPTLoss(ELBO):
                         # The model's own run serves the guess: no guide to replay it against.
                         traces = (poutine.Trace(), _copied(structure.trace))
                     else:
-                        traces = _guide_and_model_traces(model, guide, args, kwargs)
+                        traces = _guide_and_model_traces(model, guide, args, kwargs, structure)
                 self.max_plate_nesting = _guessed_plate_nesting(*traces)
                 # Their param sites serve _split_params on this call.
                 self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
@@ -359,15 +359,28 @@ def _same_store(before, now):
     )
 
 
-def _guide_and_model_traces(model, guide, args, kwargs):
+def _guide_and_model_traces(model, guide, args, kwargs, structure):
     """The guide's trace and the model's against its samples, blocked, as ``Trace_ELBO``
-    runs them to guess the plate nesting."""
+    runs them to guess the plate nesting. A guide that draws nothing (nor a subsample)
+    leaves the model's run as it is: the structure's trace serves, one model run fewer."""
     with poutine.block():
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        if not any(_draws(site) for site in guide_trace.nodes.values()):
+            return guide_trace, _copied(structure.trace)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
             *args, **kwargs
         )
     return guide_trace, model_trace
+
+
+def _draws(site):
+    """Whether a site of a guide's trace draws something that replaying it would give the
+    model: a sample, or the subsample of a plate that subsamples."""
+    if site["type"] != "sample":
+        return False
+    if not site_is_subsample(site):
+        return True
+    return site["fn"].subsample_size not in (None, site["fn"].size)
 
 
 def _guessed_plate_nesting(guide_trace, model_trace):

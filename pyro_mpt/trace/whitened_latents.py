@@ -60,6 +60,8 @@ class PointsRun(NamedTuple):
     :ivar observed: the run's :class:`~pyro_mpt.trace.model_structure.ObservedSite`.
     :ivar scale: its log-probability scale per observation.
     :ivar extra_log_prob: the model's ``pyro.factor`` terms (see :func:`factor_log_prob`).
+    :ivar rows_differ: whether some prior's parameters differ between observations (read
+        only by a run asked to ``watch`` them; False otherwise).
     """
 
     fn: object
@@ -67,6 +69,7 @@ class PointsRun(NamedTuple):
     observed: object
     scale: object
     extra_log_prob: object
+    rows_differ: bool = False
 
 
 def points_plate(num_points, max_plate_nesting):
@@ -152,16 +155,22 @@ class _LatentsAtPoints(Messenger):
     does too; ``first_rows=True`` takes every observation's prior from the first one, as the
     check of the compact layout does. ``memory_check``, if given, is called as
     ``memory_check(num_points, dtype)`` before a value that differs per observation is
-    formed: the run is then per observation, ``Q N`` evaluations of the model.
+    formed: the run is then per observation, ``Q N`` evaluations of the model. With
+    ``watch_rows``, :attr:`rows_differ` records whether some prior's parameters differ
+    between observations (a read of the device per prior).
     """
 
-    def __init__(self, structure, points, compact, first_rows=False, memory_check=None):
+    def __init__(
+        self, structure, points, compact, first_rows=False, memory_check=None, watch_rows=False
+    ):
         super().__init__()
         self.structure = structure
         self.points = points
         self.compact = compact
         self.first_rows = first_rows
         self.memory_check = memory_check
+        self.watch_rows = watch_rows
+        self.rows_differ = False
         self.position = 0
         self.offset = 0
 
@@ -190,6 +199,9 @@ class _LatentsAtPoints(Messenger):
 
         def narrow(tensor):
             tensor = narrow_broadcast_dims(tensor, tensor.dim())
+            if self.watch_rows and not self.rows_differ:
+                first = _narrow_equal_rows(tensor, obs_dims, first=True)
+                self.rows_differ = not bool((tensor == first).all())
             if self.compact or first_rows:
                 tensor = _narrow_equal_rows(tensor, obs_dims, first_rows)
             return tensor
@@ -265,17 +277,21 @@ def _check_model_at_points(model, args, kwargs, structure):
     and returns whether points shared by every observation may keep the observations' dims
     of size one (so a decoder runs once per point, not once per point and observation).
 
-    At two random points, the second far out, the model must run with an extra batch dim
-    left of its plates, give the same likelihood when run again (no randomness at fixed
-    latents, such as dropout in training mode) and when run among three more points (no
-    statistics across the batch, such as batch normalisation in training mode), and give
-    the likelihood and prior densities of a plain run at the first of them
-    (:func:`~pyro_mpt.trace.vectorized_run_check.check_run_at_points`: no operation over a
-    fixed positive dim); otherwise a :class:`ValueError` says what to change. The compact
-    layout is used when the model runs so, with latents of size one along the observations'
-    dims (every prior taken from its first observation), and gives the likelihood of the
-    full layout at those priors: a model that indexes, reshapes or concatenates its latents
-    per observation runs at full size.
+    The model runs at five random points, the second far out, with an extra batch dim left
+    of its plates, and its likelihood and prior densities at the first point must be those
+    of a plain run of the model at the same latent values
+    (:func:`~pyro_mpt.trace.vectorized_run_check.check_run_at_points`). The two runs draw
+    from different random states (unless a plate subsamples: both then see one subsample),
+    so a model that is random at fixed latents (dropout in training mode), mixes values
+    across its batch (batch normalization in training mode) or reduces over a fixed
+    positive dim disagrees; when it does, :func:`_explain_disagreement` runs the model
+    again to say which (a :class:`ValueError` says what to change).
+    The compact layout is used when the model runs so, with latents of size one along the
+    observations' dims (every prior taken from its first observation), and gives the
+    likelihood of the full layout at those priors: a model that indexes, reshapes or
+    concatenates its latents per observation runs at full size. When no prior differs
+    between observations the run at the check points serves as that reference, so a model
+    passing every check runs three times here.
     Nothing here touches the caller's random state.
     """
     generator = torch.Generator().manual_seed(0)
@@ -283,20 +299,25 @@ def _check_model_at_points(model, args, kwargs, structure):
     points = torch.randn(_NUM_CHECK_POINTS, structure.latent_dim, generator=generator)
     points[1] *= _FAR_RADIUS / points[1].norm()
     points = points.to(dtype=first.dtype, device=first.device)
+    # With a subsampled plate, another random state would draw another subsample.
+    subsamples = _subsamples(structure)
     with torch.no_grad(), same_random_state():
         start = RandomState()
 
-        def run_at(points, compact, same_state=True, first_rows=False):
+        def run_at(points, compact, same_state=True, first_rows=False, watch_rows=False):
             # From one random state a subsampled plate draws the same subsample.
-            if same_state:
-                start.restore()
-            return _run(model, args, kwargs, structure, points, compact, first_rows)
+            start.restore()
+            if not same_state:
+                _advance_random_state(first.device)
+            return _run(
+                model, args, kwargs, structure, points, compact, first_rows, watch=watch_rows
+            )
 
         def log_prob_at(points, compact, same_state=True, first_rows=False):
             return _observed_log_prob(run_at(points, compact, same_state, first_rows))
 
         try:
-            full_run = run_at(points[:2], False)
+            wide_run = run_at(points, False, same_state=subsamples, watch_rows=True)
         except (RuntimeError, IndexError) as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ValueError(
@@ -311,20 +332,45 @@ def _check_model_at_points(model, args, kwargs, structure):
                     "with z.shape[:-1] rather than the data size."
                 )
             ) from error
-        full = _observed_log_prob(full_run)
-        # From another random state: a model random at fixed latents (dropout) differs.
-        # With a subsampled plate, another subsample would differ as well: no check then.
-        again = full if _subsamples(structure) else log_prob_at(points[:2], False, False)
-        among = log_prob_at(points, False)[:2]
+    try:
+        check_run_at_points(model, args, kwargs, structure, wide_run.trace, [0])
+    except ValueError:
+        _explain_disagreement(structure, log_prob_at, points, subsamples)
+        raise
+    with torch.no_grad(), same_random_state():
         # Every prior narrowed to its first row, so the compact run's latents have the
         # observations' dims of size one, as later runs give them wherever the prior's rows
         # are equal (on this call or a later one); the full run at the same priors is the
-        # reference.
-        at_first_rows = log_prob_at(points[:2], False, first_rows=True)
+        # reference: the run above where every prior's rows were equal already.
+        if wide_run.rows_differ:
+            at_first_rows = log_prob_at(points[:2], False, first_rows=True)
+        else:
+            at_first_rows = _observed_log_prob(wide_run)[:2]
         try:
             compact = log_prob_at(points[:2], True, first_rows=True)
         except (RuntimeError, IndexError):  # shape errors of per-observation indexing
             compact = None
+    return compact is not None and _same(compact.expand_as(at_first_rows), at_first_rows)
+
+
+def _advance_random_state(device):
+    """Moves torch's random state (CPU, and ``device`` when it is a CUDA one) one draw on,
+    so that randomness inside the model (dropout) differs from a run from the state before,
+    whatever that state was."""
+    torch.rand(())
+    if device.type == "cuda":
+        torch.rand((), device=device)
+
+
+def _explain_disagreement(structure, log_prob_at, points, subsamples):
+    """Raises the :class:`ValueError` that names the cause when a model that disagreed with
+    its plain run is random at fixed latents, or mixes values across its batch: two more
+    runs at the first two check points, from another random state and without the other
+    points. Returns when neither is the cause."""
+    with torch.no_grad(), same_random_state():
+        full = log_prob_at(points[:2], False)
+        again = full if subsamples else log_prob_at(points[:2], False, False)
+        among = log_prob_at(points, False)[:2]
     observed = structure.observed.name
     if not _same(again, full):
         raise ValueError(
@@ -342,8 +388,6 @@ def _check_model_at_points(model, args, kwargs, structure):
             f"observation and latent value alone: call .eval() on BatchNorm modules, or use a "
             f"normalization without batch statistics (LayerNorm)."
         )
-    check_run_at_points(model, args, kwargs, structure, full_run.trace, [0])
-    return compact is not None and _same(compact.expand_as(at_first_rows), at_first_rows)
 
 
 def _subsamples(structure):
@@ -367,15 +411,25 @@ def _observed_log_prob(run):
 
 
 def _run(
-    model, args, kwargs, structure, points, compact, first_rows=False, memory_check=None, check=True
+    model,
+    args,
+    kwargs,
+    structure,
+    points,
+    compact,
+    first_rows=False,
+    memory_check=None,
+    check=True,
+    watch=False,
 ):
     """The :class:`PointsRun` of ``model`` at ``points``; with ``check``, its ``pyro.factor``
-    terms are checked not to depend on the latents (a read of the device)."""
+    terms are checked not to depend on the latents (a read of the device); with ``watch``,
+    its priors are compared between observations (see :class:`_LatentsAtPoints`)."""
     if points.dim() == 2 and not compact:  # the same points for every observation
         batch = structure.observed.batch_shape
         points = points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:])
         points = points.expand(points.shape[:1] + batch + points.shape[-1:])
-    latents = _LatentsAtPoints(structure, points, compact, first_rows, memory_check)
+    latents = _LatentsAtPoints(structure, points, compact, first_rows, memory_check, watch)
     # The first trace validated the model on the data; validating every distribution again
     # at every point would double the cost of this run.
     with points_plate(points.shape[0], structure.max_plate_nesting), pyro.validation_enabled(False):
@@ -394,8 +448,10 @@ def _run(
             if float(latent_scale) != scale:
                 raise scale_mismatch(latent.name, observed.name)
     fn = trace.nodes[observed.name]["fn"]
+    rows_differ = latents.rows_differ
     if not structure.factor_names:
-        return PointsRun(fn, trace, observed, scale, 0.0)
+        return PointsRun(fn, trace, observed, scale, 0.0, rows_differ)
     if check:
         check_factors(structure, trace, "integrating the latents out")
-    return PointsRun(fn, trace, observed, scale, factor_log_prob(structure, trace))
+    extra_log_prob = factor_log_prob(structure, trace)
+    return PointsRun(fn, trace, observed, scale, extra_log_prob, rows_differ)
