@@ -18,7 +18,9 @@ Figures per case:
 
 * ``files`` and ``functions``: distinct source files of ``pyro_mpt`` and distinct (file,
   function) pairs whose Python code runs during the steady step (``sys.setprofile``), and
-  the same for Pyro;
+  the same for Pyro, with Pyro's validation on (its default); ``files`` and ``functions
+  (validation off)``: the same for the next step with validation off, as in production,
+  where the checks of data that Pyro makes only under validation do not run;
 * ``model runs first`` (of which ``auto`` search) and ``model runs steady``: calls of the
   model function in the first step (the calls made while ``conditionals="auto"`` searches
   are counted apart) and in the steady step;
@@ -206,9 +208,15 @@ def measure(make, validation=True):
         svi.step(x)
     steady = counted.calls
     package, pyro_functions = found[PACKAGE_DIR], found[PYRO_DIR]
+    pyro.enable_validation(False)
+    svi.step(batch())  # a call under other validation settings is a first call again
+    with visited([PACKAGE_DIR]) as found_off:
+        svi.step(batch())
+    package_off = found_off[PACKAGE_DIR]
     sync_figures = {}
     for on in (False, True):
         pyro.enable_validation(on)
+        svi.step(batch())  # a call under other validation settings is a first call again
         x = batch()
         with count_syncs() as syncs:
             svi.step(x)
@@ -219,6 +227,8 @@ def measure(make, validation=True):
         "conditionals": repr(chosen if chosen is not None else getattr(loss, "conditionals", "-")),
         "files": len({f for f, _ in package}),
         "functions": len(package),
+        "files_validation_off": len({f for f, _ in package_off}),
+        "functions_validation_off": len(package_off),
         "pyro_files": len({f for f, _ in pyro_functions}),
         "pyro_functions": len(pyro_functions),
         "model_runs_first": first,
@@ -229,6 +239,7 @@ def measure(make, validation=True):
         "sync_sites": dict(sync_figures[False]),
         "sync_sites_validation_on": dict(sync_figures[True]),
         "visited": sorted(f"{f}:{fn}" for f, fn in package),
+        "visited_validation_off": sorted(f"{f}:{fn}" for f, fn in package_off),
     }
 
 
@@ -254,6 +265,7 @@ def _table(report):
         "case",
         "files",
         "functions",
+        "validation off",
         "pyro files/functions",
         "model runs first (search)",
         "model runs steady",
@@ -264,6 +276,7 @@ def _table(report):
             r["case"],
             r["files"],
             r["functions"],
+            f"{r['files_validation_off']}/{r['functions_validation_off']}",
             f"{r['pyro_files']}/{r['pyro_functions']}",
             f"{r['model_runs_first']} ({r['model_runs_first_search']})",
             r["model_runs_steady"],

@@ -18,7 +18,7 @@ from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
 from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
-from pyro_mpt.trace.remembered_structure import call_signature, same
+from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import param_store_rollback, same_random_state
 
 __all__ = ["GUIDE_LOSSES", "MPTLoss"]
@@ -127,6 +127,8 @@ class MPTLoss(ELBO):
         self._elbo = Trace_ELBO(max_plate_nesting=max_plate_nesting)
         self._warned_untrained_guide = False
         self._last_call = None
+        self._signature = None
+        self._kept = None
         self._guess_traces = None
         self.diagnostics = None
 
@@ -152,16 +154,17 @@ class MPTLoss(ELBO):
         return self._prepare_and_estimate(model, guide, args, kwargs)[1]
 
     def _prepare_and_estimate(self, model, guide, args, kwargs):
-        validating = is_validation_enabled()
-        key = self._call_key(model, guide, args, kwargs)
-        if (key, validating) == self._last_call:
+        key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
+        if key == self._last_call:
             # A later call like the last one that succeeded (the next mini-batch): the
             # plate nesting is known, the guide's sites were compared, parameters exist.
-            # The strategies of this package take the call's signature worked out above.
+            # The strategies of this package take that call's signature, the very object
+            # they remember, so that they find their structure without comparing anew.
             try:
                 conditionals, nesting = self.conditionals, self.max_plate_nesting
                 if type(conditionals).prepare in SIGNATURE_AWARE:
-                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting, key[0])
+                    signature = self._signature
+                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting, signature)
                 else:
                     prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
                 estimates = self._estimate(prepared)
@@ -169,21 +172,38 @@ class MPTLoss(ELBO):
                 self._last_call = None
                 raise
         else:
+            self._last_call = None
             prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
-            self._last_call = (self._call_key(model, guide, args, kwargs), validating)
+            # The key holds ids: the objects behind them stay alive while it is kept.
+            others = tuple(v for v in (*args, *kwargs.values()) if not torch.is_tensor(v))
+            self._kept = (model, guide, others)
+            self._last_call = (self._call_key(model, guide, args, kwargs), key[1])
         self.diagnostics = prepared.diagnostics
         if prepared.diagnostics is not None:
             warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return prepared, estimates
 
     def _call_key(self, model, guide, args, kwargs):
-        """What identifies a call: the model, the guide, the argument shapes and other
-        arguments by identity, and the plate nesting."""
-        return (
-            call_signature(model, args, kwargs, self.max_plate_nesting),
-            same(getattr(guide, "__func__", guide)),
-            same(getattr(guide, "__self__", None)),
-        )
+        """What identifies a call: the model and the guide (functions, or methods and their
+        objects) and the arguments that are not tensors by ``id``, the shapes, dtypes and
+        devices of the tensor arguments, the keywords and the plate nesting. Compared
+        without calling any ``__eq__`` of the user's objects; the objects behind the ids
+        of the last successful call are kept alive (``_kept``), so no other object can
+        take one of its ids."""
+        described = [
+            id(getattr(model, "__func__", model)),
+            id(getattr(model, "__self__", None)),
+            id(getattr(guide, "__func__", guide)),
+            id(getattr(guide, "__self__", None)),
+            self.max_plate_nesting,
+            tuple(kwargs),
+        ]
+        for value in (*args, *kwargs.values()):
+            if torch.is_tensor(value):
+                described.append((value.shape, value.dtype, value.device))
+            else:
+                described.append(id(value))
+        return tuple(described)
 
     def _first_prepare_and_estimate(self, model, guide, args, kwargs):
         # A failing call leaves no half-initialised parameters behind; the model is traced
@@ -206,13 +226,19 @@ class MPTLoss(ELBO):
                 self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
             # The traces of the guess serve the comparison of the guide's sites too.
             check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
-            prepared = self.conditionals.prepare(model, guide, args, kwargs, self.max_plate_nesting)
+            conditionals, nesting = self.conditionals, self.max_plate_nesting
+            signature = call_signature(model, args, kwargs, nesting)
+            if type(conditionals).prepare in SIGNATURE_AWARE:
+                prepared = conditionals.prepare(model, guide, args, kwargs, nesting, signature)
+            else:
+                prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
             estimates = self._estimate(prepared)
+        self._signature = signature
         return prepared, estimates
 
     def _estimate(self, prepared):
         observed = prepared.observed
-        batch_shape = prepared.batch_shape
+        batch_shape = observed.batch_shape
         if self.share_masks and observed.entries is not None:
             raise ValueError(
                 f"share_masks=True draws one mask for the whole batch, but observed site "
@@ -224,7 +250,7 @@ class MPTLoss(ELBO):
             self.schedule,
             self.num_masks,
             mask_batch,
-            prepared.num_features,
+            observed.value.shape[-1],
             device=observed.value.device,
             entries=observed.entries,
             # The global generator in one process; each data-parallel process a seed of its own.
@@ -327,7 +353,9 @@ class MPTLoss(ELBO):
             model_params = _unconstrained(model_trace)
             seen = {id(p) for p in model_params}
             guide_params = [p for p in _unconstrained(guide_trace) if id(p) not in seen]
-            found = self._params_found = (key, store, model_params, guide_params)
+            # The model and guide stay alive with the lists, so the ids in the key stay theirs.
+            kept = (model, guide, tuple(v for v in args if not torch.is_tensor(v)))
+            found = self._params_found = (key, store, model_params, guide_params, kept)
         return [p for p in found[2] if p.requires_grad], [p for p in found[3] if p.requires_grad]
 
     def _warn_if_guide_untrained(self, model, guide, args, kwargs, loss):

@@ -125,6 +125,7 @@ class Auto(Conditionals):
         if key is None:
             key = call_signature(model, args, kwargs, max_plate_nesting)
         if self.chosen is not None and key == self._chosen_for:
+            self._chosen_for = key  # compared by identity when the caller passes it again
             # No snapshot of the random state on this path (a copy of it on every step): the
             # strategies read a model under same_random_state, and only a model whose
             # structure changed while its argument shapes did not fails here, after which
@@ -138,12 +139,16 @@ class Auto(Conditionals):
                 pass  # the model changed: search again
         return self._search(model, guide, args, kwargs, max_plate_nesting, key)
 
-    def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons):
+    def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons, key=None):
         """``strategy.prepare(...)``, or None (with the reason kept) when it does not apply.
         A strategy that does not apply leaves the random state as it found it: a seeded call
-        draws the same numbers whether or not it searched."""
+        draws the same numbers whether or not it searched. A strategy that takes the call's
+        signature gets ``key``, the object later calls pass, so it finds what it remembered
+        by identity."""
         state = RandomState()
         try:
+            if key is not None and type(strategy).prepare in SIGNATURE_AWARE:
+                return strategy.prepare(model, guide, args, kwargs, max_plate_nesting, key)
             return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         except NotApplicableError as error:
             state.restore()
@@ -156,7 +161,7 @@ class Auto(Conditionals):
 
     def _search(self, model, guide, args, kwargs, max_plate_nesting, key):
         reasons = []
-        call = (model, guide, args, kwargs, max_plate_nesting, reasons)
+        call = (model, guide, args, kwargs, max_plate_nesting, reasons, key)
         prepared = self._try(self._strategy("exact"), *call)
         if prepared is not None:
             return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
@@ -220,13 +225,13 @@ class Auto(Conditionals):
         whose ``p(z | x_R)`` is far broader, fall outside them while the full-data
         ``log p(x)`` that the refinement checks stays right.
         """
-        model, guide, args, kwargs, max_plate_nesting, reasons = call
+        model, guide, args, kwargs, max_plate_nesting, reasons, _ = call
         rule = self._strategy("quadrature")
         state = RandomState()
         prepared = self._try(rule, *call)
         if prepared is None:
             return None
-        return _converged_rule(rule, prepared, *call[:5], state)
+        return _converged_rule(rule, prepared, *call[:5], state, call[-1])
 
     def _choose(self, strategy, key, model, reason, prepared, reasons=()):
         if self.chosen is not strategy or self._chosen_for != key:
@@ -276,22 +281,24 @@ def _probe(prepared, args):
     return prepared.diagnostics
 
 
-def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
+def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state, key):
     """Refines a quadrature rule by 1.5 times its nodes per dimension until two successive
     rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
     budget: a :class:`_Rule` for the coarser rule of the last pair compared.
 
     Every rule is prepared from the random ``state`` the first one was, so that a subsampled
     model scores the same observations under each; the state after the first is restored.
+    Each rule gets the call's signature ``key``, the object later calls pass.
     """
     after = RandomState()
     try:
-        return _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state)
+        call = (model, guide, args, kwargs, max_plate_nesting)
+        return _refine(rule, prepared, call, state, key)
     finally:
         after.restore()
 
 
-def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state):
+def _refine(rule, prepared, call, state, key):
     dim = prepared.latent_dim
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // prepared.likelihood_entries_per_node)
     with torch.no_grad():
@@ -305,7 +312,7 @@ def _refine(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
         )
         state.restore()
-        finer_prepared = finer.prepare(model, guide, args, kwargs, max_plate_nesting)
+        finer_prepared = finer.prepare(*call, key)
         with torch.no_grad():
             finer_log_marginal = finer_prepared.log_marginal()
             differences = (finer_log_marginal - log_marginal).abs().reshape(-1)

@@ -394,7 +394,9 @@ class ImportanceSampling(Conditionals):
             when the caller has it already (worked out here otherwise).
         """
         # The model is read, and the guide checked, once per model, guide and argument shapes.
-        remembered = vars(self).setdefault("_remembered", RememberedGuided())
+        remembered = vars(self).get("_remembered")
+        if remembered is None:
+            remembered = self._remembered = RememberedGuided()
         call = (model, guide, args, kwargs, max_plate_nesting, "importance")
         guided = remembered.get(*call, signature=signature)[0]
         return ImportanceSelfPredictive(

@@ -56,7 +56,7 @@ def latent_gaussian_conditionals(x, weight, bias, noise_var, context):
     precision_weights = context / noise_var  # (..., D)
     num_features, latent_dim = weight.shape[-2:]
     eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
-    shared = all(size == 1 for size in weight.shape[:-2])
+    shared = weight.shape[:-2].numel() == 1
     if shared:
         # One loading matrix for the whole batch: every D-sized contraction becomes a single
         # matrix product against the D x K^2 table of outer products w_j w_j^T.

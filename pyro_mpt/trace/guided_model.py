@@ -25,7 +25,7 @@ from pyro_mpt.trace.defensive_proposal import defensive_discrete
 from pyro_mpt.trace.guide_densities import joint_auto_latent
 from pyro_mpt.trace.model_structure import read_structure
 from pyro_mpt.trace.observed_site import read_observed_site
-from pyro_mpt.trace.remembered_structure import call_signature, same
+from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import (
     latent_sites,
     plate_frames,
@@ -199,6 +199,7 @@ class RememberedGuided:
     def __init__(self):
         self._signature = None
         self._guided = None
+        self._guide = None
 
     def get(self, model, guide, args, kwargs, max_plate_nesting, what, signature=None):
         """``(guided, fresh)``: the :class:`GuidedModel` of this call (see
@@ -210,25 +211,28 @@ class RememberedGuided:
         """
         if signature is None:
             signature = call_signature(model, args, kwargs, max_plate_nesting)
+        # The guide by id, kept alive with what was read from it (no __eq__ on a step).
         signature = (
             signature,
-            same(getattr(guide, "__func__", guide)),
-            same(getattr(guide, "__self__", None)),
+            id(getattr(guide, "__func__", guide)),
+            id(getattr(guide, "__self__", None)),
         )
         if signature == self._signature:
+            # The caller's equal signature from now on: compared by identity next time.
+            self._signature = signature
             return _with_arguments(self._guided, args, kwargs), False
-        self._signature = self._guided = None
+        self._signature = self._guided = self._guide = None
         # Read without touching the random state: a seeded call draws the same numbers
         # whether or not it read the model.
         with same_random_state():
             guided = prepare_guided(model, guide, args, kwargs, max_plate_nesting, what)
         if _reusable(guided):
-            self._signature, self._guided = signature, guided
+            self._signature, self._guided, self._guide = signature, guided, guide
         return guided, True
 
     def forget(self):
         """Drops the remembered call (one whose strategy's own check failed)."""
-        self._signature = self._guided = None
+        self._signature = self._guided = self._guide = None
 
 
 def _reusable(guided):
@@ -258,7 +262,7 @@ def _with_arguments(guided, args, kwargs):
     site = local.trace.nodes[local.observed.name]
     first = local.observed
     observed = read_observed_site(
-        dict(site, value=args[0]), first.full_shape, len(first.batch_shape)
+        dict(site, value=args[0]), first.full_shape, len(first.batch_shape), checked=True
     )
     return guided._replace(
         args=tuple(args), kwargs=dict(kwargs), local=local._replace(observed=observed)

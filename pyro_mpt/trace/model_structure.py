@@ -60,6 +60,8 @@ class ModelStructure(NamedTuple):
         (``obs_mask``); they are not latents.
     :ivar PointLayout point_layout: how runs at points lay out the observations, decided
         on the first such run (:func:`~pyro_mpt.trace.whitened_latents.run_at_points`).
+    :ivar tuple latent_names: the names of the :attr:`latents`.
+    :ivar int latent_dim: ``K``, the number of scalar latent coordinates per observation.
     """
 
     trace: object
@@ -71,24 +73,21 @@ class ModelStructure(NamedTuple):
     factor_names: tuple = ()
     missing_names: tuple = ()
     point_layout: "PointLayout | None" = None
-
-    @property
-    def latent_names(self):
-        return tuple(latent.name for latent in self.latents)
-
-    @property
-    def latent_dim(self):
-        """``K``, the number of scalar latent coordinates per observation."""
-        return sum(latent.size for latent in self.latents)
+    # Read on every step: worked out once, when the structure is read.
+    latent_names: tuple = ()
+    latent_dim: int = 0
 
 
 class PointLayout:
     """Whether a run at points shared by every observation may keep the observations' dims
     of size one (``shared``), so a decoder runs once per point rather than once per point
-    and observation. ``None`` until the first run at points decides it."""
+    and observation. ``None`` until the first run at points decides it. ``site_shapes``
+    keeps what runs at points work out per latent site from shapes alone, so later runs
+    look it up."""
 
     def __init__(self):
         self.shared = None
+        self.site_shapes = {}
 
 
 def _is_sample(site):
@@ -351,6 +350,8 @@ def _read_structure(model, args, kwargs, what):
         tuple(factors),
         tuple(missing),
         PointLayout(),
+        tuple(latent.name for latent in latents),
+        sum(latent.size for latent in latents),
     )
 
 
@@ -365,5 +366,5 @@ def observed_in_run(structure, trace):
             f"MPTLoss needs the same sites on every run of the model."
         )
     first = structure.observed
-    observed = read_observed_site(site, first.full_shape, len(first.batch_shape))
+    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
     return observed, site_scale(site, observed.batch_shape)

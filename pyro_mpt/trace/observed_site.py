@@ -86,16 +86,23 @@ def _check_dtype(name, value, fn):
         )
 
 
-def read_observed_site(site, full_shape, num_batch):
+def read_observed_site(site, full_shape, num_batch, checked=False):
     """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
     shape ``full_shape`` (after any leading dims of points or samples), of which the first
-    ``num_batch`` index observations."""
+    ``num_batch`` index observations. With ``checked`` (a later run of a model whose
+    structure was read from data of the same shape and dtype), the dtype and shape are
+    checked again only while Pyro's validation is enabled."""
     name, fn = site["name"], site["fn"]
-    _check_dtype(name, site["value"], fn)
+    validate = is_validation_enabled()
+    if validate or not checked:
+        _check_dtype(name, site["value"], fn)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
     shape = site["value"].shape
-    if len(shape) > len(full_shape) or any(
-        size not in (1, target) for size, target in zip(reversed(shape), reversed(full_shape))
+    if (validate or not checked) and (
+        len(shape) > len(full_shape)
+        or any(
+            size not in (1, target) for size, target in zip(reversed(shape), reversed(full_shape))
+        )
     ):
         raise ValueError(
             f"Observed site {name!r} has a value of shape {tuple(shape)} that "
@@ -110,7 +117,6 @@ def read_observed_site(site, full_shape, num_batch):
         # are computed in the model's dtype.
         value = value.to(dtype)
     entries = _entry_mask(site, full_shape, num_feature_dims)
-    validate = is_validation_enabled()
     # The data checks read the data back (a device synchronisation): like Pyro's own checks
     # of observations, they run while validation is enabled (the default).
     nan = torch.isnan(value) if validate and value.is_floating_point() else None

@@ -77,5 +77,8 @@ class RememberedStructure:
             # No graph: the remembered trace must not keep the first call's tensors alive.
             with same_random_state(), torch.no_grad():
                 structure = read_structure(model, args, kwargs, max_plate_nesting)
-            self._signature, self._structure = signature, structure
+            self._structure = structure
+        # The caller's signature from now on: a caller that passes the same object again
+        # finds the structure by identity, with no comparison of its parts.
+        self._signature = signature
         return self._structure

@@ -171,6 +171,8 @@ class _LatentsAtPoints(Messenger):
         self.memory_check = memory_check
         self.watch_rows = watch_rows
         self.rows_differ = False
+        layout = structure.point_layout
+        self.site_shapes = {} if layout is None else layout.site_shapes
         self.position = 0
         self.offset = 0
 
@@ -194,7 +196,14 @@ class _LatentsAtPoints(Messenger):
             )
         latent = latents[self.position]
         u = self.points[..., self.offset : self.offset + latent.size]
-        obs_dims = self._observation_dims(msg["fn"])
+        fn = msg["fn"]
+        # Worked out from shapes alone: once per structure and layout.
+        key = (self.position, self.compact, u.shape, fn.batch_shape, fn.event_shape)
+        shapes = self.site_shapes.get(key)
+        if shapes is None:
+            shapes = (self._observation_dims(fn), self._noise_shape(fn, u))
+            self.site_shapes[key] = shapes
+        obs_dims, noise_shape = shapes
         first_rows = self.first_rows
 
         def narrow(tensor):
@@ -206,14 +215,15 @@ class _LatentsAtPoints(Messenger):
                 tensor = _narrow_equal_rows(tensor, obs_dims, first_rows)
             return tensor
 
-        num_dims = len(msg["fn"].batch_shape + msg["fn"].event_shape)
+        check_shape = None
+        if self.memory_check is not None:
+            num_dims = len(fn.batch_shape + fn.event_shape)
 
-        def check_shape(shape, dtype):
-            if self.memory_check is not None and any(shape[d - num_dims] > 1 for d in obs_dims):
-                self.memory_check(self.points.shape[0], dtype)
+            def check_shape(shape, dtype):
+                if any(shape[d - num_dims] > 1 for d in obs_dims):
+                    self.memory_check(self.points.shape[0], dtype)
 
-        u = self._noise_shape(msg, latent, u)
-        msg["value"] = whiten(msg["fn"], u, latent.name, narrow, check_shape)
+        msg["value"] = whiten(fn, u.reshape(noise_shape), latent.name, narrow, check_shape)
         msg["done"] = True
         self.position += 1
         self.offset += latent.size
@@ -233,16 +243,17 @@ class _LatentsAtPoints(Messenger):
         offset = len(fn.batch_shape) - len(batch)
         return range(offset, offset + num_obs)
 
-    def _noise_shape(self, msg, latent, u):
-        """``u`` reshaped to the site's value shape inside the plate over points."""
-        fn, nesting = msg["fn"], self.structure.max_plate_nesting
+    def _noise_shape(self, fn, u):
+        """The shape of ``u`` reshaped to the site's value shape inside the plate over
+        points."""
+        nesting = self.structure.max_plate_nesting
         batch, num_obs = self._plate_batch(fn)
         full = batch + fn.event_shape
         lead = full[:num_obs]
         if u.dim() == 2 and self.compact:
             lead = (1,) * len(lead)
         pad = (1,) * (nesting - len(batch))
-        return u.reshape(u.shape[:1] + pad + tuple(lead) + full[num_obs:])
+        return u.shape[:1] + pad + tuple(lead) + full[num_obs:]
 
 
 def run_at_points(model, args, kwargs, structure, points, memory_check=None):
