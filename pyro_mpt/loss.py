@@ -8,16 +8,21 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
-from pyro.poutine.util import prune_subsample_sites, site_is_subsample
-from pyro.util import check_site_shape, warn_if_nan
+from pyro.util import warn_if_nan
 
 from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, as_conditionals
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
+from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
 from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
 from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
+from pyro_mpt.trace.plate_nesting import (
+    copied_trace,
+    guessed_plate_nesting,
+    guide_and_model_traces,
+)
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import param_store_rollback, same_random_state
 
@@ -218,10 +223,10 @@ class MPTLoss(ELBO):
                     structure = read_structure(model, args, kwargs)
                     if guide is None:
                         # The model's own run serves the guess: no guide to replay it against.
-                        traces = (poutine.Trace(), _copied(structure.trace))
+                        traces = (poutine.Trace(), copied_trace(structure.trace))
                     else:
-                        traces = _guide_and_model_traces(model, guide, args, kwargs, structure)
-                self.max_plate_nesting = _guessed_plate_nesting(*traces)
+                        traces = guide_and_model_traces(model, guide, args, kwargs, structure)
+                self.max_plate_nesting = guessed_plate_nesting(*traces)
                 # Their param sites serve _split_params on this call.
                 self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
             # The traces of the guess serve the comparison of the guide's sites too.
@@ -291,7 +296,7 @@ class MPTLoss(ELBO):
             if not self._warned_untrained_guide:
                 self._warn_if_guide_untrained(model, guide, args, kwargs, loss)
             if isinstance(guide, torch.nn.Module):
-                return _with_zero_gradients(loss, guide)
+                return with_zero_gradients(loss, guide)
             return loss
         # The call's key, as the successful preparation above left it.
         key = self._last_call[0]
@@ -300,8 +305,8 @@ class MPTLoss(ELBO):
             guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
         else:
             guide_objective = proposal_loss
-        grads = _gradients(loss, model_params, retain_graph=True)
-        grads += _gradients(guide_objective, guide_params)
+        grads = gradients(loss, model_params, retain_graph=True)
+        grads += gradients(guide_objective, guide_params)
         params = model_params + guide_params
         # A surrogate whose value is the loss and whose gradient is the one computed above.
         surrogate = sum(((p * g).sum() for p, g in zip(params, grads) if g is not None), 0.0)
@@ -367,7 +372,7 @@ class MPTLoss(ELBO):
         guide_params = [p for p in guide_params if p.requires_grad]
         if not guide_params:
             return
-        if not _reaches(loss, guide_params):
+        if not reaches(loss, guide_params):
             strategy = _chosen(self.conditionals)
             warnings.warn(
                 f"MPTLoss with {strategy!r} integrates the latents out without the "
@@ -387,58 +392,6 @@ def _same_store(before, now):
     )
 
 
-def _guide_and_model_traces(model, guide, args, kwargs, structure):
-    """The guide's trace and the model's against its samples, blocked, as ``Trace_ELBO``
-    runs them to guess the plate nesting. A guide that draws nothing (nor a subsample)
-    leaves the model's run as it is: the structure's trace serves, one model run fewer."""
-    with poutine.block():
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        if not any(_draws(site) for site in guide_trace.nodes.values()):
-            return guide_trace, _copied(structure.trace)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
-            *args, **kwargs
-        )
-    return guide_trace, model_trace
-
-
-def _draws(site):
-    """Whether a site of a guide's trace draws something that replaying it would give the
-    model: a sample, or the subsample of a plate that subsamples."""
-    if site["type"] != "sample":
-        return False
-    if not site_is_subsample(site):
-        return True
-    return site["fn"].subsample_size not in (None, site["fn"].size)
-
-
-def _guessed_plate_nesting(guide_trace, model_trace):
-    """The plate nesting of the guide and the model, as ``Trace_ELBO`` guesses it from the
-    same two traces: the deepest vectorized plate of their sample sites, their shapes
-    checked first while validation is enabled."""
-    sites = [
-        site
-        for trace in (prune_subsample_sites(model_trace), prune_subsample_sites(guide_trace))
-        for site in trace.nodes.values()
-        if site["type"] == "sample"
-    ]
-    if is_validation_enabled():
-        for trace in (guide_trace, model_trace):
-            prune_subsample_sites(trace).compute_log_prob()
-        for site in sites:
-            check_site_shape(site, max_plate_nesting=math.inf)
-    dims = [frame.dim for site in sites for frame in site["cond_indep_stack"] if frame.vectorized]
-    return -min(dims) if dims else 0
-
-
-def _copied(trace):
-    """A copy of ``trace`` whose site dicts are copies too, so that computing log-probs on it
-    leaves the original's sites as they were."""
-    copy = trace.copy()
-    for name, site in trace.nodes.items():
-        copy.nodes[name] = dict(site)
-    return copy
-
-
 def _chosen(conditionals):
     return getattr(conditionals, "chosen", None) or conditionals
 
@@ -452,52 +405,3 @@ def _unconstrained(trace):
             if all(value is not p for p in params):
                 params.append(value)
     return params
-
-
-def _gradients(loss, params, retain_graph=None):
-    if not params:
-        return []
-    if not loss.requires_grad:
-        return [None] * len(params)
-    return list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain_graph))
-
-
-def _with_zero_gradients(loss, guide):
-    """``loss``, plus 0 with a zero gradient for each parameter of the guide module that it
-    does not reach, under :mod:`torch.distributed`: ``DistributedDataParallel`` stops at the
-    next step when a parameter of the module it wraps got no gradient, and conditionals that
-    integrate the latents out never use the guide. One process gets ``loss`` itself."""
-    if not (
-        loss.requires_grad
-        and isinstance(guide, torch.nn.Module)
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
-        return loss
-    leaves, stack, seen = set(), [loss.grad_fn], set()
-    while stack:  # the leaves of the autograd graph (a walk: nothing is computed)
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        leaves.add(id(getattr(node, "variable", None)))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    unreached = [p for p in guide.parameters() if p.requires_grad and id(p) not in leaves]
-    # An empty slice sums to exactly 0 whatever the values, and its gradient is zeros.
-    return sum((p.reshape(-1)[:0].sum() for p in unreached), loss)
-
-
-def _reaches(loss, params):
-    """Whether the autograd graph of ``loss`` leads to any of ``params`` (a walk of the
-    graph: nothing is computed)."""
-    wanted = {id(p) for p in params}
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(getattr(node, "variable", None)) in wanted:
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False

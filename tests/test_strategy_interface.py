@@ -106,6 +106,7 @@ def test_quadrature_interface_matches_grid():
     prepared = Quadrature(num_points=60).prepare(_bernoulli_model, None, (x,), {})
     # Built whole by the constructor: the rule's nodes and latent dimension.
     assert prepared.latent_dim == 1 and prepared.nodes.shape == (60, 1)
+    assert prepared.log_prob_width == 60  # each conditional sums over the 60 nodes
     assert prepared.diagnostics is None
     log_marginal, one = _grid(x)
     hidden = torch.eye(4, dtype=torch.bool)[[0, 2]]  # feature 0 of the first, 2 of the second
@@ -132,6 +133,7 @@ def test_importance_interface_against_closed_forms():
     hidden = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     # Zero encoder weights: q(z | x) is the prior, a broad proposal.
     prepared = ImportanceSampling(num_samples=200).prepare(ppca.model, ppca.guide, (x,), {})
+    assert prepared.log_prob_width == 200  # each conditional weights 200 draws
     with torch.no_grad():
         assert prepared.diagnostics is None  # nothing estimated yet
         log_prob = prepared.log_prob(hidden.unsqueeze(0))
@@ -165,6 +167,7 @@ def test_encode_decode_interface():
     x = torch.bernoulli(torch.full((3, 4), 0.5))
     prepared = EncodeDecode(num_iterations=2).prepare(vae.model, vae.guide, (x,), {})
     assert prepared.diagnostics is None
+    assert prepared.log_prob_width == EncodeDecode().num_samples
     hidden = torch.tensor([1, 0, 1, 0], dtype=torch.bool).expand(3, 4)
     with torch.no_grad():
         log_prob = prepared.log_prob(hidden.unsqueeze(0))
@@ -277,5 +280,6 @@ def test_generation_and_curve_do_not_probe_strategy_types():
         for call in _calls(tree, "isinstance"):
             assert "Predictive" not in ast.unparse(call), (path.name, ast.unparse(call))
     assert not _calls(ast.parse((PACKAGE / "generation" / "draws.py").read_text()), "isinstance")
-    curve = ast.parse((PACKAGE / "diagnostics" / "pyro_curve.py").read_text())
-    assert not _calls(curve, "getattr") and not _calls(curve, "isinstance")
+    for name in ("pyro_curve.py", "coherence.py"):
+        diagnostic = ast.parse((PACKAGE / "diagnostics" / name).read_text())
+        assert not _calls(diagnostic, "getattr") and not _calls(diagnostic, "isinstance")

@@ -30,6 +30,11 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         self.fill = fill
         self.refill = refill
 
+    @property
+    def log_prob_width(self):
+        """``S``, the draws per mask that each conditional averages."""
+        return self.num_samples
+
     def _decode(self, filled, hidden):
         """The observed site's base distribution and value at ``z ~ q(z | filled)``, the
         guide told which entries are ``hidden``."""

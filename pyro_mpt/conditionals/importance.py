@@ -73,6 +73,11 @@ class ImportanceSelfPredictive(SelfPredictive):
         self.diagnostics = None
         self._proposal_terms = None
 
+    @property
+    def log_prob_width(self):
+        """``S``, the draws per mask that each conditional weights."""
+        return self.num_samples
+
     def _sample(self, filled, hidden):
         """``(log p(z) - log q(z), l)`` at ``S`` guide samples on ``filled`` data, with
         ``hidden`` the masked or missing entries: shapes ``(S, P) + batch`` and

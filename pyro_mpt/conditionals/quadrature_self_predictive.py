@@ -65,6 +65,11 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         return self.nodes.shape[-1]
 
     @property
+    def log_prob_width(self):
+        """``G``, the rule's nodes: each mask's conditionals are sums over them."""
+        return self.log_weights.shape[0]
+
+    @property
     def likelihood_entries_per_node(self):
         """How many log-likelihood entries the rule keeps per node: one row of a table
         shared by every observation (1) here; every entry of every observation where the

@@ -230,7 +230,7 @@ def _chain_rule_sums(prepared, num_orderings, progress):
     # any observation score nothing and are skipped.
     num_steps = num_features if entries is None else int(entries.sum(-1).max().item())
     counts = observed_steps(orderings, entries)
-    per_mask = max(1, value.numel() * _width(prepared))
+    per_mask = max(1, value.numel() * prepared.log_prob_width)
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
     values = None
     with progress_bar(
@@ -270,14 +270,3 @@ def _score_steps(prepared, orderings, steps, counts):
     keep = counts.index_select(-1, torch.as_tensor(steps, device=counts.device)).movedim(-1, 1)
     return torch.where(keep, terms, terms.new_zeros(()))
 
-
-def _width(prepared):
-    """How many rows (latent dims, nodes or samples) the conditionals of one mask carry per
-    entry, for the chunk size."""
-    form = getattr(prepared, "form", None)
-    if form is not None:
-        return (form.weight if form.weight is not None else form.covariance).shape[-1]
-    log_weights = getattr(prepared, "log_weights", None)
-    if torch.is_tensor(log_weights) and log_weights.dim() > 0:
-        return log_weights.shape[0]
-    return getattr(prepared, "num_samples", 1) or 1
