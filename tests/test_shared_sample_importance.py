@@ -271,3 +271,44 @@ def test_num_proposals_is_checked():
     with pytest.raises(ValueError, match=r"num_proposals"):
         ImportanceSampling(num_samples=4, share_samples=True, num_proposals=0)
     assert "num_proposals=2" in repr(ImportanceSampling(4, share_samples=True, num_proposals=2))
+
+
+def test_masks_that_share_draws_telescope_to_the_self_normalised_estimate():
+    # Given one set of draws, the conditionals of every ordering's chain sum to
+    # log sum_s w_s p(x | z_s) - log sum_s w_s, and so does the uniform-rate MPT estimate
+    # averaged over every mask (sizes 1..D equally likely, then every mask of a size):
+    # with draws shared by the masks, the mask noise is the only noise MPT adds.
+    import itertools
+
+    from pyro_mpt.ops.estimators import mpt_estimate
+
+    generator = torch.Generator().manual_seed(0)
+    num_samples, num_features = 6, 4
+    log_w = torch.randn(num_samples, 1, dtype=torch.float64, generator=generator)
+    ll = -torch.rand(num_samples, 1, num_features, dtype=torch.float64, generator=generator) * 3
+
+    def conditionals(context):
+        context = context.reshape(-1, 1, num_features)
+        log_joint = log_w.unsqueeze(1) + context_log_likelihoods(ll, context)
+        return shared_sample_log_conditionals(log_joint, ll)  # (P, 1, D)
+
+    expected = torch.logsumexp(log_w[:, 0] + ll[:, 0].sum(-1), 0) - torch.logsumexp(log_w[:, 0], 0)
+    for order in itertools.permutations(range(num_features)):
+        contexts = torch.zeros(num_features, num_features, dtype=torch.bool)
+        for step in range(1, num_features):
+            contexts[step, list(order[:step])] = True
+        terms = conditionals(contexts)[torch.arange(num_features), 0, list(order)]
+        assert torch.allclose(terms.sum(), expected, atol=1e-10)
+
+    by_size = []
+    for size in range(1, num_features + 1):
+        masks = torch.tensor(
+            [
+                [j in chosen for j in range(num_features)]
+                for chosen in itertools.combinations(range(num_features), size)
+            ]
+        ).unsqueeze(1)  # (masks of this size, 1, D)
+        by_size.append(mpt_estimate(conditionals(~masks), masks).squeeze())
+    assert torch.allclose(torch.stack(by_size).mean(), expected, atol=1e-10)
+    # One mask size alone is not the expectation: sizes, like masks, add noise of their own.
+    assert (torch.stack(by_size) - expected).abs().max() > 1e-3
