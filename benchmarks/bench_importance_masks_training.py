@@ -7,14 +7,15 @@ trained by ``Trace_ELBO``, by the IWAE bound and by ``MPTLoss(guide_loss="wake")
 ``S * Q`` pooled draws toward their own context (the model runs ``S * Q`` times per image,
 as the IWAE bound with ``k = S * Q`` does). Masks that draw nothing cost matrix products
 only, and average more stages of the chain rule per image, the main noise of the MPT
-gradient. Every run starts from the same initialisation per seed and sees the same
+gradient. Rows marked ``+unmasked`` pass ``unmasked_proposal=True``: the guide on the
+unmasked image draws ``S`` more, pooled with the masks' draws. Every run starts from the same initialisation per seed and sees the same
 batches; held-out LML per image by the IWAE bound with each run's own encoder and
 ``eval_samples`` draws (the same procedure for every row). Step: the median over
 interleaved rounds of one optimiser step on a batch, against a ``Trace_ELBO`` step in the
 same rounds.
 
-``--long`` trains the ELBO, IWAE (k=8) and one MPT row (P=16, Q=4, S=2) five times as
-long, 100 epochs, with the held-out LML every 5 epochs, to show where each stands once the
+``--long`` trains the ELBO, IWAE (k=8) and two MPT rows (P=16, Q=4, S=2, and P=16,
+Q=1+unmasked, S=4, both with eight draws per image) five times as long, 100 epochs, with the held-out LML every 5 epochs, to show where each stands once the
 ELBO has levelled off: whether MPT only trains slower, or levels off lower.
 
 Usage::
@@ -26,7 +27,7 @@ The figures that docs/deep_vae.rst renders are in
 ``docs/results/importance-masks-training.json`` and
 ``docs/results/importance-masks-long.json``, written by
 ``python -m experiments.render --rerun importance-masks-training importance-masks-long``
-(this script with ``--threads 1``, and with ``--long``; 2 seeds, about 35 and 12 minutes).
+(this script with ``--threads 1``, and with ``--long``; 2 seeds, about 40 and 16 minutes).
 """
 
 import statistics
@@ -51,33 +52,39 @@ SIZES = {
                     rows=None),
     "long": dict(N=2000, N_test=100, hidden=200, latent=16, epochs=100, batch=100, lr=3e-3,
                  eval_samples=1000, eval_every=5, timing_rounds=5, timing_steps=5,
-                 rows=["Trace_ELBO", "IWAE, k=8", "MPT, P=16, Q=4, S=2"]),
+                 rows=["Trace_ELBO", "IWAE, k=8", "MPT, P=16, Q=4, S=2",
+                       "MPT, P=16, Q=1+unmasked, S=4"]),
     "smoke": dict(N=64, N_test=16, hidden=16, latent=4, epochs=2, batch=32, lr=1e-2,
                   eval_samples=32, eval_every=1, timing_rounds=1, timing_steps=1, rows=None),
 }  # fmt: skip
 
-#: Rows: label -> (loss kind, masks P, proposals Q, draws S per proposal).
+#: Rows: label -> (loss kind, masks P, proposals Q, draws S per proposal, whether the guide
+#: on the unmasked input proposes too: ``unmasked_proposal=True``, one more proposal).
 ROWS = {
-    "Trace_ELBO": ("elbo", None, None, 1),
-    "IWAE, k=8": ("iwae", None, None, 8),
-    "IWAE, k=32": ("iwae", None, None, 32),
-    "MPT, P=4, Q=4, S=2": ("mpt", 4, 4, 2),
-    "MPT, P=16, Q=4, S=2": ("mpt", 16, 4, 2),
-    "MPT, P=64, Q=4, S=2": ("mpt", 64, 4, 2),
-    "MPT, P=16, Q=4, S=4": ("mpt", 16, 4, 4),
-    "MPT, P=16, Q=4, S=8": ("mpt", 16, 4, 8),
+    "Trace_ELBO": ("elbo", None, None, 1, False),
+    "IWAE, k=8": ("iwae", None, None, 8, False),
+    "IWAE, k=32": ("iwae", None, None, 32, False),
+    "MPT, P=4, Q=4, S=2": ("mpt", 4, 4, 2, False),
+    "MPT, P=16, Q=4, S=2": ("mpt", 16, 4, 2, False),
+    "MPT, P=64, Q=4, S=2": ("mpt", 64, 4, 2, False),
+    "MPT, P=16, Q=4, S=4": ("mpt", 16, 4, 4, False),
+    "MPT, P=16, Q=4, S=8": ("mpt", 16, 4, 8, False),
+    "MPT, P=16, Q=4+unmasked, S=2": ("mpt", 16, 4, 2, True),
+    "MPT, P=16, Q=1+unmasked, S=4": ("mpt", 16, 1, 4, True),
 }
 
 
 def _loss(label):
-    kind, masks, proposals, samples = ROWS[label]
+    kind, masks, proposals, samples, unmasked = ROWS[label]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
     if kind == "iwae":
         return RenyiELBO(
             alpha=0, num_particles=samples, vectorize_particles=True, max_plate_nesting=1
         )
-    conditionals = ImportanceSampling(samples, share_samples=True, num_proposals=proposals)
+    conditionals = ImportanceSampling(
+        samples, share_samples=True, num_proposals=proposals, unmasked_proposal=unmasked
+    )
     return MPTLoss(
         rate="uniform",
         num_masks=masks,
@@ -150,13 +157,13 @@ def run(device, smoke=False, long=False, seeds=2):
     elbo = [r["held_out"] for r in runs["Trace_ELBO"]]
     results = []
     for label, per_seed in runs.items():
-        kind, masks, proposals, samples = ROWS[label]
+        kind, masks, proposals, samples, unmasked = ROWS[label]
         values = [r["held_out"] for r in per_seed]
         gaps = [v - e for v, e in zip(values, elbo)]
         results.append(
             dict(
                 row=label,
-                draws_per_image=samples * (proposals or 1),
+                draws_per_image=samples * ((proposals or 1) + unmasked),
                 held_out=statistics.mean(values),
                 held_out_per_seed=values,
                 vs_elbo=statistics.mean(gaps),

@@ -265,6 +265,50 @@ def test_wake_gradient_trains_the_drawing_masks_proposals():
     _assert_kl_gradients(grads, x, masks[proposal_masks(6, 2)], m, s)
 
 
+def test_an_unmasked_proposal_keeps_every_mask_right():
+    """Two drawing masks and the unmasked input propose 3000 samples each: every mask's
+    conditionals stay within a few standard errors of the closed form (weights against the
+    mixture of the three proposals)."""
+    x = _data(3)
+    sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
+    masks = masks_of_sizes(sizes, 5)
+    exact = _exact_conditionals(x, masks)
+    strategy = ImportanceSampling(3000, share_samples=True, num_proposals=2, unmasked_proposal=True)
+    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
+    repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
+    assert prepared.diagnostics.num_samples == 9000  # three proposals' draws, pooled
+    error = (repeats.mean(0) - exact)[masks]
+    standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
+    assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
+
+
+def test_wake_gradient_trains_the_unmasked_proposal_too():
+    """With unmasked_proposal, the wake loss averages d KL(p(z | x_R) || q) over the drawing
+    masks and the unmasked input, whose posterior is p(z | x) and whose q hides nothing."""
+    x = _data(6)
+    sizes = torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5], [4, 1, 2, 5, 1, 3]])
+    sizes = torch.cat([sizes, sizes.flip(0)])
+    masks = masks_of_sizes(sizes, 5)
+    strategy = ImportanceSampling(
+        num_samples=20000, share_samples=True, num_proposals=2, unmasked_proposal=True
+    )
+    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
+    prepared.log_prob(masks)
+    m, s = pyro.param("m"), pyro.param("s")
+    grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
+    proposing = torch.cat([masks[proposal_masks(6, 2)], torch.zeros_like(masks[:1])])
+    _assert_kl_gradients(grads, x, proposing, m, s)
+
+
+def test_unmasked_proposal_is_checked():
+    with pytest.raises(ValueError, match=r"unmasked_proposal=True needs share_samples=True"):
+        ImportanceSampling(num_samples=4, unmasked_proposal=True)
+    with pytest.raises(ValueError, match=r"unmasked_proposal must be True or False"):
+        ImportanceSampling(num_samples=4, share_samples=True, unmasked_proposal="yes")
+    strategy = ImportanceSampling(4, share_samples=True, unmasked_proposal=True)
+    assert "unmasked_proposal=True" in repr(strategy)
+
+
 def test_num_proposals_is_checked():
     with pytest.raises(ValueError, match=r"num_proposals=2 needs share_samples=True"):
         ImportanceSampling(num_samples=4, num_proposals=2)

@@ -61,7 +61,14 @@ class ImportanceSelfPredictive(SelfPredictive):
     """
 
     def __init__(
-        self, guided, num_samples, fill, debias=None, share_samples=False, num_proposals=None
+        self,
+        guided,
+        num_samples,
+        fill,
+        debias=None,
+        share_samples=False,
+        num_proposals=None,
+        unmasked_proposal=False,
     ):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
@@ -70,6 +77,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         self.debias = debias
         self.share_samples = share_samples
         self.num_proposals = num_proposals
+        self.unmasked_proposal = unmasked_proposal
         self.diagnostics = None
         self._proposal_terms = None
 
@@ -163,17 +171,28 @@ class ImportanceSelfPredictive(SelfPredictive):
 
     def log_prob(self, masks):
         context = self.context(masks)
-        filled, hidden = fill_masked(self.observed.value, ~context, self.fill), ~context
-        if self.share_samples and filled.shape[0] > 1:
-            drawing = proposal_masks(filled.shape[0], self.num_proposals, filled.device)
-            hidden = hidden.expand(filled.shape)
-            shared = self._sample_shared(filled[drawing], hidden[drawing])
+        value = self.observed.value
+        shape = torch.broadcast_shapes(context.shape, context.shape[:1] + value.shape)
+        if self.share_samples and (shape[0] > 1 or self.unmasked_proposal):
+            drawing = proposal_masks(shape[0], self.num_proposals, value.device)
+            # Only the masks that draw need filled inputs.
+            contexts = context.expand(shape)[drawing]
+            if self.unmasked_proposal:  # the guide on the input with nothing hidden
+                unmasked = self.context(torch.zeros_like(masks[:1])).expand((1,) + shape[1:])
+                contexts = torch.cat([contexts, unmasked])
+            filled = fill_masked(value, ~contexts, self.fill)
+            shared = self._sample_shared(filled, ~contexts)
             if shared is not None:
                 log_w, ll = shared
-                context = context.expand(filled.shape)
+                context = context.expand(shape)
                 log_joint = log_w.unsqueeze(1) + context_log_likelihoods(ll, context)
-                self._record(log_joint.detach(), self.observed.entries, drawing)
+                targets = log_joint[:, drawing]
+                if self.unmasked_proposal:
+                    full = log_w.unsqueeze(1) + context_log_likelihoods(ll, contexts[-1:])
+                    targets = torch.cat([targets, full], 1)
+                self._record(log_joint.detach(), self.observed.entries, targets.detach())
                 return shared_sample_log_conditionals(log_joint, ll)
+        filled, hidden = fill_masked(value, ~context, self.fill), ~context
         log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
         log_joint = log_w.detach() + masked_sum(ll.detach(), context)
@@ -182,13 +201,14 @@ class ImportanceSelfPredictive(SelfPredictive):
             return jackknife_importance_log_conditionals(log_w, ll, context)
         return importance_log_conditionals(log_w, ll, context)
 
-    def _record(self, log_joint, entries, drawing=slice(None)):
-        """Keeps the weights' diagnostics of every mask, and the log weights of the masks
-        that drew samples (``drawing``), the targets of :meth:`proposal_loss`."""
+    def _record(self, log_joint, entries, targets=None):
+        """Keeps the weights' diagnostics of every mask, and the log weights toward the
+        posteriors that the proposals approximate, the targets of :meth:`proposal_loss`:
+        ``targets`` (one column per proposal), or every mask's own."""
         self.diagnostics = ImportanceDiagnostics.of(
             log_joint, None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
         )
-        self._log_joint = log_joint[:, drawing]
+        self._log_joint = log_joint if targets is None else targets
 
     def proposal_loss(self):
         """The wake-phase loss of the guide for the samples of the last :meth:`log_prob`:
@@ -327,6 +347,11 @@ class ImportanceSampling(Conditionals):
         pooled ``S * num_proposals`` draws. More masks than proposals cut the spread of the
         MPT estimate over masks, the main noise of its gradient, at the cost of matrix
         products instead of model runs (see :ref:`deep-vae-masks`). None: every mask draws.
+    :param bool unmasked_proposal: with ``share_samples``, also draw ``S`` latents from the
+        guide on the input with nothing hidden (missing entries stay hidden) and pool them
+        with the masks' draws: the mixture then proposes well for the masks that hide
+        little, whose posteriors are close to ``p(z | x)``, and the wake update trains the
+        guide on the unmasked input too. The model runs ``S`` times more per observation.
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as
@@ -348,7 +373,13 @@ class ImportanceSampling(Conditionals):
     guide_loss = "wake"
 
     def __init__(
-        self, num_samples=64, fill="zeros", debias=None, share_samples=False, num_proposals=None
+        self,
+        num_samples=64,
+        fill="zeros",
+        debias=None,
+        share_samples=False,
+        num_proposals=None,
+        unmasked_proposal=False,
     ):
         self.num_samples = check_positive_int("num_samples", num_samples)
         if share_samples not in (True, False):
@@ -371,6 +402,17 @@ class ImportanceSampling(Conditionals):
                     f"or leave num_proposals=None."
                 )
         self.num_proposals = num_proposals
+        if unmasked_proposal not in (True, False):
+            raise ValueError(
+                f"unmasked_proposal must be True or False, got {unmasked_proposal!r}. True adds "
+                f"S draws from the guide on the unmasked input to the pooled draws."
+            )
+        if unmasked_proposal and not share_samples:
+            raise ValueError(
+                "unmasked_proposal=True needs share_samples=True: the unmasked input's draws "
+                "serve the masks only when they are pooled. Pass share_samples=True."
+            )
+        self.unmasked_proposal = bool(unmasked_proposal)
         self.fill = check_fill(fill)
         if debias not in DEBIAS:
             raise ValueError(
@@ -389,6 +431,8 @@ class ImportanceSampling(Conditionals):
         shared = ", share_samples=True" if self.share_samples else ""
         if self.num_proposals is not None:
             shared += f", num_proposals={self.num_proposals}"
+        if self.unmasked_proposal:
+            shared += ", unmasked_proposal=True"
         options = f"num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared}"
         return f"ImportanceSampling({options})"
 
@@ -411,6 +455,7 @@ class ImportanceSampling(Conditionals):
             self.debias,
             self.share_samples,
             self.num_proposals,
+            self.unmasked_proposal,
         )
 
 
