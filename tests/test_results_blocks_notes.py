@@ -81,3 +81,20 @@ def test_rates_note_states_convergence_and_paired_differences_against_the_seed_s
     assert "Every trained run (9 of 9) had levelled off" in _convergence_text(res, {})
     one = _comparison_text(res, "fixed", [("area_minus_fixed", "nats", 1, 1.0)], 1)
     assert one.startswith("One seed")
+
+
+def test_long_training_note_says_from_which_epoch_the_elbo_stays_ahead():
+    from experiments.results_blocks_benchmarks import _standing_text
+
+    epochs = [5, 10, 15, 20, 25]
+    elbo = [-150.0, -120.0, -110.0, -112.0, -105.0]
+    # -111 at epoch 25: the ELBO's -112 at epoch 20 is below it, so the ELBO stays ahead
+    # only from epoch 25 on; by hand, the last fifth (one evaluation back) moved it by
+    # -111 - (-115) = +4 and the ELBO by -105 - (-112) = +7.
+    text = _standing_text("MPT", [-160.0, -130.0, -120.0, -115.0, -111.0], elbo, epochs)
+    assert "−111.00 at epoch 25" in text
+    assert "from epoch 25 on" in text
+    assert "moved by +4.00 from epoch 20 (the ELBO by +7.00)" in text
+    low = _standing_text("low", [-200.0] * 5, elbo, epochs)
+    assert "below the ELBO's at every evaluation;" in low
+    assert "at or above" in _standing_text("high", [-100.0] * 5, elbo, epochs)
