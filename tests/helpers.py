@@ -47,3 +47,14 @@ def ppca_max_likelihood_lml(x, latent_dim):
     weight = eigvecs[:, :latent_dim] * (eigvals[:latent_dim] - sigma2).sqrt()
     model_cov = weight @ weight.T + sigma2 * torch.eye(d)
     return torch.distributions.MultivariateNormal(mean, model_cov).log_prob(x).mean()
+
+
+class CountedCalls:
+    """A model (or any function) that counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)

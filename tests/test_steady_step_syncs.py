@@ -25,6 +25,7 @@ from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
+from tests.helpers import CountedCalls
 
 #: ``loss_and_grads`` returns the loss as a float, as ``Trace_ELBO``'s does.
 PYRO_CONVENTION = {("loss.py", "MPTLoss.loss_and_grads", "item")}
@@ -55,27 +56,18 @@ def _bernoulli_decoder(x):
         pyro.sample("x", dist.Bernoulli(logits=z @ weight.T).to_event(1), obs=x)
 
 
-class _Counted:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.fn(*args, **kwargs)
-
-
 def _case(name):
     """``(model, guide, loss, data)`` of a small model."""
     if name == "linear-gaussian auto":
         data = torch.randn(64, 2) @ torch.randn(2, 6) + 0.5 * torch.randn(64, 6)
-        return _Counted(_linear_gaussian), _no_guide, MPTLoss(conditionals="auto"), data
+        return CountedCalls(_linear_gaussian), _no_guide, MPTLoss(conditionals="auto"), data
     if name == "bernoulli quadrature":
         data = torch.bernoulli(torch.full((64, 10), 0.3))
         loss = MPTLoss(conditionals=Quadrature(8))
-        return _Counted(_bernoulli_decoder), _no_guide, loss, data
+        return CountedCalls(_bernoulli_decoder), _no_guide, loss, data
     vae = VAE(10, latent_dim=8, hidden_dim=16)
     data = torch.bernoulli(torch.full((64, 10), 0.3))
-    return _Counted(vae.model), vae.guide, MPTLoss(conditionals=ImportanceSampling(8)), data
+    return CountedCalls(vae.model), vae.guide, MPTLoss(conditionals=ImportanceSampling(8)), data
 
 
 def _steady_step(name):

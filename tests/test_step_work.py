@@ -1,7 +1,13 @@
-"""How many times the first SVI step runs a model: five for exact and quadrature
-conditionals when the guide draws nothing and the priors are shared by every observation
-(docs/performance.rst, "The first step"), and the checks folded into those runs still
-refuse the models they are there to refuse."""
+"""How much a step does besides arithmetic. The first SVI step runs a model five times
+for exact and quadrature conditionals when the guide draws nothing and the priors are
+shared by every observation (docs/performance.rst, "The first step"), and the checks folded
+into those runs still refuse the models they are there to refuse. A steady step finds what
+the first step read by identity: it works out no call signature, compares none of its
+parts, and, with Pyro's validation off, repeats none of the checks of data whose shape and
+dtype the call's key already fixes."""
+
+import contextlib
+import sys
 
 import pyro
 import pyro.distributions as dist
@@ -10,17 +16,13 @@ import torch
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
 
+import pyro_mpt
 from pyro_mpt import MPTLoss
-from pyro_mpt.conditionals import Exact, Quadrature
+from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature
+from pyro_mpt.models import VAE
+from tests.helpers import CountedCalls
 
-
-class _Counted:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.fn(*args, **kwargs)
+PACKAGE = pyro_mpt.__path__[0]
 
 
 def _linear_gaussian(x):
@@ -43,7 +45,7 @@ def _no_guide(*args):
 
 def _first_step_runs(model, data, conditionals, guide=_no_guide):
     pyro.clear_param_store()
-    counted = _Counted(model)
+    counted = CountedCalls(model)
     guide = AutoNormal(counted) if guide is AutoNormal else guide
     svi = SVI(
         counted, guide, pyro.optim.Adam({"lr": 0.01}), loss=MPTLoss(conditionals=conditionals)
@@ -89,7 +91,7 @@ def test_a_prior_that_differs_between_observations_adds_one_run():
     torch.manual_seed(0)
     x, c = torch.randn(16, 3), torch.randn(16, 2)
     pyro.clear_param_store()
-    counted = _Counted(model)
+    counted = CountedCalls(model)
     svi = SVI(counted, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=MPTLoss(conditionals=Exact()))
     svi.step(x, c)
     assert counted.calls == 6
@@ -113,3 +115,64 @@ def test_dropout_is_refused_whatever_the_callers_seed(seed):
     loss = MPTLoss(conditionals=Quadrature(8))
     with pytest.raises(ValueError, match=r"same latent values.*dropout"):
         loss.differentiable_loss(_dropout_model, _no_guide, x)
+
+
+@contextlib.contextmanager
+def _called():
+    """The names of the package's functions called in the block."""
+    names = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            names.add(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        yield names
+    finally:
+        sys.setprofile(None)
+
+
+def _case(name):
+    torch.manual_seed(0)
+    if name == "exact":
+        return _linear_gaussian, _no_guide, MPTLoss(), torch.randn(64, 6)
+    data = torch.bernoulli(torch.full((64, 10), 0.3))
+    if name == "quadrature":
+        return _bernoulli, _no_guide, MPTLoss(), data
+    vae = VAE(10, latent_dim=8, hidden_dim=16)
+    return vae.model, vae.guide, MPTLoss(conditionals=ImportanceSampling(4)), data
+
+
+@pytest.mark.filterwarnings("ignore::pyro_mpt.errors.ImportanceAccuracyWarning")
+@pytest.mark.parametrize("name", ["exact", "quadrature", "importance"])
+@pytest.mark.parametrize("validation", [True, False])
+def test_a_steady_step_finds_its_structure_by_identity(name, validation):
+    pyro.clear_param_store()
+    model, guide, loss, data = _case(name)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+    with pyro.validation_enabled(validation):
+        with _called() as first:
+            svi.step(data[:16])
+        svi.step(data[16:32])
+        with _called() as names:
+            svi.step(data[32:48])
+    assert {"call_signature", "read_structure", "_check_dtype"} <= first
+    assert "call_signature" not in names
+    assert "_Same.__eq__" not in names
+    assert "read_structure" not in names
+    # Data whose shape and dtype the key fixes is checked again only under validation.
+    assert ("_check_dtype" in names) == validation
+
+
+def test_the_first_step_still_checks_the_dtype_with_validation_off():
+    def model(x):
+        weight = pyro.param("weight", lambda: 0.3 * torch.randn(x.shape[-1], 2))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 0.5).to_event(1), obs=x)
+
+    pyro.clear_param_store()
+    svi = SVI(model, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=MPTLoss())
+    with pyro.validation_enabled(False), pytest.raises(TypeError, match="integer data"):
+        svi.step(torch.randint(3, (16, 6)))
