@@ -8,15 +8,16 @@ trained by ``Trace_ELBO``, by the IWAE bound and by ``MPTLoss(guide_loss="wake")
 as the IWAE bound with ``k = S * Q`` does). Masks that draw nothing cost matrix products
 only, and average more stages of the chain rule per image, the main noise of the MPT
 gradient. Rows marked ``+unmasked`` pass ``unmasked_proposal=True``: the guide on the
-unmasked image draws ``S`` more, pooled with the masks' draws. Every run starts from the same initialisation per seed and sees the same
-batches; held-out LML per image by the IWAE bound with each run's own encoder and
-``eval_samples`` draws (the same procedure for every row). Step: the median over
-interleaved rounds of one optimiser step on a batch, against a ``Trace_ELBO`` step in the
-same rounds.
+unmasked image draws ``S`` more, pooled with the masks' draws. Every run starts from the
+same initialisation per seed and sees the same batches; held-out LML per image by the IWAE
+bound with each run's own encoder and ``eval_samples`` draws (the same procedure for every
+row). Step: the median over interleaved rounds of one optimiser step on a batch, against a
+``Trace_ELBO`` step in the same rounds.
 
 ``--long`` trains the ELBO, IWAE (k=8) and two MPT rows (P=16, Q=4, S=2, and P=16,
-Q=1+unmasked, S=4, both with eight draws per image) five times as long, 100 epochs, with the held-out LML every 5 epochs, to show where each stands once the
-ELBO has levelled off: whether MPT only trains slower, or levels off lower.
+Q=1+unmasked, S=4, both with eight draws per image) five times as long, 100 epochs, with
+the held-out LML every 5 epochs, to show where each stands once the ELBO has levelled off:
+whether MPT only trains slower, or levels off lower.
 
 Usage::
 
