@@ -269,4 +269,3 @@ def _score_steps(prepared, orderings, steps, counts):
     terms = select_steps(log_probs, orderings, steps)
     keep = counts.index_select(-1, torch.as_tensor(steps, device=counts.device)).movedim(-1, 1)
     return torch.where(keep, terms, terms.new_zeros(()))
-
