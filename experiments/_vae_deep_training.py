@@ -44,14 +44,16 @@ GROUPS = {
     "Gaussian K=16": ("normal", 16),
 }
 
-#: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss). ``"iwae"`` is
-#: ``RenyiELBO(alpha=0)`` with as many particles as the MPT rows' importance samples.
+#: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss, whether the guide on
+#: the unmasked image proposes too). ``"iwae"`` is ``RenyiELBO(alpha=0)`` with as many
+#: particles as the MPT rows' importance samples.
 OBJECTIVES = {
-    "ELBO": ("elbo", None),
-    "IWAE": ("iwae", None),
-    "MPT, guide_loss=None": ("mpt", None),
-    "MPT, guide_loss='elbo'": ("mpt", "elbo"),
-    "MPT, guide_loss='wake'": ("mpt", "wake"),
+    "ELBO": ("elbo", None, False),
+    "IWAE": ("iwae", None, False),
+    "MPT, guide_loss=None": ("mpt", None, False),
+    "MPT, guide_loss='elbo'": ("mpt", "elbo", False),
+    "MPT, guide_loss='wake'": ("mpt", "wake", False),
+    "MPT, guide_loss='wake', unmasked proposal": ("mpt", "wake", True),
 }
 
 
@@ -65,8 +67,9 @@ def _rows(group):
             label=label,
             loss_kind=loss_kind,
             guide_loss=guide_loss,
+            unmasked_proposal=unmasked,
         )
-        for label, (loss_kind, guide_loss) in OBJECTIVES.items()
+        for label, (loss_kind, guide_loss, unmasked) in OBJECTIVES.items()
     }
 
 
@@ -88,7 +91,9 @@ def make_loss(method, cfg):
     ``P = cfg["train_masks"]`` (1 when absent) and ``Q = cfg["train_proposals"]`` (``P``
     when absent): ``P`` masks per image, ``Q`` of which draw ``S // Q`` samples each; the
     draws are pooled, so that every mask's conditionals use ``S`` samples and the model
-    runs ``S`` times per image, as IWAE's."""
+    runs ``S`` times per image, as IWAE's. The row with the unmasked proposal draws
+    ``S // 2`` from one of the masks and ``S // 2`` from the guide on the unmasked image
+    (``num_proposals=1, unmasked_proposal=True``): ``S`` draws per image too."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -99,11 +104,19 @@ def make_loss(method, cfg):
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
         proposals = min(cfg.get("train_proposals", masks), masks)
-        conditionals = ImportanceSampling(
-            num_samples=samples // proposals,
-            share_samples=masks > 1,
-            num_proposals=proposals if proposals < masks else None,
-        )
+        if method.get("unmasked_proposal"):
+            conditionals = ImportanceSampling(
+                num_samples=max(1, samples // 2),
+                share_samples=True,
+                num_proposals=1,
+                unmasked_proposal=True,
+            )
+        else:
+            conditionals = ImportanceSampling(
+                num_samples=samples // proposals,
+                share_samples=masks > 1,
+                num_proposals=proposals if proposals < masks else None,
+            )
         return MPTLoss(
             rate="uniform",
             num_masks=masks,
@@ -116,10 +129,17 @@ def make_loss(method, cfg):
     )
 
 
-def masks_text(cfg):
+def masks_text(cfg, unmasked=False):
     """How the MPT rows' masks use the draws, in words, e.g. "P=16 masks per image, Q=4 of
-    which draw, the draws pooled"."""
+    which draw, the draws pooled"; with ``unmasked``, those of the row whose guide on the
+    unmasked image proposes too."""
     masks = cfg.get("train_masks", 1)
+    if unmasked:
+        half = max(1, cfg["train_samples"] // 2)
+        return (
+            f"P={masks} masks per image, one of which and the unmasked image draw {half} "
+            f"each, the draws pooled"
+        )
     proposals = min(cfg.get("train_proposals", masks), masks)
     if masks == 1:
         return "P=Q=1 mask per image"
