@@ -375,9 +375,9 @@ def _advance_random_state(device):
 
 def _explain_disagreement(structure, log_prob_at, points, subsamples):
     """Raises the :class:`ValueError` that names the cause when a model that disagreed with
-    its plain run is random at fixed latents, or mixes values across its batch: two more
-    runs at the first two check points, from another random state and without the other
-    points. Returns when neither is the cause."""
+    its plain run is random at fixed latents, or mixes values across its batch: three more
+    runs, at the first two check points from two random states, and among all five.
+    Returns when neither is the cause."""
     with torch.no_grad(), same_random_state():
         full = log_prob_at(points[:2], False)
         again = full if subsamples else log_prob_at(points[:2], False, False)
