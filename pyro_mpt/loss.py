@@ -10,8 +10,9 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.util import warn_if_nan
 
-from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, as_conditionals
+from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, STRUCTURE_AWARE, as_conditionals
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
+from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.estimators import mpt_estimate
 from pyro_mpt.ops.mask_rates import as_rate_schedule
@@ -133,6 +134,7 @@ class MPTLoss(ELBO):
         self._warned_untrained_guide = False
         self._last_call = None
         self._signature = None
+        self._steady = None
         self._kept = None
         self._guess_traces = None
         self.diagnostics = None
@@ -162,16 +164,29 @@ class MPTLoss(ELBO):
         key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
         if key == self._last_call:
             # A later call like the last one that succeeded (the next mini-batch): the
-            # plate nesting is known, the guide's sites were compared, parameters exist.
-            # The strategies of this package take that call's signature, the very object
-            # they remember, so that they find their structure without comparing anew.
+            # plate nesting is known, the guide's sites were compared, parameters exist, and
+            # the strategy that prepared it (auto's choice) prepares this one, from the
+            # structure it read then where it has one (see _steady_route).
             try:
-                conditionals, nesting = self.conditionals, self.max_plate_nesting
-                if type(conditionals).prepare in SIGNATURE_AWARE:
+                strategy, structure = self._steady
+                try:
+                    nesting = self.max_plate_nesting
+                    if structure is not None:
+                        prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
+                    elif type(strategy).prepare in SIGNATURE_AWARE:
+                        signature = self._signature
+                        prepared = strategy.prepare(model, guide, args, kwargs, nesting, signature)
+                    else:
+                        prepared = strategy.prepare(model, guide, args, kwargs, nesting)
+                except NotApplicableError:
+                    if strategy is self.conditionals:
+                        raise
+                    # Auto's choice no longer applies (the model changed): auto searches again.
                     signature = self._signature
-                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting, signature)
-                else:
-                    prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
+                    prepared = self.conditionals.search(
+                        model, guide, args, kwargs, nesting, signature
+                    )
+                    self._steady = self._steady_route(signature)
                 estimates = self._estimate(prepared)
             except BaseException:
                 self._last_call = None
@@ -187,6 +202,16 @@ class MPTLoss(ELBO):
         if prepared.diagnostics is not None:
             warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return prepared, estimates
+
+    def _steady_route(self, signature):
+        """How later calls like a successful one of ``signature`` are prepared: the strategy
+        that prepared it (auto's choice) and the structure that strategy read for it, or None
+        for a strategy that finds its own (it is then passed the signature where it takes
+        one)."""
+        strategy = _chosen(self.conditionals)
+        if type(strategy).prepare in STRUCTURE_AWARE:
+            return strategy, strategy.structure_for(signature)
+        return strategy, None
 
     def _call_key(self, model, guide, args, kwargs):
         """What identifies a call: the model and the guide (functions, or methods and their
@@ -232,13 +257,13 @@ class MPTLoss(ELBO):
             # The traces of the guess serve the comparison of the guide's sites too.
             check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
             conditionals, nesting = self.conditionals, self.max_plate_nesting
-            signature = call_signature(model, args, kwargs, nesting)
+            signature = self._signature = call_signature(model, args, kwargs, nesting)
             if type(conditionals).prepare in SIGNATURE_AWARE:
                 prepared = conditionals.prepare(model, guide, args, kwargs, nesting, signature)
             else:
                 prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
             estimates = self._estimate(prepared)
-        self._signature = signature
+        self._steady = self._steady_route(signature)
         return prepared, estimates
 
     def _estimate(self, prepared):

@@ -65,3 +65,44 @@ def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
     assert isinstance(loss.conditionals.chosen, Quadrature)
     expected = Quadrature().prepare(model, None, (x,), {})
     torch.testing.assert_close(prepared.log_prob(masks), expected.log_prob(masks), rtol=0, atol=0)
+
+
+def test_a_steady_step_searches_again_when_autos_choice_stops_applying(monkeypatch):
+    likelihood = {"kind": "normal"}
+
+    def model(x):
+        weight = torch.linspace(-1, 1, 2 * x.shape[-1]).reshape(-1, 2)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            loc = z @ weight.T
+            if likelihood["kind"] == "normal":
+                pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+            else:
+                pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
+
+    x = torch.bernoulli(torch.full((8, 5), 0.5))
+    loss = MPTLoss()
+    loss.loss(model, None, x)
+    loss.loss(model, None, x.flip(0))
+    assert isinstance(loss.conditionals.chosen, Exact)
+    likelihood["kind"] = "bernoulli"  # exact conditionals no longer apply
+    loss.loss(model, None, x)  # a steady call: the loss goes to auto's choice, then searches
+    chosen = loss.conditionals.chosen
+    assert isinstance(chosen, Quadrature)
+    quadrature = _Counting(monkeypatch, Quadrature)
+    monkeypatch.setattr(Quadrature, "prepare_with", _counted(Quadrature.prepare_with))
+    loss.loss(model, None, x.flip(0))
+    # The next call goes straight to the new choice, with the structure it read.
+    assert loss.conditionals.chosen is chosen and quadrature.calls == 0
+    assert Quadrature.prepare_with.calls == 1
+
+
+def _counted(method):
+    """``method`` wrapped to count its calls (in its ``calls`` attribute)."""
+
+    def counted(*args, **kwargs):
+        counted.calls += 1
+        return method(*args, **kwargs)
+
+    counted.calls = 0
+    return counted

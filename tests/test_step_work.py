@@ -176,3 +176,32 @@ def test_the_first_step_still_checks_the_dtype_with_validation_off():
     svi = SVI(model, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=MPTLoss())
     with pyro.validation_enabled(False), pytest.raises(TypeError, match="integer data"):
         svi.step(torch.randint(3, (16, 6)))
+
+
+@pytest.mark.parametrize(
+    "model, data, chosen",
+    [
+        (_linear_gaussian, torch.randn(48, 6), Exact),
+        (_bernoulli, torch.bernoulli(torch.full((48, 8), 0.3)), Quadrature),
+    ],
+)
+def test_a_steady_step_calls_autos_choice_with_the_structure_the_loss_holds(model, data, chosen):
+    # Auto decides once per structure; later steps go to its choice directly, which takes
+    # the structure the loss holds instead of looking it up.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    loss = MPTLoss(conditionals="auto")
+    svi = SVI(model, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+    svi.step(data[:16])
+    auto = loss.conditionals
+    assert isinstance(auto.chosen, chosen)
+    auto.prepare = CountedCalls(auto.prepare)
+    auto.search = CountedCalls(auto.search)
+    auto.chosen._structure.get = CountedCalls(auto.chosen._structure.get)
+    auto.chosen.prepare_with = CountedCalls(auto.chosen.prepare_with)
+    svi.step(data[16:32])
+    svi.step(data[32:48])
+    assert auto.prepare.calls == 0
+    assert auto.search.calls == 0
+    assert auto.chosen._structure.get.calls == 0
+    assert auto.chosen.prepare_with.calls == 2

@@ -21,7 +21,15 @@ from pyro_mpt.ops.masks import sample_masks
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
 
-__all__ = ["ACCURACY_TOL", "Auto", "CONVERGENCE_TOL", "STRATEGIES", "as_conditionals"]
+__all__ = [
+    "ACCURACY_TOL",
+    "Auto",
+    "CONVERGENCE_TOL",
+    "SIGNATURE_AWARE",
+    "STRATEGIES",
+    "STRUCTURE_AWARE",
+    "as_conditionals",
+]
 
 logger = logging.getLogger("pyro_mpt")
 
@@ -139,6 +147,18 @@ class Auto(Conditionals):
                 pass  # the model changed: search again
         return self._search(model, guide, args, kwargs, max_plate_nesting, key)
 
+    def search(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
+        """Tries the strategies anew and remembers the one that suits the model: what
+        :meth:`prepare` does on a first call, and when the chosen strategy no longer applies
+        (a caller that prepares with :attr:`chosen` itself calls this then).
+
+        :param signature: as for :meth:`prepare`.
+        """
+        key = signature
+        if key is None:
+            key = call_signature(model, args, kwargs, max_plate_nesting)
+        return self._search(model, guide, args, kwargs, max_plate_nesting, key)
+
     def _try(self, strategy, model, guide, args, kwargs, max_plate_nesting, reasons, key=None):
         """``strategy.prepare(...)``, or None (with the reason kept) when it does not apply.
         A strategy that does not apply leaves the random state as it found it: a seeded call
@@ -254,6 +274,10 @@ class Auto(Conditionals):
 SIGNATURE_AWARE = frozenset(
     {Auto.prepare, Exact.prepare, Quadrature.prepare, ImportanceSampling.prepare}
 )
+
+#: The ``prepare`` methods that read the model's structure and hand it to ``prepare_with``:
+#: a caller that holds the structure (``structure_for``) calls ``prepare_with`` itself.
+STRUCTURE_AWARE = frozenset({Exact.prepare, Quadrature.prepare})
 
 #: A sentence of a strategy's error that advises ``conditionals='auto'``.
 _ADVISES_AUTO = re.compile(r"Use conditionals='auto'[^.]*\.")

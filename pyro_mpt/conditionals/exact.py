@@ -120,9 +120,19 @@ class Exact(Conditionals):
             when the caller has it already (worked out here otherwise).
         """
         structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
+        return self.prepare_with(structure, model, guide, args, kwargs)
+
+    def structure_for(self, signature):
+        """The structure :meth:`prepare` read for calls of ``signature`` (the very object it
+        was passed), or None: a caller that holds it calls :meth:`prepare_with`."""
+        return self._structure.held(signature)
+
+    def prepare_with(self, structure, model, guide, args, kwargs):
+        """:meth:`prepare` for a call like the one ``structure`` was read from (the same
+        model and argument shapes): the model runs once, at the probe points."""
         if not structure.latents:
             # The model's one run is the structure trace itself.
-            structure = read_structure(model, args, kwargs, max_plate_nesting)
+            structure = read_structure(model, args, kwargs, structure.max_plate_nesting)
             return GaussianSelfPredictive(no_latent_form(structure), factor_log_prob(structure))
         form, extra_log_prob = extract_gaussian_form(model, args, kwargs, structure)
         return GaussianSelfPredictive(form, extra_log_prob)

@@ -137,6 +137,16 @@ class Quadrature(Conditionals):
             when the caller has it already (worked out here otherwise).
         """
         structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
+        return self.prepare_with(structure, model, guide, args, kwargs)
+
+    def structure_for(self, signature):
+        """The structure :meth:`prepare` read for calls of ``signature`` (the very object it
+        was passed), or None: a caller that holds it calls :meth:`prepare_with`."""
+        return self._structure.held(signature)
+
+    def prepare_with(self, structure, model, guide, args, kwargs):
+        """:meth:`prepare` for a call like the one ``structure`` was read from (the same
+        model and argument shapes): the model runs once, at the nodes."""
         observed = structure.observed
         if not structure.latents:
             raise NotApplicableError(

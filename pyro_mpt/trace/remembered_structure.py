@@ -82,3 +82,8 @@ class RememberedStructure:
         # finds the structure by identity, with no comparison of its parts.
         self._signature = signature
         return self._structure
+
+    def held(self, signature):
+        """The structure read for ``signature``, the very object last passed to :meth:`get`
+        (found by identity, with no comparison); None for any other."""
+        return self._structure if signature is self._signature else None
