@@ -300,6 +300,33 @@ def test_wake_gradient_trains_the_unmasked_proposal_too():
     _assert_kl_gradients(grads, x, proposing, m, s)
 
 
+def test_only_the_unmasked_input_proposing_keeps_every_mask_right():
+    """With num_proposals=0 only the guide on the unmasked input draws (3000 samples): every
+    mask's conditionals stay within a few standard errors of the closed form, and the wake
+    gradient is d KL(p(z | x) || q) of the unmasked input alone."""
+    x = _data(3)
+    sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
+    masks = masks_of_sizes(sizes, 5)
+    exact = _exact_conditionals(x, masks)
+    strategy = ImportanceSampling(3000, share_samples=True, num_proposals=0, unmasked_proposal=True)
+    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
+    repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
+    assert prepared.diagnostics.num_samples == 3000  # the unmasked input's draws only
+    error = (repeats.mean(0) - exact)[masks]
+    standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
+    assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
+
+    x = _data(6)
+    strategy = ImportanceSampling(
+        20000, share_samples=True, num_proposals=0, unmasked_proposal=True
+    )
+    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
+    prepared.log_prob(masks_of_sizes(torch.tensor([[1] * 6, [3] * 6, [5] * 6]), 5))
+    m, s = pyro.param("m"), pyro.param("s")
+    grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
+    _assert_kl_gradients(grads, x, torch.zeros(1, 6, 5, dtype=torch.bool), m, s)
+
+
 def test_unmasked_proposal_is_checked():
     with pytest.raises(ValueError, match=r"unmasked_proposal=True needs share_samples=True"):
         ImportanceSampling(num_samples=4, unmasked_proposal=True)
@@ -312,8 +339,12 @@ def test_unmasked_proposal_is_checked():
 def test_num_proposals_is_checked():
     with pytest.raises(ValueError, match=r"num_proposals=2 needs share_samples=True"):
         ImportanceSampling(num_samples=4, num_proposals=2)
-    with pytest.raises(ValueError, match=r"num_proposals"):
+    with pytest.raises(ValueError, match=r"num_proposals=0 is accepted only with unmasked_pr"):
         ImportanceSampling(num_samples=4, share_samples=True, num_proposals=0)
+    with pytest.raises(ValueError, match=r"num_proposals"):
+        ImportanceSampling(num_samples=4, share_samples=True, num_proposals=-1)
+    with pytest.raises(TypeError, match=r"num_proposals"):
+        ImportanceSampling(4, share_samples=True, num_proposals=0.5, unmasked_proposal=True)
     assert "num_proposals=2" in repr(ImportanceSampling(4, share_samples=True, num_proposals=2))
 
 

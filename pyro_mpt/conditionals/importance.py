@@ -157,9 +157,11 @@ class ImportanceSelfPredictive(SelfPredictive):
             )
         # log q_p(z_k) of every pooled draw under every mask's proposal.
         log_q_mix = mixture_log_density(proposal_log_density(scored, guided, lead))
-        # The model at each pooled draw once (any mask's filled data: the model reads none).
-        at_draws = guided._replace(guide=replay(defensive_discrete(guided.guide), trace=pooled))
-        _, model_trace = run_guided(at_draws, filled[:1], pooled_size, hidden=hidden[:1])
+        # The model at each pooled draw once (any mask's filled data: the model reads none),
+        # replayed against the pooled draws without running the guide again.
+        _, model_trace = run_guided(
+            guided, filled[:1], pooled_size, hidden=hidden[:1], guide_trace=pooled
+        )
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (pooled_size, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
@@ -346,7 +348,9 @@ class ImportanceSampling(Conditionals):
         samples (``S`` each, spread over the mask sizes); the other masks only reweight the
         pooled ``S * num_proposals`` draws. More masks than proposals cut the spread of the
         MPT estimate over masks, the main noise of its gradient, at the cost of matrix
-        products instead of model runs (see :ref:`deep-vae-masks`). None: every mask draws.
+        products instead of model runs (see :ref:`deep-vae-masks`). None: every mask draws;
+        0 (with ``unmasked_proposal``): none does, and the guide on the unmasked input draws
+        every sample, the setting that trains a deep VAE best (:ref:`deep-vae-masks`).
     :param bool unmasked_proposal: with ``share_samples``, also draw ``S`` latents from the
         guide on the input with nothing hidden (missing entries stay hidden) and pool them
         with the masks' draws: the mixture then proposes well for the masks that hide
@@ -394,7 +398,14 @@ class ImportanceSampling(Conditionals):
             )
         self.share_samples = bool(share_samples)
         if num_proposals is not None:
-            check_positive_int("num_proposals", num_proposals)
+            if isinstance(num_proposals, bool) or num_proposals != 0 or not unmasked_proposal:
+                check_positive_int(
+                    "num_proposals",
+                    num_proposals,
+                    "num_proposals=0 is accepted only with unmasked_proposal=True, where the "
+                    "guide on the unmasked input draws every sample.",
+                )
+            num_proposals = int(num_proposals)
             if not share_samples:
                 raise ValueError(
                     f"num_proposals={num_proposals!r} needs share_samples=True: only pooled "

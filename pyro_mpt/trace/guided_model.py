@@ -345,7 +345,7 @@ def _check_proposal(guide_trace, local, guide, what):
             )
 
 
-def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
+def run_guided(guided, filled, num_samples, replay_model=True, hidden=None, guide_trace=None):
     """Runs the guide on filled data and replays the model against its latents.
 
     **Guides for masked inputs.** Filled data do not say which entries were filled: where 0
@@ -365,6 +365,8 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
     :param bool replay_model: whether to run the model against the guide's latents.
     :param torch.Tensor hidden: booleans that broadcast to ``filled``, ``True`` at masked or
         missing entries; ``None`` when nothing is hidden.
+    :param guide_trace: a trace of the guide's latents, of these batch dims, to replay the
+        model against instead of running the guide (which then is not run at all).
     :returns: ``(guide_trace, model_trace)``; every site has the batch dims
         ``(S, P) + batch``; ``model_trace`` is None unless ``replay_model``.
     """
@@ -383,9 +385,10 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None):
         pyro.plate(_MASK_PLATE, lead[-1], dim=-(nesting + 1)),
     ):
         try:
-            guide_trace = poutine.trace(defensive_discrete(guided.guide)).get_trace(
-                data, *guided.args[1:], **guide_kwargs
-            )
+            if guide_trace is None:
+                guide_trace = poutine.trace(defensive_discrete(guided.guide)).get_trace(
+                    data, *guided.args[1:], **guide_kwargs
+                )
         except (ValueError, RuntimeError, IndexError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise NotApplicableError(
