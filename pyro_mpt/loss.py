@@ -14,9 +14,13 @@ from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, STRUCTURE_AWARE, as_cond
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
-from pyro_mpt.ops.estimators import mpt_estimate
-from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.ops.masks import check_num_masks, process_generator, sample_masks
+from pyro_mpt.ops.masks import (
+    as_rate_schedule,
+    check_num_masks,
+    mpt_estimate,
+    process_generator,
+    sample_masks,
+)
 from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
 from pyro_mpt.trace.plate_nesting import (
@@ -60,7 +64,7 @@ class MPTLoss(ELBO):
 
     :param rate: the mask-size schedule: ``"uniform"``, a float in ``(0, 1]`` (fixed rate),
         or a pair ``(lo, hi)`` (a random rate per mask, as in R2MAE). See
-        :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`.
+        :func:`pyro_mpt.ops.masks.as_rate_schedule`.
     :param int num_masks: masks per observation and step, all scored in one vectorized
         pass. Their sizes are stratified, so ``num_masks=D`` with ``rate="uniform"`` sums
         over every mask size exactly once.

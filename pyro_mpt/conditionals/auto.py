@@ -16,8 +16,7 @@ from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
 from pyro_mpt.errors import NotApplicableError
-from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.ops.masks import sample_masks
+from pyro_mpt.ops.masks import as_rate_schedule, sample_masks
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
 

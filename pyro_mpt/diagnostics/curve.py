@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.ops.mask_rates import FixedRate
+from pyro_mpt.ops.masks import FixedRate
 
 __all__ = ["MPTCurve", "check_rates", "default_rates", "rate_sizes"]
 
@@ -110,7 +110,7 @@ def check_rates(rates, name="rates"):
 
 def rate_sizes(rates, num_features):
     """The mask sizes ``max(1, floor(r D + 1/2))`` (halves up) of each rate for
-    ``D = num_features``, as :class:`~pyro_mpt.ops.mask_rates.FixedRate` draws them, long
+    ``D = num_features``, as :class:`~pyro_mpt.ops.masks.FixedRate` draws them, long
     ``(R,)``."""
     zero = torch.zeros(1, dtype=torch.float64)
     return torch.cat([FixedRate(float(r)).sizes_from_quantiles(zero, num_features) for r in rates])

@@ -7,8 +7,7 @@ import torch
 
 from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
-from pyro_mpt.ops.estimators import mask_scores
-from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
 
 __all__ = ["mpt_curve"]

@@ -9,8 +9,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 
 from pyro_mpt.ops.active_set import active_set_predictive, split_masks
 from pyro_mpt.ops.gaussian import normal_log_prob
-from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.ops.masks import check_num_masks, sample_masks
+from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 
 __all__ = ["MaskedPredictiveLogLikelihood"]
 
@@ -80,7 +79,7 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     :param model: the exact GP (``gpytorch.models.ExactGP``).
     :param rate: the mask-size schedule: ``"uniform"`` (unbiased), a float in ``(0, 1]`` (fixed
         rate; ``|R| = N - max(1, floor(rate N + 1/2))``) or a pair ``(lo, hi)``; see
-        :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`.
+        :func:`pyro_mpt.ops.masks.as_rate_schedule`.
     :param int num_masks: masks averaged per call, with stratified sizes; each mask is shared
         by every GP of a batch.
 

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from pyro_mpt.errors import check_positive_int
-from pyro_mpt.ops.mask_rates import as_rate_schedule
+from pyro_mpt.ops.masks import as_rate_schedule
 from pyro_mpt.transformers import mask_units
 from pyro_mpt.transformers._collator_context import RankStream, calling_trainer, trainer_ignores
 from pyro_mpt.transformers._padding import pad_examples
@@ -71,7 +71,7 @@ class MPTDataCollator:
     For each sequence ``i`` the collator counts its ``D_i`` maskable units (tokens that are
     neither special nor padding; whole words with ``whole_word_mask=True``), draws a mask size
     ``M_i`` from the rate schedule (the same schedules as :class:`pyro_mpt.MPTLoss`, through
-    :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`), and masks ``M_i`` units uniformly at random,
+    :func:`pyro_mpt.ops.masks.as_rate_schedule`), and masks ``M_i`` units uniformly at random,
     or as SpanBERT spans with ``span_masking=True``. Masked tokens are corrupted as in BERT
     (``[MASK]`` with probability ``mask_replace_prob``, a random non-special token with
     probability ``random_replace_prob``, else kept; one draw per unit) and scored: ``labels``
@@ -102,7 +102,7 @@ class MPTDataCollator:
         sequences differ in length).
     :param rate: ``"uniform"`` (the default), a fixed rate ``r`` such as ``0.15``, or a pair
         ``(lo, hi)`` (a random rate per sequence, R2MAE); see
-        :func:`pyro_mpt.ops.mask_rates.as_rate_schedule`. A fixed rate masks exactly
+        :func:`pyro_mpt.ops.masks.as_rate_schedule`. A fixed rate masks exactly
         ``M = max(1, floor(r D + 1/2))`` units: halves round up, so ``D = 30`` at ``0.15``
         masks 5 (Python's ``round`` would give 4).
     :param float mask_replace_prob: chance that a masked unit becomes the mask token.

@@ -4,8 +4,7 @@ or the uniform schedule of masked pre-training."""
 import torch
 
 from pyro_mpt.errors import check_positive_int
-from pyro_mpt.ops.mask_rates import as_rate_schedule
-from pyro_mpt.ops.masks import masks_of_sizes
+from pyro_mpt.ops.masks import as_rate_schedule, masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers.vit_mae import masked_forward, num_patches
 
