@@ -13,8 +13,8 @@ from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
-from pyro_mpt.trace.point_parameters import point_parameter
 from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.trace.whitened_latents import point_parameter
 
 __all__ = [
     "BernoulliQuadratureSelfPredictive",

@@ -28,9 +28,8 @@ from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.trace.observed_site import ObservedSite
-from pyro_mpt.trace.point_parameters import point_parameter
 from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.trace.whitened_latents import run_at_points
+from pyro_mpt.trace.whitened_latents import point_parameter, run_at_points
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
 
@@ -147,10 +146,12 @@ def extract_gaussian_form(model, args, kwargs, structure):
     obs_site = structure.trace.nodes[observed.name]
     if not structure.latents:
         raise ValueError("extract_gaussian_form needs a model with local latents.")
-    _check_normal(obs_site["fn"], observed.name)  # before the run at the points
     layout = structure.point_layout
     points = _PROBES.get(layout) if layout is not None else None
-    if points is None:  # once per structure: the points depend on nothing else
+    if points is None:  # once per structure: the check and the points depend on nothing else
+        base = unwrap_independent(obs_site["fn"])
+        if not isinstance(base, torch.distributions.Normal):  # before the run at the points
+            raise _not_normal(base, observed.name)
         first = structure.trace.nodes[structure.latents[0].name]["value"]
         points = _probe_points(structure.latent_dim, first.dtype, first.device)
         if layout is not None:
@@ -165,16 +166,14 @@ def no_latent_form(structure):
     return _no_latent_form(structure.trace.nodes[observed.name], observed, structure.scale)
 
 
-def _check_normal(fn, name):
-    """The base distribution of the observed site ``fn``, which must be ``Normal``."""
-    base = unwrap_independent(fn)
-    if not isinstance(base, torch.distributions.Normal):
-        raise NotGaussianError(
-            f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
-            f"conditionals need a Normal likelihood whose loc is affine in the latents. Use "
-            f"conditionals='auto', or 'quadrature' or 'importance'."
-        )
-    return base
+def _not_normal(base, name):
+    """The error for an observed site ``name`` whose base distribution ``base`` is not
+    ``Normal``."""
+    return NotGaussianError(
+        f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
+        f"conditionals need a Normal likelihood whose loc is affine in the latents. Use "
+        f"conditionals='auto', or 'quadrature' or 'importance'."
+    )
 
 
 #: The structures (by their :class:`~pyro_mpt.trace.model_structure.PointLayout`) whose
@@ -189,7 +188,9 @@ def _form_at_points(structure, run, points):
     :func:`_probe_points`, verified at its check points (on every call while Pyro's
     validation is enabled, else on the first with the structure)."""
     observed, fn, latents = run.observed, run.fn, list(structure.latent_names)
-    base = _check_normal(fn, observed.name)
+    base = unwrap_independent(fn)
+    if not isinstance(base, torch.distributions.Normal):
+        raise _not_normal(base, observed.name)
     num_latent = points.shape[-1]
     locs = point_parameter(base.loc, fn, observed).expand(
         points.shape[:1] + (-1,) * observed.value.dim()

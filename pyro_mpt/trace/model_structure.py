@@ -18,7 +18,12 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.trace.observed_site import ObservedSite, read_observed_site, site_scale
+from pyro_mpt.trace.observed_site import (
+    ObservedSite,
+    observed_in_run,
+    read_observed_site,
+    site_scale,
+)
 from pyro_mpt.trace.structure_checks import check_latent_effects, check_plates_cover_batch
 from pyro_mpt.trace.trace_utils import plate_frames, unwrap_independent
 
@@ -353,18 +358,3 @@ def _read_structure(model, args, kwargs, what):
         tuple(latent.name for latent in latents),
         sum(latent.size for latent in latents),
     )
-
-
-def observed_in_run(structure, trace):
-    """The observed site and its scale in another run of the model (at points, or against
-    samples), read and checked as :func:`read_structure` reads them: ``(observed, scale)``.
-    """
-    site = trace.nodes.get(structure.observed.name)
-    if site is None:
-        raise ValueError(
-            f"The model did not sample observed site {structure.observed.name!r} on this run; "
-            f"MPTLoss needs the same sites on every run of the model."
-        )
-    first = structure.observed
-    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    return observed, site_scale(site, observed.batch_shape)

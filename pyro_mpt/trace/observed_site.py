@@ -10,7 +10,7 @@ from torch.distributions import constraints
 
 from pyro_mpt.trace.trace_utils import distribution_mask, flatten_tail, unwrap_independent
 
-__all__ = ["ObservedSite", "read_observed_site", "site_scale"]
+__all__ = ["ObservedSite", "observed_in_run", "read_observed_site", "site_scale"]
 
 
 class ObservedSite(NamedTuple):
@@ -96,20 +96,18 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     validate = is_validation_enabled()
     if validate or not checked:
         _check_dtype(name, site["value"], fn)
+        shape = site["value"].shape
+        broadcasts = len(shape) <= len(full_shape)
+        for size, target in zip(reversed(shape), reversed(full_shape)):
+            broadcasts = broadcasts and size in (1, target)
+        if not broadcasts:
+            raise ValueError(
+                f"Observed site {name!r} has a value of shape {tuple(shape)} that "
+                f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
+                f"subsampled plate, observe the subsample: obs=pyro.subsample(x, "
+                f"event_dim=...) or x[ind] with the plate's indices."
+            )
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
-    shape = site["value"].shape
-    if (validate or not checked) and (
-        len(shape) > len(full_shape)
-        or any(
-            size not in (1, target) for size, target in zip(reversed(shape), reversed(full_shape))
-        )
-    ):
-        raise ValueError(
-            f"Observed site {name!r} has a value of shape {tuple(shape)} that "
-            f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
-            f"subsampled plate, observe the subsample: obs=pyro.subsample(x, event_dim=...) "
-            f"or x[ind] with the plate's indices."
-        )
     value = given = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
     dtype = _parameter_dtype(fn)
     if value.is_floating_point() and dtype is not None and dtype != value.dtype:
@@ -209,3 +207,19 @@ def site_scale(site, batch_shape):
             f"across the features of an observation; MPTLoss supports one scale per "
             f"observation (shape broadcastable to {tuple(batch_shape)})."
         ) from None
+
+
+def observed_in_run(structure, trace):
+    """The observed site and its scale in another run of a model whose
+    :class:`~pyro_mpt.trace.model_structure.ModelStructure` is ``structure`` (at points, or
+    against samples), read and checked as the structure's own: ``(observed, scale)``.
+    """
+    site = trace.nodes.get(structure.observed.name)
+    if site is None:
+        raise ValueError(
+            f"The model did not sample observed site {structure.observed.name!r} on this run; "
+            f"MPTLoss needs the same sites on every run of the model."
+        )
+    first = structure.observed
+    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
+    return observed, site_scale(site, observed.batch_shape)

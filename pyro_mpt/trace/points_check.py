@@ -40,9 +40,9 @@ def check_model_at_points(model, args, kwargs, structure, run):
     Nothing here touches the caller's random state.
 
     :param run: how the model is run at points:
-        ``run(model, args, kwargs, structure, points, compact, first_rows, watch=...)``
-        returns a :class:`~pyro_mpt.trace.whitened_latents.PointsRun` (the runner of
-        :func:`~pyro_mpt.trace.whitened_latents.run_at_points`, passed in so that this
+        ``run(model, args, kwargs, structure, points, compact=..., first_rows=...,
+        watch=...)`` returns a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`
+        (:func:`~pyro_mpt.trace.whitened_latents.run_at_points`, passed in so that this
         module does not import the one that calls it).
     """
     generator = torch.Generator().manual_seed(0)
@@ -61,7 +61,14 @@ def check_model_at_points(model, args, kwargs, structure, run):
             if not same_state:
                 _advance_random_state(first.device)
             return run(
-                model, args, kwargs, structure, points, compact, first_rows, watch=watch_rows
+                model,
+                args,
+                kwargs,
+                structure,
+                points,
+                compact=compact,
+                first_rows=first_rows,
+                watch=watch_rows,
             )
 
         def log_prob_at(points, compact, same_state=True, first_rows=False):

@@ -31,13 +31,14 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
 from pyro_mpt.trace.factors import check_factors, factor_log_prob
-from pyro_mpt.trace.model_structure import observed_in_run
+from pyro_mpt.trace.observed_site import observed_in_run
 from pyro_mpt.trace.points_check import check_model_at_points
 from pyro_mpt.trace.structure_checks import scale_mismatch
-from pyro_mpt.trace.trace_utils import narrow_broadcast_dims, unwrap_independent
+from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwrap_independent
 
 __all__ = [
     "PointsRun",
+    "point_parameter",
     "points_plate",
     "run_at_points",
     "whiten",
@@ -251,42 +252,47 @@ class _LatentsAtPoints(Messenger):
         return u.shape[:1] + pad + tuple(lead) + full[num_obs:]
 
 
-def run_at_points(model, args, kwargs, structure, points, memory_check=None):
-    """Runs ``model`` with its local latents at whitened ``points``: ``(Q, K)`` shared by
-    every observation, or ``(Q,) + batch + (K,)``. The first run of a structure checks the
-    model first (:func:`~pyro_mpt.trace.points_check.check_model_at_points`).
-
-    :param memory_check: if given, called as ``memory_check(num_points, dtype)`` before the
-        run forms latent values that differ per observation (it may raise to refuse a run
-        too large for memory).
-    :returns: a :class:`PointsRun`.
-    """
-    layout = structure.point_layout
-    if layout.shared is None:
-        layout.shared = check_model_at_points(model, args, kwargs, structure, _run)
-    shared = points.dim() == 2 and layout.shared
-    # The first run of the structure checked its factors; later ones do under validation.
-    check = is_validation_enabled()
-    return _run(
-        model, args, kwargs, structure, points, shared, memory_check=memory_check, check=check
-    )
-
-
-def _run(
+def run_at_points(
     model,
     args,
     kwargs,
     structure,
     points,
-    compact,
-    first_rows=False,
     memory_check=None,
-    check=True,
+    *,
+    compact=None,
+    first_rows=False,
+    check=None,
     watch=False,
 ):
-    """The :class:`PointsRun` of ``model`` at ``points``; with ``check``, its ``pyro.factor``
-    terms are checked not to depend on the latents (a read of the device); with ``watch``,
-    its priors are compared between observations (see :class:`_LatentsAtPoints`)."""
+    """Runs ``model`` with its local latents at whitened ``points``: ``(Q, K)`` shared by
+    every observation, or ``(Q,) + batch + (K,)``. The first run of a structure checks the
+    model first (:func:`~pyro_mpt.trace.points_check.check_model_at_points`), which decides
+    whether shared points keep the observations' dims of size one.
+
+    :param memory_check: if given, called as ``memory_check(num_points, dtype)`` before the
+        run forms latent values that differ per observation (it may raise to refuse a run
+        too large for memory).
+    :param compact: whether shared points keep the observations' dims of size one; None
+        (the default): as the structure's check decided. The check itself passes it, and
+        ``first_rows`` (every prior taken from its first observation, see
+        :class:`_LatentsAtPoints`) and ``watch`` (whether some prior's parameters differ
+        between observations, :attr:`PointsRun.rows_differ`).
+    :param check: whether the run's ``pyro.factor`` terms are checked not to depend on the
+        latents (a read of the device); None (the default): while Pyro's validation is
+        enabled, the structure's first run having checked them, or always when ``compact``
+        is given.
+    :returns: a :class:`PointsRun`.
+    """
+    if compact is None:
+        layout = structure.point_layout
+        if layout.shared is None:
+            layout.shared = check_model_at_points(model, args, kwargs, structure, run_at_points)
+        compact = points.dim() == 2 and layout.shared
+        if check is None:
+            check = is_validation_enabled()
+    elif check is None:
+        check = True
     if points.dim() == 2 and not compact:  # the same points for every observation
         batch = structure.observed.batch_shape
         points = points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:])
@@ -317,3 +323,46 @@ def _run(
         check_factors(structure, trace, "integrating the latents out")
     extra_log_prob = factor_log_prob(structure, trace)
     return PointsRun(fn, trace, observed, scale, extra_log_prob, rows_differ)
+
+
+def _unexpanded(tensor, num_dims):
+    """The tensor that ``tensor`` was broadcast from, when it is a plain ``expand`` view (as
+    plates make), left-padded to ``num_dims`` dims; else ``tensor``, padded.
+
+    Narrowing a broadcast view would make autograd allocate the full broadcast shape in the
+    backward pass; taking the view's base keeps the graph small.
+    """
+    base = tensor._base
+    if base is not None and base.dim() <= tensor.dim():
+        padded = base.reshape((1,) * (tensor.dim() - base.dim()) + base.shape)
+        try:
+            same = padded.expand(tensor.shape)
+        except RuntimeError:
+            same = None
+        if (
+            same is not None
+            and same.stride() == tensor.stride()
+            and same.data_ptr() == tensor.data_ptr()
+        ):
+            tensor = padded
+    return tensor.reshape((1,) * (num_dims - tensor.dim()) + tensor.shape)
+
+
+def point_parameter(param, fn, observed):
+    """A parameter of the observed distribution ``fn`` of a :func:`run_at_points` run as
+    ``(Q,) + batch + (D,)``, with dims of size 1 where it is the same for every point or
+    every observation: a decoder's output at the nodes stays one copy for every
+    observation.
+
+    :raises RuntimeError: if its shape does not broadcast to the observations.
+    """
+    full = fn.batch_shape + fn.event_shape
+    num_lead = len(full) - observed.num_feature_dims
+    param = _unexpanded(param, len(full))
+    param = param.expand(param.shape[:num_lead] + full[num_lead:])
+    param = narrow_broadcast_dims(param, num_lead)
+    param = flatten_tail(param, observed.num_feature_dims)
+    param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
+    target = (param.shape[0],) + observed.batch_shape + observed.value.shape[-1:]
+    torch.broadcast_shapes(param.shape, target)
+    return param
