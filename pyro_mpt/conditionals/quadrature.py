@@ -121,6 +121,8 @@ class Quadrature(Conditionals):
         self.max_latent_dim = int(max_latent_dim)
         self.center = center
         self.max_memory_gb = None if max_memory_gb is None else float(max_memory_gb)
+        # The rule's nodes and log-weights in the dtypes and on the devices used so far.
+        self._grids = {}
 
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
@@ -169,9 +171,12 @@ class Quadrature(Conditionals):
             )
         # Nodes follow the latents' dtype: observations may be integers (counts, classes).
         first = structure.trace.nodes[structure.latents[0].name]["value"]
-        nodes, log_weights = gauss_hermite_grid(
-            self.num_points, latent_dim, first.dtype, first.device
-        )
+        grid_key = (latent_dim, first.dtype, first.device)
+        grid = self._grids.get(grid_key)
+        if grid is None:  # once per latent dimension, dtype and device
+            grid = gauss_hermite_grid(self.num_points, *grid_key)
+            self._grids[grid_key] = grid
+        nodes, log_weights = grid
         if self.center == "guide":
             if guide is None:
                 raise NotApplicableError("quadrature with center='guide' needs a guide.")
