@@ -8,14 +8,16 @@ trained by ``Trace_ELBO``, by the IWAE bound and by ``MPTLoss(guide_loss="wake")
 as the IWAE bound with ``k = S * Q`` does). Masks that draw nothing cost matrix products
 only, and average more stages of the chain rule per image, the main noise of the MPT
 gradient. Rows marked ``+unmasked`` pass ``unmasked_proposal=True``: the guide on the
-unmasked image draws ``S`` more, pooled with the masks' draws. Every run starts from the
+unmasked image draws ``S`` more, pooled with the masks' draws; ``Q=0+unmasked``: only the
+guide on the unmasked image draws (``num_proposals=0``). Every run starts from the
 same initialisation per seed and sees the same batches; held-out LML per image by the IWAE
 bound with each run's own encoder and ``eval_samples`` draws (the same procedure for every
 row). Step: the median over interleaved rounds of one optimiser step on a batch, against a
 ``Trace_ELBO`` step in the same rounds.
 
-``--long`` trains the ELBO, IWAE (k=8) and two MPT rows (P=16, Q=4, S=2, and P=16,
-Q=1+unmasked, S=4, both with eight draws per image) five times as long, 100 epochs, with
+``--long`` trains the ELBO, IWAE (k=8) and three MPT rows (P=16, Q=4, S=2; P=16,
+Q=1+unmasked, S=4; P=16, Q=0+unmasked, S=8; all with eight draws per image) five times as
+long, 100 epochs, with
 the held-out LML every 5 epochs, to show where each stands once the ELBO has levelled off:
 whether MPT only trains slower, or levels off lower.
 
@@ -54,7 +56,7 @@ SIZES = {
     "long": dict(N=2000, N_test=100, hidden=200, latent=16, epochs=100, batch=100, lr=3e-3,
                  eval_samples=1000, eval_every=5, timing_rounds=5, timing_steps=5,
                  rows=["Trace_ELBO", "IWAE, k=8", "MPT, P=16, Q=4, S=2",
-                       "MPT, P=16, Q=1+unmasked, S=4"]),
+                       "MPT, P=16, Q=1+unmasked, S=4", "MPT, P=16, Q=0+unmasked, S=8"]),
     "smoke": dict(N=64, N_test=16, hidden=16, latent=4, epochs=2, batch=32, lr=1e-2,
                   eval_samples=32, eval_every=1, timing_rounds=1, timing_steps=1, rows=None),
 }  # fmt: skip
@@ -72,6 +74,8 @@ ROWS = {
     "MPT, P=16, Q=4, S=8": ("mpt", 16, 4, 8, False),
     "MPT, P=16, Q=4+unmasked, S=2": ("mpt", 16, 4, 2, True),
     "MPT, P=16, Q=1+unmasked, S=4": ("mpt", 16, 1, 4, True),
+    "MPT, P=8, Q=0+unmasked, S=8": ("mpt", 8, 0, 8, True),
+    "MPT, P=16, Q=0+unmasked, S=8": ("mpt", 16, 0, 8, True),
 }
 
 
@@ -164,7 +168,7 @@ def run(device, smoke=False, long=False, seeds=2):
         results.append(
             dict(
                 row=label,
-                draws_per_image=samples * ((proposals or 1) + unmasked),
+                draws_per_image=samples * ((1 if proposals is None else proposals) + unmasked),
                 held_out=statistics.mean(values),
                 held_out_per_seed=values,
                 vs_elbo=statistics.mean(gaps),

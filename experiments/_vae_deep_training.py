@@ -44,16 +44,18 @@ GROUPS = {
     "Gaussian K=16": ("normal", 16),
 }
 
-#: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss, whether the guide on
-#: the unmasked image proposes too). ``"iwae"`` is ``RenyiELBO(alpha=0)`` with as many
-#: particles as the MPT rows' importance samples.
+#: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss, where the draws
+#: come from: ``"masks"``, some of the masks; ``"masks+unmasked"``, one mask and the guide
+#: on the unmasked image; ``"unmasked"``, the guide on the unmasked image only). ``"iwae"``
+#: is ``RenyiELBO(alpha=0)`` with as many particles as the MPT rows' importance samples.
 OBJECTIVES = {
-    "ELBO": ("elbo", None, False),
-    "IWAE": ("iwae", None, False),
-    "MPT, guide_loss=None": ("mpt", None, False),
-    "MPT, guide_loss='elbo'": ("mpt", "elbo", False),
-    "MPT, guide_loss='wake'": ("mpt", "wake", False),
-    "MPT, guide_loss='wake', unmasked proposal": ("mpt", "wake", True),
+    "ELBO": ("elbo", None, None),
+    "IWAE": ("iwae", None, None),
+    "MPT, guide_loss=None": ("mpt", None, "masks"),
+    "MPT, guide_loss='elbo'": ("mpt", "elbo", "masks"),
+    "MPT, guide_loss='wake'": ("mpt", "wake", "masks"),
+    "MPT, guide_loss='wake', unmasked proposal": ("mpt", "wake", "masks+unmasked"),
+    "MPT, guide_loss='wake', unmasked proposal only": ("mpt", "wake", "unmasked"),
 }
 
 
@@ -67,9 +69,9 @@ def _rows(group):
             label=label,
             loss_kind=loss_kind,
             guide_loss=guide_loss,
-            unmasked_proposal=unmasked,
+            proposals=proposals,
         )
-        for label, (loss_kind, guide_loss, unmasked) in OBJECTIVES.items()
+        for label, (loss_kind, guide_loss, proposals) in OBJECTIVES.items()
     }
 
 
@@ -93,7 +95,9 @@ def make_loss(method, cfg):
     draws are pooled, so that every mask's conditionals use ``S`` samples and the model
     runs ``S`` times per image, as IWAE's. The row with the unmasked proposal draws
     ``S // 2`` from one of the masks and ``S // 2`` from the guide on the unmasked image
-    (``num_proposals=1, unmasked_proposal=True``): ``S`` draws per image too."""
+    (``num_proposals=1, unmasked_proposal=True``), the row with the unmasked proposal only
+    all ``S`` from the guide on the unmasked image (``num_proposals=0``): ``S`` draws per
+    image too."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -104,11 +108,12 @@ def make_loss(method, cfg):
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
         proposals = min(cfg.get("train_proposals", masks), masks)
-        if method.get("unmasked_proposal"):
+        if method["proposals"] in ("masks+unmasked", "unmasked"):
+            only = method["proposals"] == "unmasked"
             conditionals = ImportanceSampling(
-                num_samples=max(1, samples // 2),
+                num_samples=samples if only else max(1, samples // 2),
                 share_samples=True,
-                num_proposals=1,
+                num_proposals=0 if only else 1,
                 unmasked_proposal=True,
             )
         else:
@@ -129,12 +134,16 @@ def make_loss(method, cfg):
     )
 
 
-def masks_text(cfg, unmasked=False):
+def masks_text(cfg, proposals="masks"):
     """How the MPT rows' masks use the draws, in words, e.g. "P=16 masks per image, Q=4 of
-    which draw, the draws pooled"; with ``unmasked``, those of the row whose guide on the
-    unmasked image proposes too."""
+    which draw, the draws pooled"; ``proposals`` as in :data:`OBJECTIVES`."""
     masks = cfg.get("train_masks", 1)
-    if unmasked:
+    if proposals == "unmasked":
+        return (
+            f"P={masks} masks per image, the unmasked image drawing all "
+            f"{cfg['train_samples']}"
+        )
+    if proposals == "masks+unmasked":
         half = max(1, cfg["train_samples"] // 2)
         return (
             f"P={masks} masks per image, one of which and the unmasked image draw {half} "

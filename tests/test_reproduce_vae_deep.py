@@ -250,13 +250,21 @@ def test_make_loss_builds_each_row():
             assert loss.num_particles == cfg["train_samples"] and loss.vectorize_particles
         else:
             assert isinstance(loss, MPTLoss) and loss.guide_loss == method["guide_loss"]
-            if method["unmasked_proposal"]:
+            if method["proposals"] == "masks+unmasked":
                 # One mask and the unmasked image draw S // 2 each: S pooled draws.
                 assert loss.conditionals.unmasked_proposal and loss.conditionals.share_samples
                 assert loss.conditionals.num_proposals == 1
                 assert loss.conditionals.num_samples * 2 == cfg["train_samples"]
                 assert loss.num_masks == cfg["train_masks"]
                 continue
+            if method["proposals"] == "unmasked":
+                # The unmasked image draws all S; no mask draws.
+                assert loss.conditionals.unmasked_proposal and loss.conditionals.share_samples
+                assert loss.conditionals.num_proposals == 0
+                assert loss.conditionals.num_samples == cfg["train_samples"]
+                assert loss.num_masks == cfg["train_masks"]
+                continue
+            assert method["proposals"] == "masks"
             assert not loss.conditionals.unmasked_proposal
             # P masks per image, Q of which draw S // Q each: S pooled samples for each
             # mask's conditionals.
