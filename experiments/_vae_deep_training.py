@@ -96,7 +96,8 @@ def make_loss(method, cfg):
     runs ``S`` times per image, as IWAE's. The row with the unmasked proposal draws
     ``S // 2`` from one of the masks and ``S // 2`` from the guide on the unmasked image
     (``num_proposals=1, unmasked_proposal=True``), the row with the unmasked proposal only
-    all ``S`` from the guide on the unmasked image (``num_proposals=0``): ``S`` draws per
+    all ``S`` from the guide on the unmasked image (``num_proposals=0``), with
+    ``cfg["unmasked_only_masks"]`` masks per image (``P`` when absent): ``S`` draws per
     image too."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
@@ -110,6 +111,8 @@ def make_loss(method, cfg):
         proposals = min(cfg.get("train_proposals", masks), masks)
         if method["proposals"] in ("masks+unmasked", "unmasked"):
             only = method["proposals"] == "unmasked"
+            if only:
+                masks = cfg.get("unmasked_only_masks", masks)
             conditionals = ImportanceSampling(
                 num_samples=samples if only else max(1, samples // 2),
                 share_samples=True,
@@ -140,8 +143,8 @@ def masks_text(cfg, proposals="masks"):
     masks = cfg.get("train_masks", 1)
     if proposals == "unmasked":
         return (
-            f"P={masks} masks per image, the unmasked image drawing all "
-            f"{cfg['train_samples']}"
+            f"P={cfg.get('unmasked_only_masks', masks)} masks per image, the unmasked image "
+            f"drawing all {cfg['train_samples']}"
         )
     if proposals == "masks+unmasked":
         half = max(1, cfg["train_samples"] // 2)

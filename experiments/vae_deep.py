@@ -71,7 +71,8 @@ NAME = "vae-deep"
 #: The sizes of each preset. ``train_samples``: S, the pooled importance samples of each
 #: image and the IWAE rows' particles; ``train_masks``: the masks per image that use them;
 #: ``train_proposals``: how many of those masks draw them (``train_samples // train_proposals``
-#: each);
+#: each); ``unmasked_only_masks``: the masks per image of the row whose draws all come
+#: from the guide on the unmasked image;
 #: ``eval_*``: the per-epoch own-encoder LML; ``refit_*``: the fresh encoder;
 #: ``final_samples``: its IWAE bound; ``chunk``: (sample, image) pairs per pass;
 #: ``gaussian_rows``: ``"best"`` (the ELBO and the best MPT row without the ELBO) or
@@ -80,14 +81,15 @@ NAME = "vae-deep"
 _PRESETS = {
     "smoke": dict(
         N=64, N_test=16, batch=32, epochs=3, lr=2e-2, hidden=16, train_samples=4, train_masks=4,
-        train_proposals=2, seeds=2,
+        train_proposals=2, unmasked_only_masks=3, seeds=2,
         eval_size=16, eval_samples=8, eval_chunk=16, refit_steps=6, refit_batch=32,
         refit_samples=4, refit_lr=1e-2, final_samples=64, quadrature_points=8, chunk=1024,
         timing_rounds=2, timing_steps=1, noise_scale=0.2, gaussian_rows="best",
     ),
     "default": dict(
         N=2000, N_test=100, batch=100, epochs=20, lr=3e-3, hidden=200, train_samples=8,
-        train_masks=16, train_proposals=4, seeds=3, eval_size=64, eval_samples=64,
+        train_masks=16, train_proposals=4, unmasked_only_masks=12, seeds=3, eval_size=64,
+        eval_samples=64,
         eval_chunk=64, refit_steps=150, refit_batch=50, refit_samples=16, refit_lr=3e-3,
         final_samples=5000,
         quadrature_points=48, chunk=20000, timing_rounds=7, timing_steps=5, noise_scale=0.2,
@@ -95,7 +97,8 @@ _PRESETS = {
     ),
     "full": dict(
         N=4000, N_test=1000, batch=100, epochs=50, lr=1e-3, hidden=400, train_samples=8,
-        train_masks=16, train_proposals=4, seeds=3, eval_size=200, eval_samples=256,
+        train_masks=16, train_proposals=4, unmasked_only_masks=12, seeds=3, eval_size=200,
+        eval_samples=256,
         eval_chunk=50, refit_steps=2000, refit_batch=100, refit_samples=64, refit_lr=1e-3,
         final_samples=10000,
         quadrature_points=100, chunk=20000, timing_rounds=9, timing_steps=10,

@@ -262,7 +262,7 @@ def test_make_loss_builds_each_row():
                 assert loss.conditionals.unmasked_proposal and loss.conditionals.share_samples
                 assert loss.conditionals.num_proposals == 0
                 assert loss.conditionals.num_samples == cfg["train_samples"]
-                assert loss.num_masks == cfg["train_masks"]
+                assert loss.num_masks == cfg["unmasked_only_masks"] != cfg["train_masks"]
                 continue
             assert method["proposals"] == "masks"
             assert not loss.conditionals.unmasked_proposal
