@@ -33,10 +33,21 @@ def _vae_compare_deep_text(ctx, deep):
         f"hidden units, N={deep['N']} training and {deep['N_test']} held-out images, "
         f"{deep['epochs']} epochs of batches of {deep['batch']}, Adam at {deep['lr']:g}, "
         f"{ctx.code('ImportanceSampling')} with S={deep['train_samples']} draws per image, "
-        f"{_masks_text(deep)}, means over {deep['seeds']} "
+        f"{_masks_text(deep)}{_unmasked_rows_text(deep)}, means over {deep['seeds']} "
         f"seeds; final LML by the IWAE bound with each run's encoder, "
         f"S={deep['eval_samples']}, on {deep['eval_size']} training images; held-out LML "
         f"with a fresh encoder fitted to each decoder, S={deep['final_samples']}:"
+    )
+
+
+def _unmasked_rows_text(deep):
+    """How the rows with the unmasked proposal draw, from a config that has the row with the
+    unmasked proposal only (empty for older result files)."""
+    if "unmasked_only_masks" not in deep:
+        return ""
+    return (
+        f" ({_masks_text(deep, 'masks+unmasked')} for the row with the unmasked proposal; "
+        f"{_masks_text(deep, 'unmasked')} for the row with the unmasked proposal only)"
     )
 
 
