@@ -183,9 +183,14 @@ def test_share_samples_is_checked():
     assert "share_samples=True" in repr(ImportanceSampling(4, share_samples=True))
 
 
-def test_pooled_draws_of_a_guide_with_two_dependent_sites():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_proposals": 0, "unmasked_proposal": True}],
+    ids=["every mask draws", "only the unmasked input draws"],
+)
+def test_pooled_draws_of_a_guide_with_two_dependent_sites(options):
     """A guide whose second site depends on its first draw (q(z2 | z1)): the pooled draws
-    are scored by replaying the guide under every mask. The conditionals of the 2-latent
+    are scored by replaying the guide under every proposal. The conditionals of the 2-latent
     linear-Gaussian model approach the closed form (Schur complement of W W^T + Psi)."""
     weights = torch.tensor([[1.0, 0.3], [-0.5, 0.8], [0.8, -0.6], [1.2, 0.2], [0.3, 1.1]])
     x = torch.randn(3, 2) @ weights.T + B + PSI.sqrt() * torch.randn(3, 5)
@@ -215,7 +220,8 @@ def test_pooled_draws_of_a_guide_with_two_dependent_sites():
                 loc = mean[j] + gain @ (x[n, c] - mean[c])
                 var = covariance[j, j] - covariance[c, j] @ gain
                 exact[p, n, j] = dist.Normal(loc, var.sqrt()).log_prob(x[n, j])
-    prepared = ImportanceSampling(3000, share_samples=True).prepare(model, guide, (x,), {}, 1)
+    strategy = ImportanceSampling(3000, share_samples=True, **options)
+    prepared = strategy.prepare(model, guide, (x,), {}, 1)
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
     error = (repeats.mean(0) - exact)[masks]
     standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
@@ -387,3 +393,22 @@ def test_masks_that_share_draws_telescope_to_the_self_normalised_estimate():
     assert torch.allclose(torch.stack(by_size).mean(), expected, atol=1e-10)
     # One mask size alone is not the expectation: sizes, like masks, add noise of their own.
     assert (torch.stack(by_size) - expected).abs().max() > 1e-3
+
+
+def test_pooled_draws_run_the_guide_once():
+    """With one latent site, one guide run draws every pooled sample and scores it under
+    every proposal; the model is replayed against those draws without a second guide run."""
+    calls = []
+
+    def guide(x, hidden=None):
+        calls.append(x.shape)
+        _mask_aware_guide(x, hidden)
+
+    x = _data(4)
+    masks = masks_of_sizes(torch.tensor([[1, 2, 3, 4], [5, 4, 3, 2], [2, 2, 2, 2]]), 5)
+    for options in ({}, {"num_proposals": 0, "unmasked_proposal": True}):
+        strategy = ImportanceSampling(16, share_samples=True, **options)
+        prepared = strategy.prepare(_model, guide, (x,), {}, 1)
+        calls.clear()
+        prepared.log_prob(masks)
+        assert len(calls) == 1, (options, calls)
