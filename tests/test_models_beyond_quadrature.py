@@ -39,7 +39,15 @@ CASES = {
     "eight_schools_t": functools.partial(deep.eight_schools, "t"),
 }
 
-STRATEGIES = {"auto": lambda: "auto", "importance64": lambda: ImportanceSampling(num_samples=64)}
+STRATEGIES = {
+    "auto": lambda: "auto",
+    "importance64": lambda: ImportanceSampling(num_samples=64),
+    # Every draw from the guide on the unmasked input, reweighted by every mask: the
+    # setting that trains deep VAEs best, held to the same standard.
+    "unmasked64": lambda: ImportanceSampling(
+        num_samples=64, share_samples=True, num_proposals=0, unmasked_proposal=True
+    ),
+}
 
 #: Tolerances in nats per observation, on top of 4 standard errors.
 #: Exact conditionals make the uniform-rate estimate unbiased, and the closed form is exact.
@@ -230,6 +238,10 @@ def test_reference_is_trustworthy(case_name):
 # (D = 4), median ESS 25 and 50 of 64.
 # --------------------------------------------------------------------------------------
 
+# "unmasked64" draws every sample from the guide on the unmasked input: the draws propose
+# for p(z | x), not for the posteriors of the masks that hide most, so the deep models'
+# estimates are off further than with masked proposals (the semi-supervised VAE by +0.40
+# nats per observation on average, up to +0.71) and flagged; the small models stay right.
 MPT_EXPECTED = [
     ("bernoulli_vae", "auto", FLAGGED),
     ("bernoulli_vae", "importance64", FLAGGED),
@@ -245,6 +257,13 @@ MPT_EXPECTED = [
     ("eight_schools_normal", "importance64", RIGHT),
     ("eight_schools_t", "auto", RIGHT),
     ("eight_schools_t", "importance64", RIGHT),
+    ("bernoulli_vae", "unmasked64", FLAGGED),
+    ("semi_supervised_vae", "unmasked64", FLAGGED),
+    ("sparse_gamma_def", "unmasked64", FLAGGED),
+    ("gaussian_mixture_d1", "unmasked64", RIGHT),
+    ("gaussian_mixture_d4", "unmasked64", RIGHT),
+    ("eight_schools_normal", "unmasked64", RIGHT),
+    ("eight_schools_t", "unmasked64", RIGHT),
 ]
 
 
