@@ -42,7 +42,10 @@ def test_auto_goes_straight_to_its_choice(monkeypatch):
     assert (exact.calls, quadrature.calls) == (2, 5)
 
 
-def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
+def _switchable_model():
+    """A linear model with 2 latents whose likelihood switches from normal (exact
+    conditionals apply) to Bernoulli (they do not) when ``likelihood["kind"]`` is set to
+    ``"bernoulli"``: ``(model, likelihood)``."""
     likelihood = {"kind": "normal"}
 
     def model(x):
@@ -55,6 +58,11 @@ def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
             else:
                 pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
 
+    return model, likelihood
+
+
+def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
+    model, likelihood = _switchable_model()
     x = torch.bernoulli(torch.full((8, 5), 0.5))
     loss = MPTLoss()
     loss.loss(model, None, x)
@@ -68,18 +76,7 @@ def test_auto_searches_again_when_its_choice_stops_applying(monkeypatch):
 
 
 def test_a_steady_step_searches_again_when_autos_choice_stops_applying(monkeypatch):
-    likelihood = {"kind": "normal"}
-
-    def model(x):
-        weight = torch.linspace(-1, 1, 2 * x.shape[-1]).reshape(-1, 2)
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
-            loc = z @ weight.T
-            if likelihood["kind"] == "normal":
-                pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
-            else:
-                pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
-
+    model, likelihood = _switchable_model()
     x = torch.bernoulli(torch.full((8, 5), 0.5))
     loss = MPTLoss()
     loss.loss(model, None, x)

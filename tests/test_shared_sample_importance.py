@@ -271,66 +271,49 @@ def test_wake_gradient_trains_the_drawing_masks_proposals():
     _assert_kl_gradients(grads, x, masks[proposal_masks(6, 2)], m, s)
 
 
-def test_an_unmasked_proposal_keeps_every_mask_right():
-    """Two drawing masks and the unmasked input propose 3000 samples each: every mask's
-    conditionals stay within a few standard errors of the closed form (weights against the
-    mixture of the three proposals)."""
+@pytest.mark.parametrize(
+    "num_proposals, pooled", [(2, 9000), (0, 3000)], ids=["two masks draw", "no mask draws"]
+)
+def test_an_unmasked_proposal_keeps_every_mask_right(num_proposals, pooled):
+    """Two drawing masks and the unmasked input, or the unmasked input alone
+    (``num_proposals=0``), propose 3000 samples each: every mask's conditionals stay within
+    a few standard errors of the closed form (weights against the mixture of the
+    proposals)."""
     x = _data(3)
     sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
     masks = masks_of_sizes(sizes, 5)
     exact = _exact_conditionals(x, masks)
-    strategy = ImportanceSampling(3000, share_samples=True, num_proposals=2, unmasked_proposal=True)
+    strategy = ImportanceSampling(
+        3000, share_samples=True, num_proposals=num_proposals, unmasked_proposal=True
+    )
     prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
     repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
-    assert prepared.diagnostics.num_samples == 9000  # three proposals' draws, pooled
+    assert prepared.diagnostics.num_samples == pooled  # the proposals' draws, pooled
     error = (repeats.mean(0) - exact)[masks]
     standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
     assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
 
 
-def test_wake_gradient_trains_the_unmasked_proposal_too():
+@pytest.mark.parametrize("num_proposals", [2, 0], ids=["two masks draw", "no mask draws"])
+def test_wake_gradient_trains_the_unmasked_proposal_too(num_proposals):
     """With unmasked_proposal, the wake loss averages d KL(p(z | x_R) || q) over the drawing
-    masks and the unmasked input, whose posterior is p(z | x) and whose q hides nothing."""
+    masks (none with ``num_proposals=0``) and the unmasked input, whose posterior is
+    p(z | x) and whose q hides nothing."""
     x = _data(6)
     sizes = torch.tensor([[1, 3, 4, 2, 5, 1], [2, 2, 1, 4, 3, 5], [4, 1, 2, 5, 1, 3]])
     sizes = torch.cat([sizes, sizes.flip(0)])
     masks = masks_of_sizes(sizes, 5)
     strategy = ImportanceSampling(
-        num_samples=20000, share_samples=True, num_proposals=2, unmasked_proposal=True
+        num_samples=20000, share_samples=True, num_proposals=num_proposals, unmasked_proposal=True
     )
     prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
     prepared.log_prob(masks)
     m, s = pyro.param("m"), pyro.param("s")
     grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
-    proposing = torch.cat([masks[proposal_masks(6, 2)], torch.zeros_like(masks[:1])])
+    drawing = masks[proposal_masks(6, num_proposals)]
+    proposing = torch.cat([drawing, torch.zeros_like(masks[:1])])
+    assert proposing.shape[0] == num_proposals + 1
     _assert_kl_gradients(grads, x, proposing, m, s)
-
-
-def test_only_the_unmasked_input_proposing_keeps_every_mask_right():
-    """With num_proposals=0 only the guide on the unmasked input draws (3000 samples): every
-    mask's conditionals stay within a few standard errors of the closed form, and the wake
-    gradient is d KL(p(z | x) || q) of the unmasked input alone."""
-    x = _data(3)
-    sizes = torch.tensor([[1, 2, 1], [1, 3, 2], [2, 1, 3], [3, 4, 2], [4, 3, 5], [5, 4, 4]])
-    masks = masks_of_sizes(sizes, 5)
-    exact = _exact_conditionals(x, masks)
-    strategy = ImportanceSampling(3000, share_samples=True, num_proposals=0, unmasked_proposal=True)
-    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
-    repeats = torch.stack([prepared.log_prob(masks).detach() for _ in range(8)])
-    assert prepared.diagnostics.num_samples == 3000  # the unmasked input's draws only
-    error = (repeats.mean(0) - exact)[masks]
-    standard_error = repeats.std(0)[masks] / math.sqrt(repeats.shape[0])
-    assert bool((error.abs() <= 4 * standard_error + 0.005).all()), error
-
-    x = _data(6)
-    strategy = ImportanceSampling(
-        20000, share_samples=True, num_proposals=0, unmasked_proposal=True
-    )
-    prepared = strategy.prepare(_model, _mask_aware_guide, (x,), {}, 1)
-    prepared.log_prob(masks_of_sizes(torch.tensor([[1] * 6, [3] * 6, [5] * 6]), 5))
-    m, s = pyro.param("m"), pyro.param("s")
-    grads = torch.autograd.grad(prepared.proposal_loss(), (m, s))
-    _assert_kl_gradients(grads, x, torch.zeros(1, 6, 5, dtype=torch.bool), m, s)
 
 
 def test_unmasked_proposal_is_checked():
