@@ -10,7 +10,7 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.util import warn_if_nan
 
-from pyro_mpt.conditionals.auto import SIGNATURE_AWARE, STRUCTURE_AWARE, as_conditionals
+from pyro_mpt.conditionals.auto import STRUCTURE_AWARE, as_conditionals, prepare_call
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
@@ -177,11 +177,9 @@ class MPTLoss(ELBO):
                     nesting = self.max_plate_nesting
                     if structure is not None:
                         prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
-                    elif type(strategy).prepare in SIGNATURE_AWARE:
-                        signature = self._signature
-                        prepared = strategy.prepare(model, guide, args, kwargs, nesting, signature)
                     else:
-                        prepared = strategy.prepare(model, guide, args, kwargs, nesting)
+                        call = (model, guide, args, kwargs, nesting, self._signature)
+                        prepared = prepare_call(strategy, *call)
                 except NotApplicableError:
                     if strategy is self.conditionals:
                         raise
@@ -262,10 +260,7 @@ class MPTLoss(ELBO):
             check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
             conditionals, nesting = self.conditionals, self.max_plate_nesting
             signature = self._signature = call_signature(model, args, kwargs, nesting)
-            if type(conditionals).prepare in SIGNATURE_AWARE:
-                prepared = conditionals.prepare(model, guide, args, kwargs, nesting, signature)
-            else:
-                prepared = conditionals.prepare(model, guide, args, kwargs, nesting)
+            prepared = prepare_call(conditionals, model, guide, args, kwargs, nesting, signature)
             estimates = self._estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates

@@ -28,6 +28,7 @@ __all__ = [
     "STRATEGIES",
     "STRUCTURE_AWARE",
     "as_conditionals",
+    "prepare_call",
 ]
 
 logger = logging.getLogger("pyro_mpt")
@@ -137,11 +138,8 @@ class Auto(Conditionals):
             # strategies read a model under same_random_state, and only a model whose
             # structure changed while its argument shapes did not fails here, after which
             # the search starts from the random state that the failed attempt left.
-            chosen = self.chosen
             try:
-                if type(chosen).prepare in SIGNATURE_AWARE:
-                    return chosen.prepare(model, guide, args, kwargs, max_plate_nesting, key)
-                return chosen.prepare(model, guide, args, kwargs, max_plate_nesting)
+                return prepare_call(self.chosen, model, guide, args, kwargs, max_plate_nesting, key)
             except NotApplicableError:
                 pass  # the model changed: search again
         return self._search(model, guide, args, kwargs, max_plate_nesting, key)
@@ -166,9 +164,7 @@ class Auto(Conditionals):
         by identity."""
         state = RandomState()
         try:
-            if key is not None and type(strategy).prepare in SIGNATURE_AWARE:
-                return strategy.prepare(model, guide, args, kwargs, max_plate_nesting, key)
-            return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+            return prepare_call(strategy, model, guide, args, kwargs, max_plate_nesting, key)
         except NotApplicableError as error:
             state.restore()
             # Pyro appends the trace's shapes to errors raised inside a model run.
@@ -273,6 +269,15 @@ class Auto(Conditionals):
 SIGNATURE_AWARE = frozenset(
     {Auto.prepare, Exact.prepare, Quadrature.prepare, ImportanceSampling.prepare}
 )
+
+def prepare_call(strategy, model, guide, args, kwargs, max_plate_nesting, signature=None):
+    """``strategy.prepare(...)``, passing the call's ``signature`` (when given) to the
+    strategies that take it (:data:`SIGNATURE_AWARE`), so that they find what they
+    remembered for it by identity instead of working it out again."""
+    if signature is not None and type(strategy).prepare in SIGNATURE_AWARE:
+        return strategy.prepare(model, guide, args, kwargs, max_plate_nesting, signature)
+    return strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+
 
 #: The ``prepare`` methods that read the model's structure and hand it to ``prepare_with``:
 #: a caller that holds the structure (``structure_for``) calls ``prepare_with`` itself.
