@@ -11,17 +11,19 @@ replaces, forward and backward, at the sizes of the VAE benchmarks (float32).
   hand-written backward) against the plain
   :func:`~pyro_mpt.ops.quadrature_conditionals.quadrature_log_conditionals` on the
   ``(G, N, D)`` log-likelihoods, same sizes;
-* ``importance``: :func:`~pyro_mpt.ops.self_normalised_importance.importance_log_conditionals`
+* ``importance``:
+  :func:`~pyro_mpt.ops.self_normalised_importance.per_sample_importance_log_conditionals`
   (one sample at a time, hand-written backward) against
   :func:`~pyro_mpt.ops.self_normalised_importance.plain_importance_log_conditionals`
-  (``logsumexp`` under autograd), S=16 samples;
+  (``logsumexp`` under autograd), S=16 samples. ``importance_log_conditionals`` takes the
+  first on the CPU and the second elsewhere;
 * ``bernoulli log_prob``: :func:`~pyro_mpt.ops.bernoulli.bernoulli_log_prob` against
   ``torch.distributions.Bernoulli(logits).log_prob``, S x N x D entries;
 * ``masks``: :func:`~pyro_mpt.ops.masks.masks_of_sizes` (16-bit keys sorted by NumPy)
   against :func:`~pyro_mpt.ops.masks.plain_masks_of_sizes` (float64 keys, ``torch.sort``).
 
 A fast path earns its place at 1.3x or more; the script prints each ratio from one run, with
-the calls interleaved.
+the calls interleaved. Run with ``--device cuda`` to see which pay off a GPU.
 
 Usage::
 
@@ -38,7 +40,7 @@ from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_nodes import gauss_hermite_grid
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
 from pyro_mpt.ops.self_normalised_importance import (
-    importance_log_conditionals,
+    per_sample_importance_log_conditionals,
     plain_importance_log_conditionals,
 )
 
@@ -118,7 +120,7 @@ def _cases(device, seed):
         "bernoulli quadrature": (bernoulli_fast, bernoulli_plain),
         "tabulated quadrature": (tabulated_fast, tabulated_plain),
         "importance": (
-            lambda: importance(importance_log_conditionals),
+            lambda: importance(per_sample_importance_log_conditionals),
             lambda: importance(plain_importance_log_conditionals),
         ),
         "bernoulli log_prob": (log_prob_fast, log_prob_plain),

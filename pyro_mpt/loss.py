@@ -293,7 +293,9 @@ class MPTLoss(ELBO):
     def _mpt_loss(self, model, guide, args, kwargs):
         prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
         loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
-        warn_if_nan(loss, "loss")
+        if is_validation_enabled():
+            # Reads the loss back from the device, so only under validation.
+            warn_if_nan(loss, "loss")
         return loss, prepared
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
@@ -303,9 +305,7 @@ class MPTLoss(ELBO):
         its gradient is the MPT gradient for the model's parameters and the guide loss's for
         the guide's.
         """
-        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
-        loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
-        warn_if_nan(loss, "loss")
+        loss, prepared = self._mpt_loss(model, guide, args, kwargs)
         mode = self.guide_loss
         if mode == "auto":
             mode = (getattr(self.conditionals, "chosen", None) or self.conditionals).guide_loss

@@ -17,6 +17,7 @@ from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Exact, ImportanceSampling, Quadrature, as_conditionals
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.models import PPCA, LinearVAE
+from pyro_mpt.ops import self_normalised_importance
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.self_normalised_importance import (
@@ -99,7 +100,7 @@ def test_ops_values_and_gradients_against_logsumexp(shared_masks):
     plain = plain_importance_log_conditionals(log_w, ll, context)
     upstream = torch.randn(got.shape)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (log_w, ll))
-    for value in (got, plain):  # the hand-written passes and the plain version
+    for value in (got, plain):  # the hand-written passes (the CPU's route) and the plain one
         torch.testing.assert_close(value, expected, atol=1e-12, rtol=0)
         grads = torch.autograd.grad((value * upstream).sum(), (log_w, ll))
         for grad, expected_grad in zip(grads, expected_grads):
@@ -111,13 +112,37 @@ def test_ops_impossible_masked_values():
     ll[:3, 0, 0, 1] = -math.inf  # impossible under half the samples
     ll[:, 0, 1, 2] = -math.inf  # impossible under every sample
     context = torch.tensor([[[True, False, True], [True, True, False]]])
-    got = importance_log_conditionals(torch.zeros(6, 1, 2), ll, context)
     log_joint = torch.where(context, ll, 0.0).sum(-1)
     expected = (
         torch.logsumexp(log_joint.unsqueeze(-1) + ll, 0) - torch.logsumexp(log_joint, 0)[..., None]
     )
-    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-    assert got[0, 1, 2] == -math.inf
+    # The CPU's route and the plain one that other devices take.
+    for route in (importance_log_conditionals, plain_importance_log_conditionals):
+        got = route(torch.zeros(6, 1, 2), ll, context)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+        assert got[0, 1, 2] == -math.inf
+
+
+def test_ops_off_the_cpu_take_the_plain_route(monkeypatch):
+    # The per-sample loop pays on the CPU only; other devices (meta here) take the plain
+    # whole-tensor operations.
+    routes = []
+    for name in ("plain_importance_log_conditionals", "per_sample_importance_log_conditionals"):
+        original = getattr(self_normalised_importance, name)
+
+        def spy(*args, _name=name, _original=original):
+            routes.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(self_normalised_importance, name, spy)
+    for device in ("meta", "cpu"):
+        out = self_normalised_importance.importance_log_conditionals(
+            torch.zeros(4, 1, 2, device=device),
+            torch.zeros(4, 1, 2, 3, device=device),
+            torch.ones(1, 2, 3, dtype=torch.bool, device=device),
+        )
+        assert out.shape == (1, 2, 3) and out.device.type == device
+    assert routes == ["plain_importance_log_conditionals", "per_sample_importance_log_conditionals"]
 
 
 def test_fill_masked_zeros_and_means_without_the_masked_values():

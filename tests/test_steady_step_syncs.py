@@ -9,6 +9,9 @@ meta-device tests below show the other branch reads nothing).
 
 import collections
 import math
+import os
+import traceback
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -97,6 +100,47 @@ def test_steady_step_reads_nothing_back(name):
         assert type(loss.conditionals.chosen).__name__ == "Exact"
     unexpected = {key: n for key, n in reads.items() if key not in PYRO_CONVENTION}
     assert unexpected == REMAINING[name]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["linear-gaussian auto", "vae importance", "bernoulli quadrature"])
+def test_steady_step_on_cuda_does_not_synchronize(name):
+    # CUDA's own sync debugging warns at every operation that waits on the device. Counted:
+    # those whose nearest caller outside torch is pyro_mpt (a user's model may wait, e.g.
+    # on a Python float turned into a device tensor). Forward and backward pass of the
+    # steady step, with validation off as above.
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]
+        callers = [
+            f
+            for f in stack
+            if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.endswith("warnings.py")
+        ]
+        if f"{os.sep}pyro_mpt{os.sep}" in callers[-1].filename:
+            frames = " <- ".join(f"{f.filename.split(os.sep)[-1]}:{f.lineno}" for f in stack[-8:])
+            found.append(frames)
+
+    with torch.device("cuda"):
+        model, guide, loss, data = _case(name)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+        for _ in range(3):
+            svi.step(data[torch.randint(64, (16,))])
+        batch = data[torch.randint(64, (16,))]
+        pyro.enable_validation(False)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                loss.differentiable_loss(model, guide, batch).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            pyro.enable_validation(True)
+    assert found == []
 
 
 def test_steady_importance_step_runs_the_model_once():

@@ -2,8 +2,9 @@
 to the host and so make the host wait for the device. Shared by the steady-step test and
 ``benchmarks/step_footprint.py``.
 
-Counted: the tensor methods of :data:`READ_METHODS`, ``torch.equal``, ``torch.allclose`` and
-indexing with a boolean tensor, when the nearest caller outside torch is ``pyro_mpt`` (its
+Counted: the tensor methods of :data:`READ_METHODS`, ``torch.equal``, ``torch.allclose``, the
+factorisations of :data:`CHECKED_LINALG` (they read their error flag back) and indexing with
+a boolean tensor, when the nearest caller outside torch is ``pyro_mpt`` (its
 example models aside). Reads in the functions of :data:`CPU_ONLY` are not counted for CPU
 tensors: they are branches taken for CPU tensors only, with no device to wait for.
 """
@@ -17,7 +18,7 @@ import torch
 
 import pyro_mpt
 
-__all__ = ["CPU_ONLY", "PACKAGE_DIR", "READ_METHODS", "host_reads"]
+__all__ = ["CHECKED_LINALG", "CPU_ONLY", "PACKAGE_DIR", "READ_METHODS", "host_reads"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(pyro_mpt.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -34,6 +35,10 @@ READ_METHODS = (
     "__index__",
     "nonzero",
 )
+
+#: ``torch.linalg`` functions that check their result on the host (their ``_ex`` forms and
+#: the triangular solves do not).
+CHECKED_LINALG = ("cholesky", "inv", "solve")
 
 #: ``(file, function name)`` whose reads happen for CPU tensors only (NumPy's sort of CPU
 #: keys, and the CPU fast paths of masks, masked sums, log sigmoid and Bernoulli quadrature,
@@ -104,8 +109,19 @@ def host_reads():
         note("torch.allclose", a)
         return allclose(a, *args, **kwargs)
 
+    linalg = {name: getattr(torch.linalg, name) for name in CHECKED_LINALG}
+
+    def patched_linalg(name):
+        def function(a, *args, **kwargs):
+            note(f"torch.linalg.{name}", a)
+            return linalg[name](a, *args, **kwargs)
+
+        return function
+
     for name in READ_METHODS:
         setattr(torch.Tensor, name, patched(name))
+    for name in CHECKED_LINALG:
+        setattr(torch.linalg, name, patched_linalg(name))
     torch.Tensor.__getitem__ = patched_getitem
     torch.equal, torch.allclose = patched_equal, patched_allclose
     try:
@@ -113,5 +129,7 @@ def host_reads():
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for name, original in linalg.items():
+            setattr(torch.linalg, name, original)
         torch.Tensor.__getitem__ = getitem
         torch.equal, torch.allclose = equal, allclose

@@ -94,7 +94,7 @@ class PPCA(PyroModule):
         with self._plate(x) as idx:
             z = pyro.sample(
                 "z",
-                dist.Normal(x.new_zeros(self.latent_dim), 1.0).to_event(1),
+                dist.Normal(x.new_zeros(self.latent_dim), x.new_ones(())).to_event(1),
             )
             loc = z @ self.weight.T + self.loc
             pyro.sample(

@@ -91,7 +91,9 @@ class _AutoEncoderModel(PyroModule):
         """The generative model; ``x`` has shape ``(N, D)``."""
         self._check_data(x)
         with self._plate(x) as idx:
-            z = pyro.sample("z", dist.Normal(x.new_zeros(self.latent_dim), 1.0).to_event(1))
+            # A tensor scale: a Python float would be copied to the device at every call.
+            prior = dist.Normal(x.new_zeros(self.latent_dim), x.new_ones(()))
+            z = pyro.sample("z", prior.to_event(1))
             pyro.sample("x", self.observation_dist(z).to_event(1), obs=self._select(x, idx))
 
     @pyro_method

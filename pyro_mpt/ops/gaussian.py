@@ -69,7 +69,9 @@ def latent_gaussian_conditionals(x, weight, bias, noise_var, context):
         )
     # Batched K x K inverses through the Cholesky factor; triangular solves against many
     # right-hand sides are slow on CPU, so the D-sized products below are matmuls instead.
-    chol = torch.linalg.cholesky(posterior_precision)
+    # I + W^T diag(1/psi) W is positive definite by construction: the factorisation's error
+    # check, a read back from the device, is left out.
+    chol = torch.linalg.cholesky_ex(posterior_precision).L
     chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
     posterior_cov = chol_inv.transpose(-1, -2) @ chol_inv
     weighted_residual = precision_weights * (x - bias)
@@ -105,7 +107,7 @@ def latent_gaussian_log_marginal(x, weight, bias, noise_var, entries=None):
     scaled_t = weight_t * precision.unsqueeze(-2)
     latent_dim = weight.shape[-1]
     eye = torch.eye(latent_dim, dtype=x.dtype, device=x.device)
-    chol = torch.linalg.cholesky(eye + scaled_t @ weight)
+    chol = torch.linalg.cholesky_ex(eye + scaled_t @ weight).L  # positive definite, as above
     residual = x - bias
     projected = torch.linalg.solve_triangular(chol, scaled_t @ residual.unsqueeze(-1), upper=False)
     mahalanobis = (residual.pow(2) * precision).sum(-1) - projected.pow(2).sum((-1, -2))

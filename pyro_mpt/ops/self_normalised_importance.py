@@ -17,6 +17,7 @@ __all__ = [
     "fill_masked",
     "importance_log_conditionals",
     "importance_log_marginal",
+    "per_sample_importance_log_conditionals",
     "plain_importance_log_conditionals",
 ]
 
@@ -116,6 +117,21 @@ class _ImportanceConditionals(torch.autograd.Function):
 def importance_log_conditionals(log_weights, log_likelihoods, context):
     """``log p(x_j | x_R)`` for every feature, by self-normalised importance sampling.
 
+    On the CPU by :func:`per_sample_importance_log_conditionals`, whose loop over samples
+    keeps every temporary in cache; elsewhere by
+    :func:`plain_importance_log_conditionals`, as a GPU runs whole-tensor operations faster
+    than a loop of small ones (``benchmarks/bench_fast_paths.py`` measures both on each
+    device). Arguments and result as there.
+    """
+    if log_likelihoods.device.type == "cpu":
+        return per_sample_importance_log_conditionals(log_weights, log_likelihoods, context)
+    return plain_importance_log_conditionals(log_weights, log_likelihoods, context)
+
+
+def per_sample_importance_log_conditionals(log_weights, log_likelihoods, context):
+    """``log p(x_j | x_R)`` for every feature, by self-normalised importance sampling, one
+    sample at a time.
+
     :param torch.Tensor log_weights: ``log p(z_s) - log q(z_s)`` of every sample, shape
         ``(S, P) + batch`` (``P`` the masks, as the proposal may depend on the mask).
     :param torch.Tensor log_likelihoods: ``l_sj``, shape ``(S, P) + batch + (D,)``.
@@ -139,7 +155,8 @@ def importance_log_conditionals(log_weights, log_likelihoods, context):
 
 def plain_importance_log_conditionals(log_weights, log_likelihoods, context):
     """:func:`importance_log_conditionals` in plain tensor operations under autograd: the
-    reference its hand-written passes are tested against.
+    reference the hand-written passes of :func:`per_sample_importance_log_conditionals` are
+    tested against, and the route off the CPU.
 
     :param torch.Tensor log_weights: shape ``(S, P) + batch``.
     :param torch.Tensor log_likelihoods: shape ``(S, P) + batch + (D,)``.

@@ -70,9 +70,10 @@ def _probe_points(num_latent, dtype, device):
     """The origin, each unit vector, then the check points: ``(K + 6, K)``. The check points
     come from a generator of their own, so the caller's random stream is untouched."""
     generator = torch.Generator().manual_seed(0)
-    random = torch.randn(_NUM_RANDOM_CHECKS + 1, num_latent, generator=generator)
+    # On the CPU, where the generator is, whatever torch's default device.
+    random = torch.randn(_NUM_RANDOM_CHECKS + 1, num_latent, generator=generator, device="cpu")
     far = _FAR_RADIUS * random[-1] / random[-1].norm()
-    eye = torch.eye(num_latent)
+    eye = torch.eye(num_latent, device="cpu")
     points = torch.cat(
         [eye.new_zeros(1, num_latent), eye, random[:-1], far[None], -far.flip(0)[None]]
     )

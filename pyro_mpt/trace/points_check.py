@@ -47,7 +47,10 @@ def check_model_at_points(model, args, kwargs, structure, run):
     """
     generator = torch.Generator().manual_seed(0)
     first = structure.trace.nodes[structure.latents[0].name]["value"]
-    points = torch.randn(_NUM_CHECK_POINTS, structure.latent_dim, generator=generator)
+    # On the CPU, where the generator is, whatever torch's default device.
+    points = torch.randn(
+        _NUM_CHECK_POINTS, structure.latent_dim, generator=generator, device="cpu"
+    )
     points[1] *= _FAR_RADIUS / points[1].norm()
     points = points.to(dtype=first.dtype, device=first.device)
     # With a subsampled plate, another random state would draw another subsample.
