@@ -27,7 +27,8 @@ from pyro_mpt.conditionals.quadrature_self_predictive import _is_binary
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
-from pyro_mpt.trace.trace_utils import RandomState, same_random_state
+from pyro_mpt.trace.gaussian_form import _probe_points
+from pyro_mpt.trace.trace_utils import RandomState, check_points, same_random_state
 from tests.helpers import CountedCalls
 
 #: ``loss_and_grads`` returns the loss as a float, as ``Trace_ELBO``'s does.
@@ -232,3 +233,16 @@ def test_same_random_state_restores_the_cpu_generator():
         torch.rand(5)
         raise RuntimeError("restored on the way out too")
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_check_points_under_another_default_device():
+    # The fixed check points come from a CPU generator; under another default device (meta
+    # here, cuda for users who set it) they are the same points.
+    expected = check_points(4, 3)
+    probes = _probe_points(3, torch.float64, torch.device("cpu"))
+    with torch.device("meta"):
+        points = check_points(4, 3)
+        assert torch.equal(_probe_points(3, torch.float64, torch.device("cpu")), probes)
+    assert points.device.type == "cpu" and torch.equal(points, expected)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    assert torch.equal(expected, torch.randn(4, 3, generator=generator))

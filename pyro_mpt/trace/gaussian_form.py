@@ -28,7 +28,7 @@ from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.trace.observed_site import ObservedSite
-from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.trace.trace_utils import check_points, flatten_tail, unwrap_independent
 from pyro_mpt.trace.whitened_latents import point_parameter, run_at_points
 
 __all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
@@ -69,9 +69,7 @@ _NUM_RANDOM_CHECKS, _FAR_RADIUS = 3, 30.0
 def _probe_points(num_latent, dtype, device):
     """The origin, each unit vector, then the check points: ``(K + 6, K)``. The check points
     come from a generator of their own, so the caller's random stream is untouched."""
-    generator = torch.Generator().manual_seed(0)
-    # On the CPU, where the generator is, whatever torch's default device.
-    random = torch.randn(_NUM_RANDOM_CHECKS + 1, num_latent, generator=generator, device="cpu")
+    random = check_points(_NUM_RANDOM_CHECKS + 1, num_latent)
     far = _FAR_RADIUS * random[-1] / random[-1].norm()
     eye = torch.eye(num_latent, device="cpu")
     points = torch.cat(

@@ -6,7 +6,12 @@ first run at points of :mod:`pyro_mpt.trace.whitened_latents` calls
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.trace.trace_utils import RandomState, same_random_state, unwrap_independent
+from pyro_mpt.trace.trace_utils import (
+    RandomState,
+    check_points,
+    same_random_state,
+    unwrap_independent,
+)
 from pyro_mpt.trace.vectorized_run_check import batch_norm_hint, check_run_at_points
 
 __all__ = ["check_model_at_points"]
@@ -45,12 +50,8 @@ def check_model_at_points(model, args, kwargs, structure, run):
         (:func:`~pyro_mpt.trace.whitened_latents.run_at_points`, passed in so that this
         module does not import the one that calls it).
     """
-    generator = torch.Generator().manual_seed(0)
     first = structure.trace.nodes[structure.latents[0].name]["value"]
-    # On the CPU, where the generator is, whatever torch's default device.
-    points = torch.randn(
-        _NUM_CHECK_POINTS, structure.latent_dim, generator=generator, device="cpu"
-    )
+    points = check_points(_NUM_CHECK_POINTS, structure.latent_dim)
     points[1] *= _FAR_RADIUS / points[1].norm()
     points = points.to(dtype=first.dtype, device=first.device)
     # With a subsampled plate, another random state would draw another subsample.

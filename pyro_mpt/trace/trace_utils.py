@@ -8,6 +8,7 @@ import torch
 from pyro.poutine.util import site_is_subsample
 
 __all__ = [
+    "check_points",
     "distribution_mask",
     "flatten_tail",
     "latent_sites",
@@ -125,6 +126,15 @@ def _restore_param_store(store, params, constraints):
         return
     store.clear()
     store.set_state({"params": params, "constraints": constraints})
+
+
+def check_points(num_points, latent_dim):
+    """Fixed standard-normal points for checking a model at latent values, ``(num_points,
+    latent_dim)`` on the CPU: drawn from a seeded generator of their own, so that the
+    caller's random stream is untouched and every check sees the same points, whatever
+    torch's default device."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(num_points, latent_dim, generator=generator, device="cpu")
 
 
 def flatten_tail(tensor, num_dims):
