@@ -8,6 +8,7 @@ from pyro_mpt.conditionals.importance import (
     Importance,  # noqa: F401 (deprecated alias)
     ImportanceSampling,
 )
+from pyro_mpt.conditionals.per_model import forget_strategies
 from pyro_mpt.conditionals.quadrature import Quadrature
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "SelfPredictive",
     "STRATEGIES",
     "as_conditionals",
+    "forget_strategies",
 ]

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.per_model import conditionals_for
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import (
     observed_steps,
@@ -207,7 +207,7 @@ def ordering_log_likelihoods(
         "It is the number of random orderings of each observation's features, e.g. "
         "num_orderings=8.",
     )
-    strategy = as_conditionals(conditionals)
+    strategy = conditionals_for(conditionals, model)
     with param_store_rollback(always=True):
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         values = _chain_rule_sums(prepared, num_orderings, progress)

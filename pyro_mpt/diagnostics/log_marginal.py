@@ -2,8 +2,8 @@
 
 import math
 
-from pyro_mpt.conditionals.auto import as_conditionals
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
+from pyro_mpt.conditionals.per_model import conditionals_for
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
@@ -47,7 +47,7 @@ def log_marginal(
         >>> log_marginal(ppca.model, x).shape
         torch.Size([10])
     """
-    strategy = as_conditionals(conditionals)
+    strategy = conditionals_for(conditionals, model)
     with param_store_rollback(always=True):
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         try:

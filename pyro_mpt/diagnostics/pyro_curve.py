@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.per_model import conditionals_for
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
@@ -74,7 +74,7 @@ def mpt_curve(
         >>> curve.scores.shape
         torch.Size([8])
     """
-    strategy = as_conditionals(conditionals)
+    strategy = conditionals_for(conditionals, model)
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
     if prepared.observed.entries is not None:
         raise ValueError(

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.per_model import conditionals_for
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
@@ -74,7 +74,7 @@ def gibbs(
     num_steps = check_count("num_steps", num_steps, 0, hint="Pass num_steps=0 or more.")
     if not isinstance(joint, bool):
         raise TypeError(f"joint must be True or False, got {joint!r}.")
-    strategy = as_conditionals(conditionals)
+    strategy = conditionals_for(conditionals, model)
     rest = tuple(args[1:])
     # Prepared with gradients on: some strategies check their guide by differentiating it.
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.auto import as_conditionals
+from pyro_mpt.conditionals.per_model import conditionals_for
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
@@ -71,7 +71,7 @@ def impute(
     """
     num_samples = check_positive_int("num_samples", num_samples, "e.g. num_samples=100.")
     check_missing(missing)
-    strategy = as_conditionals(conditionals)
+    strategy = conditionals_for(conditionals, model)
     # Prepared with gradients on: some strategies check their guide by differentiating it.
     prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
     observed = prepared.observed

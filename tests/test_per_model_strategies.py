@@ -1,0 +1,138 @@
+"""The functions of the package keep a strategy given by name with its model: a second call
+on the same model and argument shapes reads nothing again, and gives what a fresh strategy
+gives."""
+
+import gc
+import math
+import weakref
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch.distributions import constraints
+
+from pyro_mpt import impute, log_marginal, mpt_curve
+from pyro_mpt.conditionals import Exact, Quadrature
+from pyro_mpt.conditionals.per_model import _STRATEGIES, conditionals_for, forget_strategies
+from tests.helpers import CountedCalls
+
+WEIGHT = torch.tensor([[1.0, 0.5], [-0.3, 0.8], [0.2, -1.1], [0.7, 0.1]])
+NOISE = 0.4
+
+
+def _linear_gaussian(x):
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        pyro.sample("x", dist.Normal(z @ WEIGHT.T, NOISE).to_event(1), obs=x)
+
+
+def _closed_form(x):
+    covariance = WEIGHT @ WEIGHT.T + NOISE**2 * torch.eye(4)
+    return dist.MultivariateNormal(torch.zeros(4), covariance).log_prob(x)
+
+
+def test_a_second_log_marginal_reads_nothing_again():
+    model = CountedCalls(_linear_gaussian)
+    first, second = torch.randn(10, 4), torch.randn(10, 4)
+    torch.testing.assert_close(log_marginal(model, first), _closed_form(first))
+    runs_of_first = model.calls
+    model.calls = 0
+    got = log_marginal(model, second)
+    torch.testing.assert_close(got, _closed_form(second))
+    # The structure is not read again: one run at the probe points (the first call also
+    # traced the model and checked it at points).
+    assert model.calls == 1 < runs_of_first
+    fresh = CountedCalls(_linear_gaussian)
+    torch.testing.assert_close(log_marginal(fresh, second, conditionals=Exact()), got)
+
+
+def test_auto_searches_once_per_model_and_shapes():
+    def bernoulli(x):
+        weight = pyro.param("weight", lambda: torch.linspace(-1, 1, 10).reshape(5, 2))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ weight.T).to_event(1), obs=x)
+
+    model = CountedCalls(bernoulli)
+    x = torch.bernoulli(torch.full((6, 5), 0.4))
+    missing = torch.zeros(6, 5, dtype=torch.bool)
+    missing[:, 0] = True
+    impute(model, x, missing=missing, num_samples=3)
+    searched = model.calls
+    chosen = conditionals_for("auto", model).chosen
+    assert isinstance(chosen, Quadrature)
+    model.calls = 0
+    pyro.set_rng_seed(4)
+    again = impute(model, x, missing=missing, num_samples=3)
+    assert model.calls <= 2 < searched
+    assert conditionals_for("auto", model).chosen is chosen
+    # What the chosen rule gives when prepared afresh, from the same seed.
+    pyro.set_rng_seed(4)
+    fresh = impute(CountedCalls(bernoulli), x, missing=missing, num_samples=3, conditionals=chosen)
+    assert torch.equal(again, fresh)
+
+
+def test_strategies_are_kept_per_model_and_name_and_go_with_the_model():
+    model = CountedCalls(_linear_gaussian)
+    other = CountedCalls(_linear_gaussian)
+    exact = conditionals_for("exact", model)
+    assert conditionals_for("exact", model) is exact
+    assert conditionals_for("exact", other) is not exact
+    assert conditionals_for("auto", model) is not exact
+    given = Exact()
+    assert conditionals_for(given, model) is given
+    # A method's strategies are kept with its object, one per method.
+    holder = _Holder()
+    assert conditionals_for("exact", holder.model) is conditionals_for("exact", holder.model)
+    assert conditionals_for("exact", holder.model) is not conditionals_for("exact", holder.other)
+    alive = weakref.ref(holder)
+    del holder
+    gc.collect()
+    assert alive() is None
+    forget_strategies()
+    assert conditionals_for("exact", model) is not exact
+    assert len(_STRATEGIES) == 1
+
+
+class _Holder:
+    def model(self, x):
+        _linear_gaussian(x)
+
+    def other(self, x):
+        _linear_gaussian(x)
+
+
+def test_kept_strategy_with_a_guide_leaves_the_param_store_as_it_found_it():
+    # log_marginal removes the parameters it created; the kept strategy reads the guide's
+    # new ones on the next call, and both calls agree with a fresh strategy.
+    def guide(x):
+        loc = pyro.param("guide_loc", lambda: torch.zeros(x.shape[-2], 2))
+        scale = pyro.param(
+            "guide_scale", lambda: torch.ones(x.shape[-2], 2), constraint=constraints.positive
+        )
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    x = torch.randn(8, 4)
+    rule = "quadrature"
+    values = []
+    for _ in range(2):
+        values.append(log_marginal(_linear_gaussian, x, guide=guide, conditionals=rule))
+        assert len(pyro.get_param_store()) == 0
+    torch.testing.assert_close(values[0], values[1])
+    fresh = log_marginal(_linear_gaussian, x, guide=guide, conditionals=Quadrature())
+    torch.testing.assert_close(values[1], fresh)
+
+
+def test_mpt_curve_twice_on_the_same_model():
+    model = CountedCalls(_linear_gaussian)
+    x = torch.randn(12, 4)
+    mpt_curve(model, x, num_masks=2)
+    model.calls = 0
+    curve = mpt_curve(model, x, num_masks=2)
+    assert model.calls == 1
+    # Every feature masked: each scores its marginal log p(x_j), a Normal of variance
+    # (W W^T + noise^2 I)_jj; the curve averages them over features and observations.
+    variance = (WEIGHT**2).sum(-1) + NOISE**2
+    marginals = dist.Normal(torch.zeros(4), variance.sqrt()).log_prob(x)
+    assert math.isclose(float(curve.scores[-1]), float(marginals.mean()), rel_tol=1e-9)
