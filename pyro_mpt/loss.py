@@ -141,6 +141,7 @@ class MPTLoss(ELBO):
         self._steady = None
         self._kept = None
         self._guess_traces = None
+        self._params_found = None
         self.diagnostics = None
 
     def __repr__(self):
@@ -210,7 +211,7 @@ class MPTLoss(ELBO):
         that prepared it (auto's choice) and the structure that strategy read for it, or None
         for a strategy that finds its own (it is then passed the signature where it takes
         one)."""
-        strategy = _chosen(self.conditionals)
+        strategy = self.conditionals.in_use
         if type(strategy).prepare in STRUCTURE_AWARE:
             return strategy, strategy.structure_for(signature)
         return strategy, None
@@ -308,12 +309,12 @@ class MPTLoss(ELBO):
         loss, prepared = self._mpt_loss(model, guide, args, kwargs)
         mode = self.guide_loss
         if mode == "auto":
-            mode = (getattr(self.conditionals, "chosen", None) or self.conditionals).guide_loss
+            mode = self.conditionals.in_use.guide_loss
         proposal_loss = prepared.proposal_loss() if mode == "wake" else None
         if mode == "wake" and proposal_loss is None:
             raise ValueError(
                 f"guide_loss='wake' trains the guide on importance samples, but "
-                f"{_chosen(self.conditionals)!r} draws none from the guide. Use "
+                f"{self.conditionals.in_use!r} draws none from the guide. Use "
                 f"conditionals='importance', or guide_loss='elbo'."
             )
         if mode is None:
@@ -370,7 +371,7 @@ class MPTLoss(ELBO):
         store = tuple(pyro.get_param_store().named_parameters())
         if key is None:
             key = self._call_key(model, guide, args, kwargs)
-        found = getattr(self, "_params_found", None)
+        found = self._params_found
         guessed, self._guess_traces = self._guess_traces, None
         if found is None or found[0] != key or not _same_store(found[1], store):
             if guessed is not None and guessed[0] == key and guide is not None:
@@ -397,7 +398,7 @@ class MPTLoss(ELBO):
         if not guide_params:
             return
         if not reaches(loss, guide_params):
-            strategy = _chosen(self.conditionals)
+            strategy = self.conditionals.in_use
             warnings.warn(
                 f"MPTLoss with {strategy!r} integrates the latents out without the "
                 f"guide, so the guide's {len(guide_params)} parameter tensors get no gradient "
@@ -414,10 +415,6 @@ def _same_store(before, now):
     return len(before) == len(now) and all(
         a[0] == b[0] and a[1] is b[1] for a, b in zip(before, now)
     )
-
-
-def _chosen(conditionals):
-    return getattr(conditionals, "chosen", None) or conditionals
 
 
 def _unconstrained(trace):

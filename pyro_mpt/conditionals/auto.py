@@ -113,6 +113,11 @@ class Auto(Conditionals):
         self._strategies = {}
 
     @property
+    def in_use(self):
+        """The strategy chosen by the last call, or this one before the first."""
+        return self.chosen or self
+
+    @property
     def guide_loss(self):
         """The guide loss that suits the chosen strategy (None before the first call)."""
         return None if self.chosen is None else self.chosen.guide_loss

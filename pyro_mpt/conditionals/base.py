@@ -134,6 +134,12 @@ class Conditionals(ABC):
     #: when the strategy does not use the guide.
     guide_loss = None
 
+    @property
+    def in_use(self):
+        """The strategy that prepares this strategy's calls: itself
+        (:class:`~pyro_mpt.conditionals.Auto` gives the one it chose)."""
+        return self
+
     @abstractmethod
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         """Runs the model (and the guide, if the strategy needs one) on a batch of data.
