@@ -101,16 +101,18 @@ class Auto(Conditionals):
     remembered: later calls go straight to the chosen strategy, and search again only if
     it no longer applies.
 
+    :param dict candidates: the instances of the strategies it tries, by name, to share
+        with other ``Auto`` objects (each keeps the structures it read); by default its own.
     :ivar chosen: the strategy used by the last call, or None before the first.
     """
 
     name = "auto"
 
-    def __init__(self):
+    def __init__(self, candidates=None):
         self.chosen = None
         self.reason = None
         self._chosen_for = None
-        self._strategies = {}
+        self._strategies = {} if candidates is None else candidates
 
     @property
     def in_use(self):
