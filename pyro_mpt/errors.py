@@ -7,6 +7,7 @@ import torch
 __all__ = [
     "ImportanceAccuracyWarning",
     "NotApplicableError",
+    "QuadratureAccuracyWarning",
     "check_positive_int",
     "unsupported_prior_error",
 ]
@@ -26,6 +27,17 @@ class ImportanceAccuracyWarning(UserWarning):
 
     The message states the measured figures and the fix; the figures are also readable from
     code (``MPTLoss.diagnostics``, ``SelfPredictive.diagnostics``).
+    """
+
+
+class QuadratureAccuracyWarning(UserWarning):
+    """A quadrature rule that refining changes by more than ``auto``'s accuracy threshold
+    (:data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL` nats of ``log p(x)`` per observation)
+    on the data of a training step: its conditionals are about that far off. Rules sharp
+    enough for an untrained model may not be for a trained one, whose posterior is narrower.
+
+    The message states the measured figure and the fix; the figure is also readable from code
+    (``MPTLoss.rule_check``).
     """
 
 

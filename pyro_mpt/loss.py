@@ -1,5 +1,6 @@
 """``MPTLoss``: masked pre-training as a Pyro objective, beside ``Trace_ELBO``."""
 
+import logging
 import math
 import warnings
 
@@ -10,9 +11,14 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.util import warn_if_nan
 
-from pyro_mpt.conditionals.auto import STRUCTURE_AWARE, as_conditionals, prepare_call
+from pyro_mpt.conditionals.auto import (
+    ACCURACY_TOL,
+    STRUCTURE_AWARE,
+    as_conditionals,
+    prepare_call,
+)
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, QuadratureAccuracyWarning
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.masks import (
     as_rate_schedule,
@@ -29,7 +35,7 @@ from pyro_mpt.trace.plate_nesting import (
     guide_and_model_traces,
 )
 from pyro_mpt.trace.remembered_structure import call_signature
-from pyro_mpt.trace.trace_utils import param_store_rollback, same_random_state
+from pyro_mpt.trace.trace_utils import RandomState, param_store_rollback, same_random_state
 
 __all__ = ["GUIDE_LOSSES", "MPTLoss"]
 
@@ -104,6 +110,15 @@ class MPTLoss(ELBO):
         conditionals the latents are integrated out and any guide (a no-op included) works.
         See "Your own model" in the docs for what a model may contain.
 
+    :ivar diagnostics: the accuracy figures of the last step's importance-sampled
+        conditionals (None for other strategies).
+    :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
+        16th, 64th, 256th, ... step of a model and argument shapes: ``dict(step, strategy,
+        mean_gap)``, the gap in nats of ``log p(x)`` per observation. Past
+        :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
+        again, and a rule given by the user warns
+        (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
+
     **References**
 
     P. Moreno-Muñoz, P. G. Recasens, S. Hauberg. *On Masked Pre-training and the Marginal
@@ -142,7 +157,9 @@ class MPTLoss(ELBO):
         self._kept = None
         self._guess_traces = None
         self._params_found = None
+        self._steady_steps = 0
         self.diagnostics = None
+        self.rule_check = None
 
     def __repr__(self):
         return (
@@ -174,6 +191,10 @@ class MPTLoss(ELBO):
             # structure it read then where it has one (see _steady_route).
             try:
                 strategy, structure = self._steady
+                self._steady_steps += 1
+                # Now and then the strategy measures its own error on the step's data.
+                check = _is_check_step(self._steady_steps)
+                before = RandomState() if check else None
                 try:
                     nesting = self.max_plate_nesting
                     if structure is not None:
@@ -181,6 +202,9 @@ class MPTLoss(ELBO):
                     else:
                         call = (model, guide, args, kwargs, nesting, self._signature)
                         prepared = prepare_call(strategy, *call)
+                    if check:
+                        call = (model, guide, args, kwargs)
+                        prepared = self._check_accuracy(strategy, structure, prepared, call, before)
                 except NotApplicableError:
                     if strategy is self.conditionals:
                         raise
@@ -196,6 +220,7 @@ class MPTLoss(ELBO):
                 raise
         else:
             self._last_call = None
+            self._steady_steps = 0
             prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
             # The key holds ids: the objects behind them stay alive while it is kept.
             others = tuple(v for v in (*args, *kwargs.values()) if not torch.is_tensor(v))
@@ -205,6 +230,47 @@ class MPTLoss(ELBO):
         if prepared.diagnostics is not None:
             warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
         return prepared, estimates
+
+    def _check_accuracy(self, strategy, structure, prepared, call, before):
+        """The strategy's own measure of its error on this step's data
+        (:meth:`~pyro_mpt.conditionals.Conditionals.refinement_gap`), kept in
+        :attr:`rule_check`. Past ``auto``'s threshold, ``auto`` searches again (the rule it
+        chose at the first step may be too coarse for the trained model) and its new choice
+        prepares the step; a strategy given by the user warns with the figure.
+
+        :param before: the random state ``prepared`` was made from: the finer rule sees the
+            same subsample. The random state after the check is the one it found.
+        """
+        after = RandomState()
+        before.restore()
+        gap = strategy.refinement_gap(prepared, *call, structure=structure)
+        after.restore()
+        if gap is None:
+            return prepared
+        step = self._steady_steps + 1
+        self.rule_check = dict(step=step, strategy=repr(strategy), mean_gap=gap)
+        if gap <= ACCURACY_TOL:
+            return prepared
+        figure = (
+            f"{strategy!r} changes log p(x) by {gap:.2g} nats per observation when refined "
+            f"to 1.5 times its nodes per dimension (step {step}, above {ACCURACY_TOL:g})"
+        )
+        if strategy is not self.conditionals:
+            _logger.info("conditionals='auto' searches again: %s.", figure)
+            before.restore()
+            signature = self._signature
+            nesting = self.max_plate_nesting
+            prepared = self.conditionals.search(*call, nesting, signature)
+            self._steady = self._steady_route(signature)
+            return prepared
+        warnings.warn(
+            f"MPTLoss's {figure}: its conditionals are about that far off. Fix: raise "
+            f"num_points, use center='guide' with a guide fitted to the posterior, or "
+            f"conditionals='auto', which refines the rule as training goes on.",
+            QuadratureAccuracyWarning,
+            stacklevel=7,  # the caller of SVI.step
+        )
+        return prepared
 
     def _steady_route(self, signature):
         """How later calls like a successful one of ``signature`` are prepared: the strategy
@@ -407,6 +473,20 @@ class MPTLoss(ELBO):
                 f"the MPT gradient.",
                 stacklevel=3,
             )
+
+
+_logger = logging.getLogger("pyro_mpt")
+
+
+def _is_check_step(steady_steps):
+    """Whether the strategy checks its accuracy on this step, given how many steps of the
+    same call followed the first: on the 16th, 64th, 256th, ... step (powers of 4), a model
+    run or so each, negligible beside the steps between them."""
+    return steady_steps >= 15 and _power_of_four(steady_steps + 1)
+
+
+def _power_of_four(number):
+    return number & (number - 1) == 0 and (number.bit_length() - 1) % 2 == 0
 
 
 def _same_store(before, now):

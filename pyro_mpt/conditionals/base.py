@@ -140,6 +140,14 @@ class Conditionals(ABC):
         (:class:`~pyro_mpt.conditionals.Auto` gives the one it chose)."""
         return self
 
+    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
+        """How far the conditionals of ``prepared`` may be off, as the strategy itself
+        measures it on that call's data: nats of ``log p(x)`` per observation, or None where
+        it has no such measure (exact conditionals have no error; importance sampling reports
+        the diagnostics of its weights instead). ``structure``: the one ``prepared`` was made
+        from, where the caller holds it."""
+        return None
+
     @abstractmethod
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         """Runs the model (and the guide, if the strategy needs one) on a batch of data.

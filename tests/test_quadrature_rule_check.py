@@ -1,0 +1,101 @@
+"""A quadrature rule chosen at the first step is checked again as training goes on: its
+posterior may narrow until the rule is coarse. The references are brute-force grids."""
+
+import math
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+
+from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt.conditionals import Quadrature
+from pyro_mpt.conditionals.auto import ACCURACY_TOL
+from pyro_mpt.errors import QuadratureAccuracyWarning
+from pyro_mpt.loss import _is_check_step
+
+NUM_FEATURES = 20
+
+
+def _model(x):
+    weight = pyro.param("weight", lambda: torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+        pyro.sample("x", dist.Bernoulli(logits=z @ weight.T).to_event(1), obs=x)
+
+
+def _no_guide(x):
+    pass
+
+
+def _grid_log_marginal(x, weight):
+    """log p(x) of every row by a trapezoid-free Riemann sum on 40001 points of [-8, 8]."""
+    z = torch.linspace(-8, 8, 40001)
+    log_joint = dist.Bernoulli(logits=z[:, None, None] * weight[:, 0]).log_prob(x).sum(-1)
+    log_joint = log_joint + dist.Normal(0.0, 1.0).log_prob(z)[:, None]
+    return torch.logsumexp(log_joint, 0) + math.log(float(z[1] - z[0]))
+
+
+def _train(conditionals, sharpen, num_steps):
+    """One step on a broad posterior, then ``num_steps`` more after the loading is scaled
+    by ``sharpen`` (as training would sharpen it); the learning rate is 0, so the model
+    stays where it was put."""
+    data = torch.bernoulli(torch.full((200, NUM_FEATURES), 0.5))
+    loss = MPTLoss(conditionals=conditionals)
+    svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
+    svi.step(data[:50])
+    first = loss.conditionals.in_use
+    weight = sharpen * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1)
+    pyro.get_param_store()["weight"] = weight
+    batches = torch.randint(200, (num_steps, 50))
+    for batch in batches:
+        svi.step(data[batch])
+    return loss, first, data[batches[-1]], weight
+
+
+def test_check_steps_are_the_powers_of_four_from_16():
+    steps = [n + 1 for n in range(1, 1100) if _is_check_step(n)]
+    assert steps == [16, 64, 256, 1024]
+
+
+def test_auto_refines_a_rule_that_became_coarse():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuadratureAccuracyWarning)
+        loss, first, batch, weight = _train("auto", sharpen=3.0, num_steps=15)
+    chosen = loss.conditionals.in_use
+    assert isinstance(first, Quadrature) and isinstance(chosen, Quadrature)
+    assert loss.rule_check["step"] == 16 and loss.rule_check["mean_gap"] > ACCURACY_TOL
+    assert chosen.num_points > first.num_points
+    reference = _grid_log_marginal(batch, weight)
+    with torch.no_grad():
+        before = log_marginal(_model, batch, conditionals=first).detach()
+        after = log_marginal(_model, batch, conditionals=chosen).detach()
+    # The first rule was off by more than auto accepts; the new one is within it.
+    assert float((before - reference).abs().mean()) > ACCURACY_TOL
+    assert float((after - reference).abs().mean()) < ACCURACY_TOL
+
+
+def test_a_rule_given_by_the_user_warns_with_its_figure():
+    with pytest.warns(
+        QuadratureAccuracyWarning, match=r"changes log p\(x\) by [0-9.]+ nats .*\(step 16"
+    ):
+        loss, first, batch, weight = _train(Quadrature(20), sharpen=3.0, num_steps=15)
+    assert loss.conditionals.in_use is first
+    gap = loss.rule_check["mean_gap"]
+    # The figure is the change of log p(x) under the finer rule, on the step's batch...
+    with torch.no_grad():
+        coarse = log_marginal(_model, batch, conditionals=Quadrature(20))
+        finer = log_marginal(_model, batch, conditionals=Quadrature(30))
+    assert math.isclose(gap, float((finer - coarse).abs().mean()), rel_tol=1e-6)
+    # ... and the rule's own error against the grid is past the threshold too.
+    assert float((coarse - _grid_log_marginal(batch, weight)).abs().mean()) > ACCURACY_TOL
+
+
+def test_an_accurate_rule_stays_and_says_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuadratureAccuracyWarning)
+        loss, first, _, _ = _train(Quadrature(20), sharpen=1.0, num_steps=15)
+    assert loss.conditionals.in_use is first
+    assert loss.rule_check["step"] == 16 and loss.rule_check["mean_gap"] < 1e-4
