@@ -158,6 +158,8 @@ class MPTLoss(ELBO):
         self._guess_traces = None
         self._params_found = None
         self._steady_steps = 0
+        # [checks, failures] of the importance diagnostics of this loss's calls like the last.
+        self._accuracy_counts = [0, 0]
         self.diagnostics = None
         self.rule_check = None
 
@@ -221,6 +223,7 @@ class MPTLoss(ELBO):
         else:
             self._last_call = None
             self._steady_steps = 0
+            self._accuracy_counts = [0, 0]
             prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
             # The key holds ids: the objects behind them stay alive while it is kept.
             others = tuple(v for v in (*args, *kwargs.values()) if not torch.is_tensor(v))
@@ -228,7 +231,8 @@ class MPTLoss(ELBO):
             self._last_call = (self._call_key(model, guide, args, kwargs), key[1])
         self.diagnostics = prepared.diagnostics
         if prepared.diagnostics is not None:
-            warn_if_unreliable(prepared.diagnostics, "MPTLoss's conditionals", model, args, 5)
+            what, counts = "MPTLoss's conditionals", self._accuracy_counts
+            warn_if_unreliable(prepared.diagnostics, what, model, args, 5, counts)
         return prepared, estimates
 
     def _check_accuracy(self, strategy, structure, prepared, call, before):

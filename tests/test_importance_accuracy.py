@@ -2,9 +2,11 @@
 diagnostics and warnings, the wake-phase guide loss against its closed-form expectation,
 and ``auto``'s choice by measured accuracy."""
 
+import gc
 import logging
 import math
 import warnings
+import weakref
 
 import pyro
 import pyro.distributions as dist
@@ -14,7 +16,7 @@ from pyro.infer import SVI
 
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
-from pyro_mpt.conditionals.importance_diagnostics import MAX_PARETO_K
+from pyro_mpt.conditionals.importance_diagnostics import _CHECKS, MAX_PARETO_K
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.masks import masks_of_sizes
 
@@ -306,3 +308,51 @@ def test_a_discrete_proposal_that_misses_a_value_is_made_defensive():
     # Minimising KL(p(c | x_R) || q) raises the third logit: its gradient is -2 (1 - q_3)
     # summed over the two observations, with p(c = 3 | x_R) = 1 to many digits.
     assert grad[2] < -1.9
+
+
+def _far_guide(x):
+    with pyro.plate("data", x.shape[-2]):
+        pyro.sample("z", dist.Normal(3.0, 0.3))
+
+
+def _flagged(caught):
+    return [w for w in caught if issubclass(w.category, ImportanceAccuracyWarning)]
+
+
+def test_a_fresh_loss_warns_at_its_own_first_failing_call():
+    # Each MPTLoss counts its own calls: a second loss on the same model is not silenced by
+    # the first one's failures.
+    x = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss = MPTLoss(num_masks=5, conditionals=ImportanceSampling(num_samples=64))
+            loss.loss(_model, _far_guide, x)
+            loss.loss(_model, _far_guide, x)
+    assert len(_flagged(caught)) == 2
+
+
+def test_counts_of_a_model_go_with_it():
+    # The functions count failures per model; a model that is gone leaves no count behind,
+    # so a new model (which may take the old one's id) warns at its first failing call.
+    x = _data()
+
+    def make_model():
+        def model(x):
+            _model(x)
+
+        return model
+
+    gc.collect()
+    counted = len(_CHECKS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model = make_model()
+            log_marginal(model, x, guide=_far_guide, conditionals=ImportanceSampling(64))
+            alive = weakref.ref(model)
+            del model
+            gc.collect()
+            assert alive() is None
+    assert len(_flagged(caught)) == 3
+    assert len(_CHECKS) == counted

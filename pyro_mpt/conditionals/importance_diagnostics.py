@@ -4,6 +4,7 @@ warning that states the figures."""
 
 import math
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -99,20 +100,28 @@ class ImportanceDiagnostics(NamedTuple):
         )
 
 
-#: Per (what, model key): ``[checks, failures]`` of :func:`warn_if_unreliable`.
-_CHECKS = {}
+#: Owner of a model (the object of a bound method, else the function) -> {(what, method
+#: or None, argument shapes): ``[checks, failures]``} of :func:`warn_if_unreliable`. Weak
+#: keys: the counts go with their model, and a new model never inherits an old one's.
+_CHECKS = weakref.WeakKeyDictionary()
+#: The same for models that cannot be weakly referenced, by ``id``.
+_CHECKS_BY_ID = {}
 
 
-def _model_key(model, args):
-    """A model (a function, or a method and its object) and the shapes of its tensor
-    arguments, identified by ``id`` so that no model is kept alive."""
-    function = getattr(model, "__func__", model)
+def _counts(what, model, args):
+    """The ``[checks, failures]`` of ``what`` for ``model`` on arguments of these shapes."""
     shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
-    owner = id(getattr(model, "__self__", None))
-    return (getattr(function, "__qualname__", type(model).__name__), id(function), owner, shapes)
+    owner = getattr(model, "__self__", None)
+    method = getattr(model, "__func__", None) if owner is not None else None
+    owner = model if owner is None else owner
+    try:
+        per_model = _CHECKS.setdefault(owner, {})
+    except TypeError:
+        per_model = _CHECKS_BY_ID.setdefault(id(owner), {})
+    return per_model.setdefault((what, method, shapes), [0, 0])
 
 
-def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
+def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3, counts=None):
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
     call per model and argument shapes, stating the figures and, from the second warning,
     how many of the calls so far failed. Early failures of an untrained guide thus do not
@@ -121,10 +130,13 @@ def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3):
 
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.
+    :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
+        its own calls); by default those of the model and argument shapes.
     """
     if diagnostics is None or not is_validation_enabled():
         return
-    counts = _CHECKS.setdefault((what, _model_key(model, args)), [0, 0])
+    if counts is None:
+        counts = _counts(what, model, args)
     counts[0] += 1
     if diagnostics.reliable():
         return
