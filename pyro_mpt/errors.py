@@ -8,6 +8,7 @@ __all__ = [
     "ImportanceAccuracyWarning",
     "NotApplicableError",
     "QuadratureAccuracyWarning",
+    "StaleStructureError",
     "check_positive_int",
     "unsupported_prior_error",
 ]
@@ -39,6 +40,13 @@ class QuadratureAccuracyWarning(UserWarning):
     The message states the measured figure and the fix; the figure is also readable from code
     (``MPTLoss.rule_check``).
     """
+
+
+class StaleStructureError(RuntimeError):
+    """A model read once and reused for later calls of the same argument shapes has changed
+    in a way the shapes do not show (its observed site gained a mask). Raised by a run of
+    the model and caught by ``MPTLoss`` and the package's functions, which then read the
+    model afresh: a user sees it only where nothing could."""
 
 
 def check_positive_int(name, value, hint=None):

@@ -18,7 +18,11 @@ from pyro_mpt.conditionals.auto import (
     prepare_call,
 )
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
-from pyro_mpt.errors import NotApplicableError, QuadratureAccuracyWarning
+from pyro_mpt.errors import (
+    NotApplicableError,
+    QuadratureAccuracyWarning,
+    StaleStructureError,
+)
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.masks import (
     as_rate_schedule,
@@ -113,8 +117,9 @@ class MPTLoss(ELBO):
     :ivar diagnostics: the accuracy figures of the last step's importance-sampled
         conditionals (None for other strategies).
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
-        16th, 64th, 256th, ... step of a model and argument shapes: ``dict(step, strategy,
-        mean_gap)``, the gap in nats of ``log p(x)`` per observation. Past
+        16th, 64th, 256th, ... call (or the next steady one, when the batch shape has just
+        changed): ``dict(step, strategy, mean_gap)``, the gap in nats of ``log p(x)`` per
+        observation. Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
         again, and a rule given by the user warns
         (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
@@ -157,7 +162,8 @@ class MPTLoss(ELBO):
         self._kept = None
         self._guess_traces = None
         self._params_found = None
-        self._steady_steps = 0
+        # Calls so far, and the first at which a steady step checks its strategy's accuracy.
+        self._num_calls, self._next_check = 0, _FIRST_CHECK
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
@@ -186,43 +192,22 @@ class MPTLoss(ELBO):
 
     def _prepare_and_estimate(self, model, guide, args, kwargs):
         key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
-        if key == self._last_call:
+        self._num_calls += 1
+        steady = key == self._last_call
+        if steady:
             # A later call like the last one that succeeded (the next mini-batch): the
             # plate nesting is known, the guide's sites were compared, parameters exist, and
             # the strategy that prepared it (auto's choice) prepares this one, from the
             # structure it read then where it has one (see _steady_route).
             try:
-                strategy, structure = self._steady
-                self._steady_steps += 1
-                # Now and then the strategy measures its own error on the step's data.
-                check = _is_check_step(self._steady_steps)
-                before = RandomState() if check else None
-                try:
-                    nesting = self.max_plate_nesting
-                    if structure is not None:
-                        prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
-                    else:
-                        call = (model, guide, args, kwargs, nesting, self._signature)
-                        prepared = prepare_call(strategy, *call)
-                    if check:
-                        call = (model, guide, args, kwargs)
-                        prepared = self._check_accuracy(strategy, structure, prepared, call, before)
-                except NotApplicableError:
-                    if strategy is self.conditionals:
-                        raise
-                    # Auto's choice no longer applies (the model changed): auto searches again.
-                    signature = self._signature
-                    prepared = self.conditionals.search(
-                        model, guide, args, kwargs, nesting, signature
-                    )
-                    self._steady = self._steady_route(signature)
-                estimates = self._estimate(prepared)
+                prepared, estimates = self._steady_prepare_and_estimate(model, guide, args, kwargs)
+            except StaleStructureError:
+                steady = False  # the model changed under the same shapes: read it afresh
             except BaseException:
                 self._last_call = None
                 raise
-        else:
+        if not steady:
             self._last_call = None
-            self._steady_steps = 0
             self._accuracy_counts = [0, 0]
             prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
             # The key holds ids: the objects behind them stay alive while it is kept.
@@ -234,6 +219,33 @@ class MPTLoss(ELBO):
             what, counts = "MPTLoss's conditionals", self._accuracy_counts
             warn_if_unreliable(prepared.diagnostics, what, model, args, 5, counts)
         return prepared, estimates
+
+    def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
+        strategy, structure = self._steady
+        # Now and then (the first steady call from the 16th, 64th, 256th, ... on) the strategy
+        # measures its own error on the step's data.
+        check = self._num_calls >= self._next_check
+        if check:
+            self._next_check *= 4
+        before = RandomState() if check else None
+        try:
+            nesting = self.max_plate_nesting
+            if structure is not None:
+                prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
+            else:
+                call = (model, guide, args, kwargs, nesting, self._signature)
+                prepared = prepare_call(strategy, *call)
+            if check:
+                call = (model, guide, args, kwargs)
+                prepared = self._check_accuracy(strategy, structure, prepared, call, before)
+        except NotApplicableError:
+            if strategy is self.conditionals:
+                raise
+            # Auto's choice no longer applies (the model changed): auto searches again.
+            signature = self._signature
+            prepared = self.conditionals.search(model, guide, args, kwargs, nesting, signature)
+            self._steady = self._steady_route(signature)
+        return prepared, self._estimate(prepared)
 
     def _check_accuracy(self, strategy, structure, prepared, call, before):
         """The strategy's own measure of its error on this step's data
@@ -251,7 +263,7 @@ class MPTLoss(ELBO):
         after.restore()
         if gap is None:
             return prepared
-        step = self._steady_steps + 1
+        step = self._num_calls
         self.rule_check = dict(step=step, strategy=repr(strategy), mean_gap=gap)
         if gap <= ACCURACY_TOL:
             return prepared
@@ -482,15 +494,8 @@ class MPTLoss(ELBO):
 _logger = logging.getLogger("pyro_mpt")
 
 
-def _is_check_step(steady_steps):
-    """Whether the strategy checks its accuracy on this step, given how many steps of the
-    same call followed the first: on the 16th, 64th, 256th, ... step (powers of 4), a model
-    run or so each, negligible beside the steps between them."""
-    return steady_steps >= 15 and _power_of_four(steady_steps + 1)
-
-
-def _power_of_four(number):
-    return number & (number - 1) == 0 and (number.bit_length() - 1) % 2 == 0
+#: The call from which ``MPTLoss`` first checks a strategy's accuracy (then 4 times later).
+_FIRST_CHECK = 16
 
 
 def _same_store(before, now):

@@ -4,16 +4,25 @@ gives."""
 
 import gc
 import math
+import warnings
 import weakref
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
 import torch
 from torch.distributions import constraints
 
-from pyro_mpt import impute, log_marginal, mpt_curve
+from pyro_mpt import MPTLoss, impute, log_marginal, mpt_curve
 from pyro_mpt.conditionals import Exact, Quadrature
-from pyro_mpt.conditionals.per_model import _STRATEGIES, conditionals_for, forget_strategies
+from pyro_mpt.conditionals.per_model import (
+    _STRATEGIES,
+    MAX_KEPT_MODELS,
+    conditionals_for,
+    forget_strategies,
+)
+from pyro_mpt.errors import NotApplicableError
 from tests.helpers import CountedCalls
 
 WEIGHT = torch.tensor([[1.0, 0.5], [-0.3, 0.8], [0.2, -1.1], [0.7, 0.1]])
@@ -74,7 +83,7 @@ def test_auto_decides_on_every_call_with_the_structures_it_read_kept():
     torch.testing.assert_close(again, fresh, rtol=0, atol=0)
 
 
-def test_strategies_are_kept_per_model_and_name_and_go_with_the_model():
+def test_strategies_are_kept_per_model_and_name_for_the_models_used_last():
     model = CountedCalls(_linear_gaussian)
     other = CountedCalls(_linear_gaussian)
     exact = conditionals_for("exact", model)
@@ -87,10 +96,17 @@ def test_strategies_are_kept_per_model_and_name_and_go_with_the_model():
     holder = _Holder()
     assert conditionals_for("exact", holder.model) is conditionals_for("exact", holder.model)
     assert conditionals_for("exact", holder.model) is not conditionals_for("exact", holder.other)
+    # A model used in a call is held until MAX_KEPT_MODELS others have been used since.
+    log_marginal(holder.model, torch.randn(5, 4))
     alive = weakref.ref(holder)
     del holder
     gc.collect()
+    assert alive() is not None
+    for _ in range(MAX_KEPT_MODELS):
+        conditionals_for("exact", CountedCalls(_linear_gaussian))
+    gc.collect()
     assert alive() is None
+    assert len(_STRATEGIES) == MAX_KEPT_MODELS
     forget_strategies()
     assert conditionals_for("exact", model) is not exact
     assert len(_STRATEGIES) == 1
@@ -138,3 +154,110 @@ def test_mpt_curve_twice_on_the_same_model():
     variance = (WEIGHT**2).sum(-1) + NOISE**2
     marginals = dist.Normal(torch.zeros(4), variance.sqrt()).log_prob(x)
     assert math.isclose(float(curve.scores[-1]), float(marginals.mean()), rel_tol=1e-9)
+
+
+class _Switchable:
+    """A linear-Gaussian model whose observed entries and annealing factor are attributes:
+    changes that its argument shapes do not show."""
+
+    weight = torch.tensor([[0.8], [-0.5], [0.3], [1.1], [0.2]])
+    observed = None
+    beta = 1.0
+
+    def model(self, x):
+        with pyro.plate("data", x.shape[-2]), poutine.scale(scale=self.beta):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+            likelihood = dist.Normal(z @ self.weight.T, 0.5)
+            if self.observed is not None:
+                likelihood = likelihood.mask(self.observed)
+            pyro.sample("x", likelihood.to_event(1), obs=x)
+
+    def guide(self, x):
+        # The exact posterior of z given the observed entries: every importance weight is
+        # p(x_observed), so importance sampling is exact.
+        w = self.weight[:, 0]
+        seen = torch.ones_like(x) if self.observed is None else self.observed.to(x.dtype)
+        precision = 1 + (seen * w**2).sum(-1, keepdim=True) / 0.25
+        loc = (seen * x * w).sum(-1, keepdim=True) / 0.25 / precision
+        with pyro.plate("data", x.shape[-2]), poutine.scale(scale=self.beta):
+            pyro.sample("z", dist.Normal(loc, precision**-0.5).to_event(1))
+
+
+def test_a_mask_added_to_a_kept_importance_model_is_scored():
+    switchable = _Switchable()
+    x = torch.randn(12, 5)
+    observed = torch.rand(12, 5) > 0.4
+    observed[:, 0] = True
+    log_marginal(switchable.model, x, guide=switchable.guide, conditionals="importance")
+    switchable.observed = observed
+    got = log_marginal(switchable.model, x, guide=switchable.guide, conditionals="importance")
+    # The closed form of each observation's observed entries.
+    w = switchable.weight
+    covariance = w @ w.T + 0.25 * torch.eye(5)
+    expected = torch.stack(
+        [
+            dist.MultivariateNormal(torch.zeros(int(o.sum())), covariance[o][:, o]).log_prob(r[o])
+            for r, o in zip(x, observed)
+        ]
+    )
+    # Exact up to rounding (the proposal is the posterior); scoring the masked entries too
+    # would be off by nats.
+    torch.testing.assert_close(got, expected)
+
+
+def test_annealing_with_poutine_scale_reaches_a_kept_importance_loss():
+    # The loss of an MPTLoss whose strategy reads the model once scales with beta: the
+    # estimate is beta-independent and the loss is -beta times its sum.
+    switchable = _Switchable()
+    x = torch.randn(12, 5)
+    loss = MPTLoss(conditionals="importance")
+    values = []
+    for beta in (1.0, 0.1):
+        switchable.beta = beta
+        pyro.set_rng_seed(1)
+        values.append(loss.loss(switchable.model, switchable.guide, x))
+    pyro.set_rng_seed(1)
+    fresh = MPTLoss(conditionals="importance").loss(switchable.model, switchable.guide, x)
+    assert math.isclose(values[1], fresh, rel_tol=1e-9)
+    assert math.isclose(values[1], 0.1 * values[0], rel_tol=1e-9)
+
+
+def test_a_kept_model_that_turned_nonlinear_is_refused_with_validation_off():
+    def model(x):
+        a = pyro.param("a", torch.tensor(0.0))  # 0: linear-Gaussian
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+            loc = z @ WEIGHT[:, :1].T + a * torch.tanh(3 * z) ** 2
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
+
+    x = torch.randn(10, 4)
+    pyro.enable_validation(False)
+    log_marginal(model, x)
+    pyro.get_param_store()["a"] = torch.tensor(2.0)
+    with pytest.raises(NotApplicableError, match="not affine"):
+        log_marginal(model, x)
+    # auto decides afresh: not exact.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = conditionals_for("auto", model)
+        log_marginal(model, x, conditionals=auto)
+    assert not isinstance(auto.chosen, Exact)
+
+
+def test_a_model_fixed_after_a_refusal_is_read_again():
+    likelihood = {"name": "bernoulli"}
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            loc = z @ WEIGHT.T
+            if likelihood["name"] == "bernoulli":
+                pyro.sample("x", dist.Bernoulli(logits=loc).to_event(1), obs=x)
+            else:
+                pyro.sample("x", dist.Normal(loc, NOISE).to_event(1), obs=x)
+
+    x = torch.bernoulli(torch.full((6, 4), 0.5))
+    with pytest.raises(NotApplicableError, match="Bernoulli"):
+        log_marginal(model, x)
+    likelihood["name"] = "normal"
+    torch.testing.assert_close(log_marginal(model, x), _closed_form(x))

@@ -14,7 +14,6 @@ from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.conditionals.auto import ACCURACY_TOL
 from pyro_mpt.errors import QuadratureAccuracyWarning
-from pyro_mpt.loss import _is_check_step
 
 NUM_FEATURES = 20
 
@@ -55,9 +54,24 @@ def _train(conditionals, sharpen, num_steps):
     return loss, first, data[batches[-1]], weight
 
 
-def test_check_steps_are_the_powers_of_four_from_16():
-    steps = [n + 1 for n in range(1, 1100) if _is_check_step(n)]
-    assert steps == [16, 64, 256, 1024]
+def test_ragged_batches_are_checked_too():
+    # Every epoch ends with a smaller batch, a call of another shape: the check still runs on
+    # the first steady call from the 16th on, and the 64th (a fixed-rule user warned twice).
+    data = torch.bernoulli(torch.full((70, NUM_FEATURES), 0.5))
+    loss = MPTLoss(conditionals=Quadrature(20))
+    svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
+    pyro.param("weight", 3.0 * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            for batch in torch.arange(70).split(8):  # 8 batches of 8, then one of 6
+                svi.step(data[batch])
+                if loss.rule_check is not None and loss.rule_check["step"] not in steps:
+                    steps.append(loss.rule_check["step"])
+    assert len(steps) == 2 and 16 <= steps[0] < 20 and 64 <= steps[1] < 68
+    warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+    assert len(warned) == 2
 
 
 def test_auto_refines_a_rule_that_became_coarse():

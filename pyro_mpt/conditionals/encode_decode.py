@@ -13,7 +13,12 @@ from pyro_mpt.ops.masks import select_masked
 from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.trace.factors import factor_log_prob
 from pyro_mpt.trace.guide_densities import observed_tensor
-from pyro_mpt.trace.guided_model import RememberedGuided, describe_guide, run_guided
+from pyro_mpt.trace.guided_model import (
+    RememberedGuided,
+    describe_guide,
+    observed_site_of_run,
+    run_guided,
+)
 from pyro_mpt.trace.trace_utils import latent_sites, same_random_state, unwrap_independent
 
 __all__ = ["EncodeDecode", "EncodeDecodeSelfPredictive"]
@@ -39,7 +44,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         """The observed site's base distribution and value at ``z ~ q(z | filled)``, the
         guide told which entries are ``hidden``."""
         _, model_trace = run_guided(self.guided, filled, self.num_samples, hidden=hidden)
-        site = model_trace.nodes[self.observed.name]
+        site, self.scale = observed_site_of_run(self.guided, model_trace)
         return unwrap_independent(site["fn"]), site["value"]
 
     def log_prob(self, masks):
@@ -68,7 +73,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         filled = fill_masked(x, unseen, self.fill)
         for _ in range(max(self.num_iterations, 1)):
             _, model_trace = run_guided(self.guided, filled, 1, hidden=unseen)
-            fn = model_trace.nodes[observed.name]["fn"]
+            fn = observed_site_of_run(self.guided, model_trace)[0]["fn"]
             filled = select_masked(unseen, observation_draws(fn, observed, (1, num_chains))[0], x)
         if not joint:
             # Feature j of draw s comes from chain (j, s): the chains are independent.

@@ -5,6 +5,7 @@ import math
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,
     dense_gaussian_marginal_sample,
@@ -120,7 +121,11 @@ class Exact(Conditionals):
             when the caller has it already (worked out here otherwise).
         """
         structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-        return self.prepare_with(structure, model, guide, args, kwargs)
+        try:
+            return self.prepare_with(structure, model, guide, args, kwargs)
+        except NotApplicableError:
+            self._structure.forget()  # read afresh next time: the model may be changed
+            raise
 
     def structure_for(self, signature):
         """The structure :meth:`prepare` read for calls of ``signature`` (the very object it

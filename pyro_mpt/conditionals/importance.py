@@ -41,7 +41,7 @@ from pyro_mpt.trace.guide_densities import (
     proposal_log_density,
     sites_log_density,
 )
-from pyro_mpt.trace.guided_model import RememberedGuided, run_guided
+from pyro_mpt.trace.guided_model import RememberedGuided, observed_site_of_run, run_guided
 from pyro_mpt.trace.trace_utils import latent_sites, unwrap_independent
 
 __all__ = [
@@ -96,7 +96,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         lead = (num_samples, filled.shape[0])
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = proposal_log_density(guide_trace, guided, lead)
-        site = model_trace.nodes[self.observed.name]
+        site, self.scale = observed_site_of_run(guided, model_trace)
         ll = observed_log_prob(unwrap_independent(site["fn"]), site["value"])
         self._proposal_terms = (guide_trace, lead)
         return log_p - log_q, observed_tensor(ll, guided, lead)
@@ -165,7 +165,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (pooled_size, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
-        site = model_trace.nodes[self.observed.name]
+        site, self.scale = observed_site_of_run(guided, model_trace)
         fn = unwrap_independent(site["fn"])
         ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)
         self._proposal_terms = (scored, (pooled_size, num_masks))
@@ -252,7 +252,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         lead = (num_proposals, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
-        site = model_trace.nodes[observed.name]
+        site, _ = observed_site_of_run(guided, model_trace)
         fn = unwrap_independent(site["fn"])
         ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)
         log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch

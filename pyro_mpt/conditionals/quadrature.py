@@ -139,7 +139,11 @@ class Quadrature(Conditionals):
             when the caller has it already (worked out here otherwise).
         """
         structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-        return self.prepare_with(structure, model, guide, args, kwargs)
+        try:
+            return self.prepare_with(structure, model, guide, args, kwargs)
+        except NotApplicableError:
+            self._structure.forget()  # read afresh next time: the model may be changed
+            raise
 
     def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
         """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5

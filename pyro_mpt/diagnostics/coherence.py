@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.per_model import conditionals_for
+from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import (
     observed_steps,
@@ -140,6 +140,7 @@ class OrderingLogLikelihoods(NamedTuple):
 
 
 @torch.no_grad()
+@package_function
 def ordering_log_likelihoods(
     model,
     *args,

@@ -3,12 +3,13 @@
 import math
 
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
-from pyro_mpt.conditionals.per_model import conditionals_for
+from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
 
 
+@package_function
 def log_marginal(
     model, *args, conditionals="exact", guide=None, max_plate_nesting=math.inf, **kwargs
 ):
@@ -54,5 +55,5 @@ def log_marginal(
             result = prepared.log_marginal()
         except NotImplementedError as error:
             raise ValueError(f"conditionals={strategy!r}: {error}") from None
-    warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 3)
+    warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 4)
     return result

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.per_model import conditionals_for
+from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
@@ -34,6 +34,7 @@ def _sizes_from(rates, sizes, num_features):
 
 
 @torch.no_grad()
+@package_function
 def mpt_curve(
     model,
     *args,

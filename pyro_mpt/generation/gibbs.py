@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.per_model import conditionals_for
+from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
@@ -13,6 +13,7 @@ from pyro_mpt.progress import progress_bar
 __all__ = ["gibbs"]
 
 
+@package_function
 def gibbs(
     model,
     *args,

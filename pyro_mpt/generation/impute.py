@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.per_model import conditionals_for
+from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
@@ -12,6 +12,7 @@ from pyro_mpt.generation.draws import draw_hidden
 __all__ = ["impute"]
 
 
+@package_function
 def impute(
     model,
     *args,

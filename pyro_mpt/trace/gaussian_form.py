@@ -19,6 +19,8 @@ rounding of the model's own dtype: a mean that is affine only near the origin, o
 scale that depends on the latents, is refused.
 """
 
+import contextlib
+import contextvars
 import math
 import weakref
 from typing import NamedTuple
@@ -178,6 +180,21 @@ def _not_normal(base, name):
 #: The structures (by their :class:`~pyro_mpt.trace.model_structure.PointLayout`) whose
 #: linear-Gaussian form has been verified once.
 _VERIFIED = weakref.WeakSet()
+#: Whether the form is verified on every call even with Pyro's validation off (see
+#: :func:`verify_every_call`).
+_EVERY_CALL = contextvars.ContextVar("verify_every_call", default=False)
+
+
+@contextlib.contextmanager
+def verify_every_call():
+    """Inside the block, the linear-Gaussian form is verified on every call, as while Pyro's
+    validation is enabled: for calls that may come long after the structure was read, with
+    other parameters (a model linear at one value of a parameter is not at another)."""
+    token = _EVERY_CALL.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_CALL.reset(token)
 #: The probe points of :func:`_probe_points` of each structure (by its layout).
 _PROBES = weakref.WeakKeyDictionary()
 
@@ -203,7 +220,8 @@ def _form_at_points(structure, run, points):
     # Verified on every call while Pyro's validation is enabled, else once per structure
     # (the check reads the device).
     layout = structure.point_layout
-    if layout is not None and layout in _VERIFIED and not is_validation_enabled():
+    once = not is_validation_enabled() and not _EVERY_CALL.get()
+    if layout is not None and layout in _VERIFIED and once:
         return form
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)

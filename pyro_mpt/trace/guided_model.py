@@ -20,13 +20,14 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
 from pyro_mpt.trace.guide_densities import joint_auto_latent
 from pyro_mpt.trace.model_structure import read_structure
-from pyro_mpt.trace.observed_site import read_observed_site
+from pyro_mpt.trace.observed_site import read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import (
+    distribution_mask,
     latent_sites,
     plate_frames,
     same_random_state,
@@ -43,6 +44,7 @@ __all__ = [
     "GuidedModel",
     "RememberedGuided",
     "describe_guide",
+    "observed_site_of_run",
     "prepare_guided",
     "run_guided",
 ]
@@ -73,6 +75,8 @@ class GuidedModel(NamedTuple):
     :ivar int num_pad: size-1 dims between the extra plates and the data's batch dims.
     :ivar bool takes_hidden: whether the guide declares a ``hidden`` parameter, and so is
         told which entries of the filled data are hidden (see :func:`run_guided`).
+    :ivar remembered: the :class:`RememberedGuided` that handed out this call's model from
+        an earlier call's read (see :func:`observed_site_of_run`), or None for a fresh read.
     """
 
     model: object
@@ -83,6 +87,7 @@ class GuidedModel(NamedTuple):
     data_shape: torch.Size
     num_pad: int
     takes_hidden: bool = False
+    remembered: object = None
 
 
 def _takes_hidden(guide, args, kwargs):
@@ -220,7 +225,7 @@ class RememberedGuided:
         if signature == self._signature:
             # The caller's equal signature from now on: compared by identity next time.
             self._signature = signature
-            return _with_arguments(self._guided, args, kwargs), False
+            return _with_arguments(self._guided, args, kwargs)._replace(remembered=self), False
         self._signature = self._guided = self._guide = None
         # Read without touching the random state: a seeded call draws the same numbers
         # whether or not it read the model.
@@ -253,6 +258,27 @@ def _reusable(guided):
         and value.stride() == data.stride()
         and value.data_ptr() == data.data_ptr()
     )
+
+
+def observed_site_of_run(guided, model_trace):
+    """The observed site of a run of ``guided``'s model and its scale per observation now,
+    which may differ from the first call's (annealing with ``poutine.scale``).
+
+    A model reused from an earlier call's read (``guided.remembered``) was reused because its
+    observed site had no mask then; a run whose site has one means the model changed under
+    the same argument shapes: the read is forgotten and :class:`StaleStructureError`
+    raised, so that the caller reads the model afresh.
+    """
+    site = model_trace.nodes[guided.local.observed.name]
+    if guided.remembered is not None and (
+        site["mask"] is not None or distribution_mask(site["fn"]) is not None
+    ):
+        guided.remembered.forget()
+        raise StaleStructureError(
+            f"Observed site {site['name']!r} has a mask on this call that it had not on the "
+            f"first call with these argument shapes: the model is read again."
+        )
+    return site, site_scale(site, guided.local.observed.batch_shape)
 
 
 def _with_arguments(guided, args, kwargs):

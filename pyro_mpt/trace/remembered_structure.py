@@ -83,6 +83,11 @@ class RememberedStructure:
         self._signature = signature
         return self._structure
 
+    def forget(self):
+        """Drops the remembered structure (one a strategy could not use: the model may be
+        changed before the next call, under the same argument shapes)."""
+        self._signature = self._structure = None
+
     def held(self, signature):
         """The structure read for ``signature``, the very object last passed to :meth:`get`
         (found by identity, with no comparison); None for any other."""
