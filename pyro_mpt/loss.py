@@ -119,7 +119,8 @@ class MPTLoss(ELBO):
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
         16th, 64th, 256th, ... call (or the next steady one, when the batch shape has just
         changed): ``dict(step, strategy, mean_gap)``, the gap in nats of ``log p(x)`` per
-        observation. Past
+        observation (None where no finer rule fits: more than 200 nodes per dimension, or
+        more memory than is allowed). Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
         again, and a rule given by the user warns
         (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
@@ -261,11 +262,12 @@ class MPTLoss(ELBO):
         before.restore()
         gap = strategy.refinement_gap(prepared, *call, structure=structure)
         after.restore()
-        if gap is None:
+        if gap is None:  # a strategy with no such measure
             return prepared
         step = self._num_calls
-        self.rule_check = dict(step=step, strategy=repr(strategy), mean_gap=gap)
-        if gap <= ACCURACY_TOL:
+        measured = None if math.isnan(gap) else gap
+        self.rule_check = dict(step=step, strategy=repr(strategy), mean_gap=measured)
+        if measured is None or measured <= ACCURACY_TOL:
             return prepared
         figure = (
             f"{strategy!r} changes log p(x) by {gap:.2g} nats per observation when refined "

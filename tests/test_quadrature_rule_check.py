@@ -113,3 +113,9 @@ def test_an_accurate_rule_stays_and_says_nothing():
         loss, first, _, _ = _train(Quadrature(20), sharpen=1.0, num_steps=15)
     assert loss.conditionals.in_use is first
     assert loss.rule_check["step"] == 16 and loss.rule_check["mean_gap"] < 1e-4
+
+
+def test_a_rule_too_fine_to_refine_says_so():
+    # 150 nodes: the finer rule would pass MAX_POINTS, so the gap is not measured.
+    loss, _, _, _ = _train(Quadrature(150), sharpen=1.0, num_steps=15)
+    assert loss.rule_check["step"] == 16 and loss.rule_check["mean_gap"] is None

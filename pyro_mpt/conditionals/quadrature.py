@@ -148,12 +148,13 @@ class Quadrature(Conditionals):
     def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
         """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5
         times its nodes per dimension (the test ``conditionals="auto"`` chose it by), on the
-        data of ``prepared``'s call; None when the finer rule does not fit in memory. The
+        data of ``prepared``'s call; NaN when no finer rule fits (more than
+        :data:`MAX_POINTS` nodes per dimension, or more memory than allowed). The
         finer rule is prepared from the random state the caller leaves, so a subsampled model
         must be given the state ``prepared`` was made from."""
         num_points = math.ceil(1.5 * self.num_points)
         if num_points > MAX_POINTS:
-            return None
+            return math.nan
         finer = Quadrature(
             num_points=num_points,
             max_latent_dim=self.max_latent_dim,
@@ -168,7 +169,7 @@ class Quadrature(Conditionals):
                     finer_prepared = finer.prepare_with(structure, model, guide, args, kwargs)
                 change = finer_prepared.log_marginal() - prepared.log_marginal()
         except NotApplicableError:
-            return None
+            return math.nan
         return float(change.abs().mean())
 
     def structure_for(self, signature):
