@@ -33,7 +33,13 @@ from pyro_mpt.trace.observed_site import ObservedSite
 from pyro_mpt.trace.trace_utils import check_points, flatten_tail, unwrap_independent
 from pyro_mpt.trace.whitened_latents import point_parameter, run_at_points
 
-__all__ = ["GaussianForm", "NotGaussianError", "extract_gaussian_form", "no_latent_form"]
+__all__ = [
+    "GaussianForm",
+    "NotGaussianError",
+    "extract_gaussian_form",
+    "no_latent_form",
+    "verify_every_call",
+]
 
 
 class NotGaussianError(NotApplicableError):
@@ -180,6 +186,9 @@ def _not_normal(base, name):
 #: The structures (by their :class:`~pyro_mpt.trace.model_structure.PointLayout`) whose
 #: linear-Gaussian form has been verified once.
 _VERIFIED = weakref.WeakSet()
+#: The probe points of :func:`_probe_points` of each structure (by its layout).
+_PROBES = weakref.WeakKeyDictionary()
+
 #: Whether the form is verified on every call even with Pyro's validation off (see
 #: :func:`verify_every_call`).
 _EVERY_CALL = contextvars.ContextVar("verify_every_call", default=False)
@@ -195,8 +204,6 @@ def verify_every_call():
         yield
     finally:
         _EVERY_CALL.reset(token)
-#: The probe points of :func:`_probe_points` of each structure (by its layout).
-_PROBES = weakref.WeakKeyDictionary()
 
 
 def _form_at_points(structure, run, points):
