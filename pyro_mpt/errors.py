@@ -42,7 +42,7 @@ class QuadratureAccuracyWarning(UserWarning):
     """
 
 
-class StaleStructureError(RuntimeError):
+class StaleStructureError(Exception):
     """A model read once and reused for later calls of the same argument shapes has changed
     in a way the shapes do not show (its observed site gained a mask). Raised by a run of
     the model and caught by ``MPTLoss`` and the package's functions, which then read the

@@ -210,7 +210,12 @@ class MPTLoss(ELBO):
         if not steady:
             self._last_call = None
             self._accuracy_counts = [0, 0]
-            prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
+            try:
+                prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
+            except StaleStructureError:
+                # A strategy shared with another loss kept a read that the model outgrew; it
+                # forgot it on the way out, so this reads the model afresh.
+                prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
             # The key holds ids: the objects behind them stay alive while it is kept.
             others = tuple(v for v in (*args, *kwargs.values()) if not torch.is_tensor(v))
             self._kept = (model, guide, others)

@@ -261,3 +261,53 @@ def test_a_model_fixed_after_a_refusal_is_read_again():
         log_marginal(model, x)
     likelihood["name"] = "normal"
     torch.testing.assert_close(log_marginal(model, x), _closed_form(x))
+
+
+class _WithFactor:
+    """A linear-Gaussian model that may add a constant ``pyro.factor`` (a penalty switched on
+    after a warm-up) or scale its latent alone (a tempered likelihood)."""
+
+    penalty = 0.0
+    latent_scale = 1.0
+
+    def model(self, x):
+        if self.penalty:
+            pyro.factor("penalty", torch.tensor(-self.penalty))
+        with pyro.plate("data", x.shape[-2]):
+            with poutine.scale(scale=self.latent_scale):
+                z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ WEIGHT.T, NOISE).to_event(1), obs=x)
+
+    def guide(self, x):
+        pass
+
+
+def test_a_factor_added_to_a_kept_model_reaches_the_loss():
+    # The loss is minus the MPT estimate minus the factor: a kept read must not drop it.
+    with_factor = _WithFactor()
+    x = torch.randn(10, 4)
+    loss = MPTLoss(conditionals="exact", num_masks=4)
+    pyro.set_rng_seed(2)
+    before = loss.loss(with_factor.model, with_factor.guide, x)
+    with_factor.penalty = 100.0
+    pyro.set_rng_seed(2)
+    after = loss.loss(with_factor.model, with_factor.guide, x)
+    assert math.isclose(after, before + 100.0, rel_tol=1e-9)
+    with_factor.penalty = 0.0
+    pyro.set_rng_seed(2)
+    assert math.isclose(loss.loss(with_factor.model, with_factor.guide, x), before, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("conditionals", ["exact", "quadrature"])
+def test_a_latent_scaled_alone_is_refused_on_a_kept_read(conditionals):
+    with_factor = _WithFactor()
+    x = torch.randn(10, 4)
+    loss = MPTLoss(conditionals=conditionals)
+    loss.loss(with_factor.model, with_factor.guide, x)
+    log_marginal(with_factor.model, x, conditionals=conditionals)
+    for scale in (0.1, torch.full((10,), 0.1)):
+        with_factor.latent_scale = scale
+        with pytest.raises(ValueError, match="different scales"):
+            loss.loss(with_factor.model, with_factor.guide, x)
+        with pytest.raises(ValueError, match="different scales"):
+            log_marginal(with_factor.model, x, conditionals=conditionals)

@@ -22,10 +22,12 @@ from pyro.infer.autoguide import AutoGuide
 
 from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
+from pyro_mpt.trace.factors import check_same_factors
 from pyro_mpt.trace.guide_densities import joint_auto_latent
 from pyro_mpt.trace.model_structure import read_structure
 from pyro_mpt.trace.observed_site import read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
+from pyro_mpt.trace.structure_checks import check_run_scales
 from pyro_mpt.trace.trace_utils import (
     distribution_mask,
     latent_sites,
@@ -265,20 +267,29 @@ def observed_site_of_run(guided, model_trace):
     which may differ from the first call's (annealing with ``poutine.scale``).
 
     A model reused from an earlier call's read (``guided.remembered``) was reused because its
-    observed site had no mask then; a run whose site has one means the model changed under
-    the same argument shapes: the read is forgotten and :class:`StaleStructureError`
-    raised, so that the caller reads the model afresh.
+    observed site had no mask and it had no ``pyro.factor`` then; a run with either means the
+    model changed under the same argument shapes: the read is forgotten and
+    :class:`~pyro_mpt.errors.StaleStructureError` raised, so that the caller reads the
+    model afresh. Its latents must still be scaled like the observation (a tempered
+    likelihood is refused, as on the first read).
     """
-    site = model_trace.nodes[guided.local.observed.name]
-    if guided.remembered is not None and (
-        site["mask"] is not None or distribution_mask(site["fn"]) is not None
-    ):
+    local = guided.local
+    site = model_trace.nodes[local.observed.name]
+    scale = site_scale(site, local.observed.batch_shape)
+    if guided.remembered is None:
+        return site, scale
+    try:
+        if site["mask"] is not None or distribution_mask(site["fn"]) is not None:
+            raise StaleStructureError(
+                f"Observed site {site['name']!r} has a mask on this call that it had not on "
+                f"the first call with these argument shapes: the model is read again."
+            )
+        check_same_factors(local.factor_names, model_trace)
+    except StaleStructureError:
         guided.remembered.forget()
-        raise StaleStructureError(
-            f"Observed site {site['name']!r} has a mask on this call that it had not on the "
-            f"first call with these argument shapes: the model is read again."
-        )
-    return site, site_scale(site, guided.local.observed.batch_shape)
+        raise
+    check_run_scales(model_trace, local.latent_names, site["name"], scale)
+    return site, scale
 
 
 def _with_arguments(guided, args, kwargs):

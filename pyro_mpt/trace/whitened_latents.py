@@ -30,10 +30,10 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
-from pyro_mpt.trace.factors import check_factors, factor_log_prob
+from pyro_mpt.trace.factors import check_factors, check_same_factors, factor_log_prob
 from pyro_mpt.trace.observed_site import observed_in_run
 from pyro_mpt.trace.points_check import check_model_at_points
-from pyro_mpt.trace.structure_checks import scale_mismatch
+from pyro_mpt.trace.structure_checks import check_run_scales
 from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwrap_independent
 
 __all__ = [
@@ -309,12 +309,9 @@ def run_at_points(
             f"needs the same latent sites on every run of the model."
         )
     observed, scale = observed_in_run(structure, trace)
-    for latent in structure.latents:
-        # Scales may change between calls (annealing): a latent's must stay its observation's.
-        latent_scale = trace.nodes[latent.name]["scale"]
-        if not torch.is_tensor(latent_scale) and not torch.is_tensor(scale):
-            if float(latent_scale) != scale:
-                raise scale_mismatch(latent.name, observed.name)
+    # Scales may change between calls (annealing): a latent's must stay its observation's.
+    check_run_scales(trace, structure.latent_names, observed.name, scale)
+    check_same_factors(structure.factor_names, trace)
     fn = trace.nodes[observed.name]["fn"]
     rows_differ = latents.rows_differ
     if not structure.factor_names:
