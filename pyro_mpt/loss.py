@@ -398,7 +398,7 @@ class MPTLoss(ELBO):
         loss, prepared = self._mpt_loss(model, guide, args, kwargs)
         mode = self.guide_loss
         if mode == "auto":
-            mode = self.conditionals.in_use.guide_loss
+            mode = self._steady[0].guide_loss  # that of the strategy that prepared the call
         proposal_loss = prepared.proposal_loss() if mode == "wake" else None
         if mode == "wake" and proposal_loss is None:
             raise ValueError(

@@ -4,28 +4,9 @@ which no strategy integrates, and is refused."""
 
 import math
 
-import pyro.distributions as dist
 import torch
 
-from pyro_mpt.errors import StaleStructureError
-
-__all__ = ["check_factors", "check_same_factors", "factor_log_prob"]
-
-
-def check_same_factors(factor_names, trace):
-    """A later run of a model read before has the ``pyro.factor`` sites it had then; one
-    that came or went means the model changed under the same argument shapes
-    (:class:`~pyro_mpt.errors.StaleStructureError`: the caller reads it afresh)."""
-    found = [
-        name
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample" and site["is_observed"] and isinstance(site["fn"], dist.Unit)
-    ]
-    if found != list(factor_names):
-        raise StaleStructureError(
-            f"The model's pyro.factor sites are {found} on this run and were "
-            f"{list(factor_names)} when it was read: the model is read again."
-        )
+__all__ = ["check_factors", "factor_log_prob"]
 
 
 def check_factors(structure, trace, what):

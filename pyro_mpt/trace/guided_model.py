@@ -22,12 +22,10 @@ from pyro.infer.autoguide import AutoGuide
 
 from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
-from pyro_mpt.trace.factors import check_same_factors
 from pyro_mpt.trace.guide_densities import joint_auto_latent
 from pyro_mpt.trace.model_structure import read_structure
-from pyro_mpt.trace.observed_site import read_observed_site, site_scale
+from pyro_mpt.trace.observed_site import check_run_matches, read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
-from pyro_mpt.trace.structure_checks import check_run_scales
 from pyro_mpt.trace.trace_utils import (
     distribution_mask,
     latent_sites,
@@ -284,11 +282,10 @@ def observed_site_of_run(guided, model_trace):
                 f"Observed site {site['name']!r} has a mask on this call that it had not on "
                 f"the first call with these argument shapes: the model is read again."
             )
-        check_same_factors(local.factor_names, model_trace)
+        check_run_matches(local, model_trace, scale)
     except StaleStructureError:
         guided.remembered.forget()
         raise
-    check_run_scales(model_trace, local.latent_names, site["name"], scale)
     return site, scale
 
 

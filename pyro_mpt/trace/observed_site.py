@@ -1,16 +1,26 @@
 """The observed site of a model run: its observations with the features flattened, which
 entries count (masks, ``obs_mask``), its scale, and the checks ``log_prob`` would make
-(dtype; NaN and support while Pyro's validation is enabled)."""
+(dtype; NaN and support while Pyro's validation is enabled); and the check that a later run
+of a model read before still matches the read around that site (:func:`check_run_matches`)."""
 
 from typing import NamedTuple
 
 import torch
+from pyro.distributions import Unit
 from pyro.infer.util import is_validation_enabled
 from torch.distributions import constraints
 
+from pyro_mpt.errors import StaleStructureError
+from pyro_mpt.trace.structure_checks import scale_mismatch
 from pyro_mpt.trace.trace_utils import distribution_mask, flatten_tail, unwrap_independent
 
-__all__ = ["ObservedSite", "observed_in_run", "read_observed_site", "site_scale"]
+__all__ = [
+    "ObservedSite",
+    "check_run_matches",
+    "observed_in_run",
+    "read_observed_site",
+    "site_scale",
+]
 
 
 class ObservedSite(NamedTuple):
@@ -223,3 +233,39 @@ def observed_in_run(structure, trace):
     first = structure.observed
     observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
     return observed, site_scale(site, observed.batch_shape)
+
+
+def check_run_matches(structure, trace, scale):
+    """Checks a later run of a model whose structure was read before (the next call with the
+    same argument shapes), around its observed site of scale ``scale`` in this run:
+
+    * the ``pyro.factor`` sites are those of the read; one that came or went means the model
+      changed under the same shapes (:class:`~pyro_mpt.errors.StaleStructureError`: the
+      caller reads it afresh);
+    * every latent is scaled like the observation (annealing may change both, not one
+      alone): ``ValueError`` as on the first read. Tensor scales are compared by value, a
+      read of the device, while Pyro's validation is enabled.
+    """
+    factors = []
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and site["is_observed"] and isinstance(site["fn"], Unit):
+            factors.append(name)
+    if factors != list(structure.factor_names):
+        raise StaleStructureError(
+            f"The model's pyro.factor sites are {factors} on this run and were "
+            f"{list(structure.factor_names)} when it was read: the model is read again."
+        )
+    validate = is_validation_enabled()
+    for name in structure.latent_names:
+        latent_scale = trace.nodes[name]["scale"]
+        if not torch.is_tensor(latent_scale) and not torch.is_tensor(scale):
+            same = float(latent_scale) == scale
+        elif validate:
+            latent_scale, scale_now = torch.as_tensor(latent_scale), torch.as_tensor(scale)
+            if latent_scale.dim() and scale_now.dim() and latent_scale.shape != scale_now.shape:
+                continue  # laid out differently: the first read compared them per observation
+            same = bool((latent_scale == scale_now).all())
+        else:
+            continue
+        if not same:
+            raise scale_mismatch(name, structure.observed.name)

@@ -3,14 +3,8 @@ latents out needs: every batch dim in a plate, latents masked and scaled like th
 observation."""
 
 import torch
-from pyro.infer.util import is_validation_enabled
 
-__all__ = [
-    "check_latent_effects",
-    "check_plates_cover_batch",
-    "check_run_scales",
-    "scale_mismatch",
-]
+__all__ = ["check_latent_effects", "check_plates_cover_batch", "scale_mismatch"]
 
 
 def check_plates_cover_batch(site):
@@ -63,25 +57,6 @@ def check_latent_effects(trace, latents, observed, scale):
             same = float(latent_scale) == scale
         if not same:
             raise scale_mismatch(latent.name, observed.name)
-
-
-def check_run_scales(trace, latent_names, observed_name, scale):
-    """In a later run of a model read before: each latent is scaled like its observation,
-    ``scale`` (annealing may change both between calls, not one alone). Tensor scales are
-    compared by value, a read of the device, only while Pyro's validation is enabled."""
-    for name in latent_names:
-        latent_scale = trace.nodes[name]["scale"]
-        if not torch.is_tensor(latent_scale) and not torch.is_tensor(scale):
-            same = float(latent_scale) == scale
-        elif is_validation_enabled():
-            latent_scale, scale_now = torch.as_tensor(latent_scale), torch.as_tensor(scale)
-            if latent_scale.dim() and scale_now.dim() and latent_scale.shape != scale_now.shape:
-                continue  # laid out differently: the first read compared them per observation
-            same = bool((latent_scale == scale_now).all())
-        else:
-            continue
-        if not same:
-            raise scale_mismatch(name, observed_name)
 
 
 def scale_mismatch(latent_name, observed_name):

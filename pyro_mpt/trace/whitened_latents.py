@@ -30,10 +30,9 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
-from pyro_mpt.trace.factors import check_factors, check_same_factors, factor_log_prob
-from pyro_mpt.trace.observed_site import observed_in_run
+from pyro_mpt.trace.factors import check_factors, factor_log_prob
+from pyro_mpt.trace.observed_site import check_run_matches, observed_in_run
 from pyro_mpt.trace.points_check import check_model_at_points
-from pyro_mpt.trace.structure_checks import check_run_scales
 from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwrap_independent
 
 __all__ = [
@@ -309,9 +308,7 @@ def run_at_points(
             f"needs the same latent sites on every run of the model."
         )
     observed, scale = observed_in_run(structure, trace)
-    # Scales may change between calls (annealing): a latent's must stay its observation's.
-    check_run_scales(trace, structure.latent_names, observed.name, scale)
-    check_same_factors(structure.factor_names, trace)
+    check_run_matches(structure, trace, scale)
     fn = trace.nodes[observed.name]["fn"]
     rows_differ = latents.rows_differ
     if not structure.factor_names:
