@@ -5,7 +5,6 @@ import math
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,
     dense_gaussian_marginal_sample,
@@ -120,17 +119,8 @@ class Exact(Conditionals):
         :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
             when the caller has it already (worked out here otherwise).
         """
-        structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-        try:
-            return self.prepare_with(structure, model, guide, args, kwargs)
-        except StaleStructureError:
-            # The model changed under the same argument shapes since it was read: again.
-            self._structure.forget()
-            structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-            return self.prepare_with(structure, model, guide, args, kwargs)
-        except NotApplicableError:
-            self._structure.forget()  # read afresh next time: the model may be changed
-            raise
+        call = (model, guide, args, kwargs, max_plate_nesting, signature)
+        return self._structure.prepared(self, *call)
 
     def structure_for(self, signature):
         """The structure :meth:`prepare` read for calls of ``signature`` (the very object it

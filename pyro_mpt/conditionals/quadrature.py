@@ -9,7 +9,7 @@ import torch
 
 from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.conditionals.quadrature_self_predictive import quadrature_self_predictive
-from pyro_mpt.errors import NotApplicableError, StaleStructureError, check_positive_int
+from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
 from pyro_mpt.trace.guide_centres import whitened_guide
 from pyro_mpt.trace.remembered_structure import RememberedStructure
@@ -138,17 +138,8 @@ class Quadrature(Conditionals):
         :param signature: the call's :func:`~pyro_mpt.trace.remembered_structure.call_signature`
             when the caller has it already (worked out here otherwise).
         """
-        structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-        try:
-            return self.prepare_with(structure, model, guide, args, kwargs)
-        except StaleStructureError:
-            # The model changed under the same argument shapes since it was read: again.
-            self._structure.forget()
-            structure = self._structure.get(model, args, kwargs, max_plate_nesting, signature)
-            return self.prepare_with(structure, model, guide, args, kwargs)
-        except NotApplicableError:
-            self._structure.forget()  # read afresh next time: the model may be changed
-            raise
+        call = (model, guide, args, kwargs, max_plate_nesting, signature)
+        return self._structure.prepared(self, *call)
 
     def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
         """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5

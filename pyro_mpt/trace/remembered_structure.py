@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.model_structure import read_structure
 from pyro_mpt.trace.trace_utils import same_random_state
 
@@ -82,6 +83,22 @@ class RememberedStructure:
         # finds the structure by identity, with no comparison of its parts.
         self._signature = signature
         return self._structure
+
+    def prepared(self, strategy, model, guide, args, kwargs, max_plate_nesting, signature=None):
+        """``strategy.prepare_with(structure, ...)`` with the structure of this call (see
+        :meth:`get`): read again once when the model changed under the same argument shapes
+        (:class:`~pyro_mpt.errors.StaleStructureError`), and forgotten when the strategy
+        refuses the model (it may be changed before the next call)."""
+        structure = self.get(model, args, kwargs, max_plate_nesting, signature)
+        try:
+            return strategy.prepare_with(structure, model, guide, args, kwargs)
+        except StaleStructureError:
+            self.forget()
+            structure = self.get(model, args, kwargs, max_plate_nesting, signature)
+            return strategy.prepare_with(structure, model, guide, args, kwargs)
+        except NotApplicableError:
+            self.forget()
+            raise
 
     def forget(self):
         """Drops the remembered structure (one a strategy could not use: the model may be
