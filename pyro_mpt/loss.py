@@ -204,6 +204,13 @@ class MPTLoss(ELBO):
                 prepared, estimates = self._steady_prepare_and_estimate(model, guide, args, kwargs)
             except StaleStructureError:
                 steady = False  # the model changed under the same shapes: read it afresh
+            except ValueError:
+                if self._steady[1] is None:
+                    self._last_call = None
+                    raise
+                # A kept structure that the model outgrew (e.g. a site that obs_mask added):
+                # read afresh below, where a genuine error repeats.
+                steady = False
             except BaseException:
                 self._last_call = None
                 raise

@@ -86,19 +86,26 @@ class RememberedStructure:
 
     def prepared(self, strategy, model, guide, args, kwargs, max_plate_nesting, signature=None):
         """``strategy.prepare_with(structure, ...)`` with the structure of this call (see
-        :meth:`get`): read again once when the model changed under the same argument shapes
-        (:class:`~pyro_mpt.errors.StaleStructureError`), and forgotten when the strategy
-        refuses the model (it may be changed before the next call)."""
+        :meth:`get`). A structure kept from an earlier call that the model no longer matches
+        (:class:`~pyro_mpt.errors.StaleStructureError`, or a ``ValueError`` such as a site
+        that ``obs_mask`` added) is read again once, and a genuine error repeats on the fresh
+        read; a structure the strategy refuses is forgotten (the model may be changed before
+        the next call)."""
+        if signature is None:
+            signature = call_signature(model, args, kwargs, max_plate_nesting)
+        kept = signature == self._signature
         structure = self.get(model, args, kwargs, max_plate_nesting, signature)
         try:
-            return strategy.prepare_with(structure, model, guide, args, kwargs)
-        except StaleStructureError:
-            self.forget()
-            structure = self.get(model, args, kwargs, max_plate_nesting, signature)
             return strategy.prepare_with(structure, model, guide, args, kwargs)
         except NotApplicableError:
             self.forget()
             raise
+        except (StaleStructureError, ValueError):
+            if not kept:
+                raise
+        self.forget()
+        structure = self.get(model, args, kwargs, max_plate_nesting, signature)
+        return strategy.prepare_with(structure, model, guide, args, kwargs)
 
     def forget(self):
         """Drops the remembered structure (one a strategy could not use: the model may be
