@@ -255,10 +255,16 @@ class MPTLoss(ELBO):
             if strategy is self.conditionals:
                 raise
             # Auto's choice no longer applies (the model changed): auto searches again.
-            signature = self._signature
-            prepared = self.conditionals.search(model, guide, args, kwargs, nesting, signature)
-            self._steady = self._steady_route(signature)
+            prepared = self._search_again(model, guide, args, kwargs)
         return prepared, self._estimate(prepared)
+
+    def _search_again(self, model, guide, args, kwargs):
+        """``auto``'s search for a call like the last, whose choice then prepares the later
+        ones (see :meth:`_steady_route`)."""
+        signature, nesting = self._signature, self.max_plate_nesting
+        prepared = self.conditionals.search(model, guide, args, kwargs, nesting, signature)
+        self._steady = self._steady_route(signature)
+        return prepared
 
     def _check_accuracy(self, strategy, structure, prepared, call, before):
         """The strategy's own measure of its error on this step's data
@@ -288,11 +294,7 @@ class MPTLoss(ELBO):
         if strategy is not self.conditionals:
             _logger.info("conditionals='auto' searches again: %s.", figure)
             before.restore()
-            signature = self._signature
-            nesting = self.max_plate_nesting
-            prepared = self.conditionals.search(*call, nesting, signature)
-            self._steady = self._steady_route(signature)
-            return prepared
+            return self._search_again(*call)
         warnings.warn(
             f"MPTLoss's {figure}: its conditionals are about that far off. Fix: raise "
             f"num_points, use center='guide' with a guide fitted to the posterior, or "
