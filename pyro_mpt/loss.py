@@ -374,7 +374,7 @@ class MPTLoss(ELBO):
                 f"its own. Use share_masks=False."
             )
         mask_batch = torch.Size() if self.share_masks else batch_shape
-        masks, _ = sample_masks(
+        masks, sizes = sample_masks(
             self.schedule,
             self.num_masks,
             mask_batch,
@@ -386,8 +386,9 @@ class MPTLoss(ELBO):
         )
         if self.share_masks:
             masks = masks.reshape((self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:])
+            sizes = sizes.reshape(masks.shape[:-1])
         counts = None if observed.entries is None else observed.feature_counts()
-        return mpt_estimate(prepared.log_prob(masks), masks, counts)
+        return mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
 
     def _mpt_loss(self, model, guide, args, kwargs):
         prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)

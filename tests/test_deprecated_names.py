@@ -112,3 +112,14 @@ def test_old_importance_name_warns_and_builds_the_renamed_strategy():
         old = Importance(16, share_samples=True, num_proposals=2)
     assert isinstance(old, ImportanceSampling)
     assert repr(old) == repr(ImportanceSampling(16, share_samples=True, num_proposals=2))
+
+
+def test_gaussian_form_names_moved_to_the_exact_strategy_warn_and_are_the_same_objects():
+    from pyro_mpt.conditionals import exact
+
+    with pytest.warns(DeprecationWarning, match="moved to pyro_mpt.conditionals.exact"):
+        from pyro_mpt.trace.gaussian_form import GaussianForm, extract_gaussian_form
+    assert GaussianForm is exact.GaussianForm
+    assert extract_gaussian_form is exact.extract_gaussian_form
+    with pytest.raises(ImportError, match="no_such_name"):
+        from pyro_mpt.trace.gaussian_form import no_such_name  # noqa: F401

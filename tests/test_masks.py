@@ -174,3 +174,23 @@ def test_long_rows_have_exact_sizes_and_uniform_features():
     assert torch.equal(masks.sum(-1), torch.full((20_000,), 392))
     stderr = (0.25 / masks.shape[0]) ** 0.5
     assert (masks.double().mean(0) - 0.5).abs().max() < 5 * stderr
+
+
+@pytest.mark.parametrize("schedule", [UniformRate(), FixedRate(0.15), RandomRate(0.2, 0.9)])
+@pytest.mark.parametrize("missing", [False, True])
+def test_sample_masks_returns_the_sizes_its_masks_have(schedule, missing):
+    # The loss scores masks by the sizes sample_masks returns; each must be its mask's count.
+    generator = torch.Generator().manual_seed(3)
+    batch, num_features = (40, 3), 30
+    entries = None
+    if missing:
+        entries = torch.rand(batch + (num_features,), generator=generator) < 0.6
+        entries[0, 0] = False  # an observation with no entry: size 0
+    masks, sizes = sample_masks(schedule, 5, batch, num_features, entries=entries)
+    assert torch.equal(sizes.expand(masks.shape[:-1]), masks.sum(-1))
+    if missing:
+        assert not bool((masks & ~entries).any())
+        assert int(sizes[:, 0, 0].max()) == 0
+    values = torch.randn(masks.shape, generator=generator)
+    counted = mask_scores(values, masks)
+    assert torch.allclose(mask_scores(values, masks, sizes), counted, rtol=1e-12, atol=0)

@@ -81,9 +81,9 @@ def _recorded_masks(monkeypatch, rate, masks, num_obs=40, num_features=10):
     recorded = []
     original = pyro_mpt.loss.mpt_estimate
 
-    def recording(log_cond, mask_tensor, counts=None):
+    def recording(log_cond, mask_tensor, counts=None, sizes=None):
         recorded.append(mask_tensor.detach().clone())
-        return original(log_cond, mask_tensor, counts)
+        return original(log_cond, mask_tensor, counts, sizes)
 
     monkeypatch.setattr(pyro_mpt.loss, "mpt_estimate", recording)
     model = PPCA(num_features, 2, init_scale=1.0)

@@ -23,11 +23,11 @@ from torch.distributions import constraints
 from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
+from pyro_mpt.conditionals.exact import _probe_points
 from pyro_mpt.conditionals.quadrature_self_predictive import _is_binary
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
-from pyro_mpt.trace.gaussian_form import _probe_points
 from pyro_mpt.trace.trace_utils import RandomState, check_points, same_random_state
 from tests.helpers import CountedCalls
 

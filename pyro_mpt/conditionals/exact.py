@@ -1,10 +1,37 @@
-"""Exact self-predictive conditionals of linear-Gaussian models."""
+"""Exact self-predictive conditionals of linear-Gaussian models: the strategy
+(:class:`Exact`), its conditionals (:class:`GaussianSelfPredictive`) and how it reads a
+model's Gaussian form off its runs (:func:`extract_gaussian_form`).
 
+Exact self-predictive conditionals need the model in one of two closed forms:
+
+* **latent linear-Gaussian**: Gaussian latent sites inside the data plate and an observed
+  ``Normal`` site whose ``loc`` is affine in them, with a scale that does not depend on them
+  (PPCA, factor analysis), or an observed ``LowRankMultivariateNormal``;
+* **dense Gaussian**: an observed ``MultivariateNormal`` with no latent sites (a GPyTorch
+  ``MultivariateNormal`` included: its covariance is read without being factorised). When
+  a plate broadcasts one covariance, the form keeps it as a single matrix with size-one
+  batch dims.
+
+The affine map is found by *probing*: the model runs once more with its local latents at
+``K + 1`` whitened points (:mod:`pyro_mpt.trace.whitened_latents`), the origin and each unit
+vector, whose likelihood ``loc`` s give the loading matrix in whitened coordinates. The map
+is then verified at further points, random and far (30 standard deviations out), where the
+``loc`` must be affine and the ``scale`` constant, compared in float64 to within the
+rounding of the model's own dtype: a mean that is affine only near the origin, or a noise
+scale that depends on the latents, is refused.
+"""
+
+import contextlib
+import contextvars
 import math
+import weakref
+from typing import NamedTuple
 
 import torch
+from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,
     dense_gaussian_marginal_sample,
@@ -18,15 +45,244 @@ from pyro_mpt.ops.gaussian import (
     normal_log_prob,
 )
 from pyro_mpt.trace.factors import factor_log_prob
-from pyro_mpt.trace.gaussian_form import extract_gaussian_form, no_latent_form
 from pyro_mpt.trace.model_structure import read_structure
+from pyro_mpt.trace.observed_site import ObservedSite
 from pyro_mpt.trace.remembered_structure import RememberedStructure
+from pyro_mpt.trace.trace_utils import check_points, flatten_tail, unwrap_independent
+from pyro_mpt.trace.whitened_latents import point_parameter, run_at_points
 
-__all__ = ["Exact", "GaussianSelfPredictive"]
+__all__ = [
+    "Exact",
+    "GaussianForm",
+    "GaussianSelfPredictive",
+    "NotGaussianError",
+    "extract_gaussian_form",
+    "no_latent_form",
+    "verify_every_call",
+]
+
+
+class NotGaussianError(NotApplicableError):
+    """The model is valid but has no closed-form Gaussian conditionals."""
+
+
+class GaussianForm(NamedTuple):
+    """A model's observations in closed Gaussian form.
+
+    Either ``weight`` and ``noise_var`` are set (latent linear-Gaussian form,
+    ``x = weight @ u + loc + eps`` with ``u ~ N(0, I)``) or ``covariance`` is (dense form).
+
+    :ivar ObservedSite observed: the observed site, features flattened.
+    :ivar scale: log-probability scale per observation (float or tensor of batch shape).
+    :ivar torch.Tensor loc: ``batch + (D,)``.
+    :ivar torch.Tensor weight: ``batch + (D, K)`` or None.
+    :ivar torch.Tensor noise_var: ``batch + (D,)`` or None.
+    :ivar torch.Tensor covariance: ``batch + (D, D)`` (broadcastable) or None.
+    :ivar tuple latent_names: the latent sites integrated out.
+    """
+
+    observed: ObservedSite
+    scale: object
+    loc: torch.Tensor
+    weight: torch.Tensor | None = None
+    noise_var: torch.Tensor | None = None
+    covariance: torch.Tensor | None = None
+    latent_names: tuple = ()
+
+
+#: Check points beyond the fitting points: three draws of the prior and two far points.
+_NUM_RANDOM_CHECKS, _FAR_RADIUS = 3, 30.0
+
+
+def _probe_points(num_latent, dtype, device):
+    """The origin, each unit vector, then the check points: ``(K + 6, K)``. The check points
+    come from a generator of their own, so the caller's random stream is untouched."""
+    random = check_points(_NUM_RANDOM_CHECKS + 1, num_latent)
+    far = _FAR_RADIUS * random[-1] / random[-1].norm()
+    eye = torch.eye(num_latent, device="cpu")
+    points = torch.cat(
+        [eye.new_zeros(1, num_latent), eye, random[:-1], far[None], -far.flip(0)[None]]
+    )
+    return points.to(dtype=dtype, device=device)
+
+
+def _drop_broadcast_dims(matrix):
+    """The matrix with every expanded (stride-zero) batch dim narrowed to size one, so a
+    covariance shared by a plate stays one matrix and a mask shared by the plate is
+    factorised once.
+
+    When ``matrix`` is exactly an expanded view of its base tensor, the base is returned
+    (reshaped): gradients then reach it without passing through the expansion, whose
+    backward would allocate a full-size gradient of every broadcast copy.
+    """
+    batch_dims = range(matrix.dim() - 2)
+    compact_shape = tuple(
+        1 if matrix.stride(d) == 0 else matrix.shape[d] for d in batch_dims
+    ) + tuple(matrix.shape[-2:])
+    if compact_shape == tuple(matrix.shape):
+        return matrix
+    base = matrix._base
+    if (
+        base is not None
+        and base.numel() == math.prod(compact_shape)
+        and base.data_ptr() == matrix.data_ptr()
+        and base.reshape(compact_shape).expand(matrix.shape).stride() == matrix.stride()
+    ):
+        return base.reshape(compact_shape)
+    for dim in batch_dims:
+        if matrix.stride(dim) == 0:
+            matrix = matrix.narrow(dim, 0, 1)
+    return matrix
+
+
+def _no_latent_form(site, observed, scale):
+    fn = unwrap_independent(site["fn"])
+    name = observed.name
+    shape = observed.value.shape
+    if isinstance(fn, torch.distributions.LowRankMultivariateNormal):
+        factor = fn.cov_factor.expand(shape + fn.cov_factor.shape[-1:])
+        return GaussianForm(
+            observed, scale, fn.loc.expand(shape), factor, fn.cov_diag.expand(shape)
+        )
+    if isinstance(fn, torch.distributions.MultivariateNormal):
+        # ``covariance_matrix`` reads the matrix without factorising it (a lazy GPyTorch
+        # MultivariateNormal never does), and broadcast dims stay views of one matrix.
+        cov = _drop_broadcast_dims(fn.covariance_matrix.expand(shape + shape[-1:]))
+        return GaussianForm(observed, scale, fn.loc.expand(shape), covariance=cov)
+    if isinstance(fn, torch.distributions.Normal):
+        # Independent features: the conditionals are the marginals (a zero loading matrix).
+        full = site["fn"].batch_shape + site["fn"].event_shape
+        loc = flatten_tail(fn.loc.expand(full), observed.num_feature_dims)
+        var = flatten_tail(fn.scale.expand(full), observed.num_feature_dims) ** 2
+        return GaussianForm(observed, scale, loc, torch.zeros_like(loc).unsqueeze(-1), var)
+    raise NotGaussianError(
+        f"Observed site {name!r} has a {type(fn).__name__} likelihood and the model has no "
+        f"latent sites; exact conditionals need a Normal, MultivariateNormal or "
+        f"LowRankMultivariateNormal observation."
+    )
+
+
+def extract_gaussian_form(model, args, kwargs, structure):
+    """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
+    the model at whitened points; ``structure`` was read from an earlier trace
+    (:func:`~pyro_mpt.trace.model_structure.read_structure`).
+
+    :raises NotGaussianError: if the model is not linear-Gaussian.
+    """
+    observed = structure.observed
+    obs_site = structure.trace.nodes[observed.name]
+    if not structure.latents:
+        raise ValueError("extract_gaussian_form needs a model with local latents.")
+    layout = structure.point_layout
+    points = _PROBES.get(layout) if layout is not None else None
+    if points is None:  # once per structure: the check and the points depend on nothing else
+        base = unwrap_independent(obs_site["fn"])
+        if not isinstance(base, torch.distributions.Normal):  # before the run at the points
+            raise _not_normal(base, observed.name)
+        first = structure.trace.nodes[structure.latents[0].name]["value"]
+        points = _probe_points(structure.latent_dim, first.dtype, first.device)
+        if layout is not None:
+            _PROBES[layout] = points
+    run = run_at_points(model, args, kwargs, structure, points)
+    return _form_at_points(structure, run, points), run.extra_log_prob
+
+
+def no_latent_form(structure):
+    """The :class:`GaussianForm` of a model without local latents, from its trace."""
+    observed = structure.observed
+    return _no_latent_form(structure.trace.nodes[observed.name], observed, structure.scale)
+
+
+def _not_normal(base, name):
+    """The error for an observed site ``name`` whose base distribution ``base`` is not
+    ``Normal``."""
+    return NotGaussianError(
+        f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
+        f"conditionals need a Normal likelihood whose loc is affine in the latents. Use "
+        f"conditionals='auto', or 'quadrature' or 'importance'."
+    )
+
+
+#: The structures (by their :class:`~pyro_mpt.trace.model_structure.PointLayout`) whose
+#: linear-Gaussian form has been verified once.
+_VERIFIED = weakref.WeakSet()
+#: The probe points of :func:`_probe_points` of each structure (by its layout).
+_PROBES = weakref.WeakKeyDictionary()
+
+#: Whether the form is verified on every call even with Pyro's validation off (see
+#: :func:`verify_every_call`).
+_EVERY_CALL = contextvars.ContextVar("verify_every_call", default=False)
+
+
+@contextlib.contextmanager
+def verify_every_call():
+    """Inside the block, the linear-Gaussian form is verified on every call, as while Pyro's
+    validation is enabled: for calls that may come long after the structure was read, with
+    other parameters (a model linear at one value of a parameter is not at another)."""
+    token = _EVERY_CALL.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_CALL.reset(token)
+
+
+def _form_at_points(structure, run, points):
+    """The latent linear-Gaussian form from the likelihood at the points of
+    :func:`_probe_points`, verified at its check points (on every call while Pyro's
+    validation is enabled, else on the first with the structure)."""
+    observed, fn, latents = run.observed, run.fn, list(structure.latent_names)
+    base = unwrap_independent(fn)
+    if not isinstance(base, torch.distributions.Normal):
+        raise _not_normal(base, observed.name)
+    num_latent = points.shape[-1]
+    locs = point_parameter(base.loc, fn, observed).expand(
+        points.shape[:1] + (-1,) * observed.value.dim()
+    )
+    scales = point_parameter(base.scale, fn, observed)
+    # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
+    bias = locs[0]
+    weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
+    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
+    form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))
+    # Verified on every call while Pyro's validation is enabled, else once per structure
+    # (the check reads the device).
+    layout = structure.point_layout
+    once = not is_validation_enabled() and not _EVERY_CALL.get()
+    if layout is not None and layout in _VERIFIED and once:
+        return form
+    # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
+    tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
+    with torch.no_grad():
+        bias64, weight64 = bias.double(), weight.double()
+        checks = points[num_latent + 1 :].double()
+        predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks)
+        actual = locs[num_latent + 1 :].double()
+        size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks.abs())
+        affine = bool(((predicted - actual).abs() <= tol * (size + 1)).all())
+        scales64 = scales.double()
+        constant_scale = torch.allclose(
+            scales64, scales64[:1].expand_as(scales64), rtol=tol, atol=0
+        )
+    if not affine:
+        raise NotGaussianError(
+            f"The loc of observed site {observed.name!r} is not affine in the latent sites "
+            f"{latents} (checked at random points and at {_FAR_RADIUS:g} prior standard "
+            f"deviations); exact conditionals need a linear-Gaussian model. Use "
+            f"conditionals='quadrature' or 'importance'."
+        )
+    if not constant_scale:
+        raise NotGaussianError(
+            f"The scale of observed site {observed.name!r} depends on the latent sites "
+            f"{latents}; exact conditionals need a noise scale that does not. Use "
+            f"conditionals='quadrature' or 'importance'."
+        )
+    if structure.point_layout is not None:
+        _VERIFIED.add(structure.point_layout)
+    return form
 
 
 class GaussianSelfPredictive(SelfPredictive):
-    """Closed-form conditionals of a :class:`~pyro_mpt.trace.gaussian_form.GaussianForm`."""
+    """Closed-form conditionals of a :class:`GaussianForm`."""
 
     def __init__(self, form, extra_log_prob=0.0):
         super().__init__(form.observed, form.scale, extra_log_prob)

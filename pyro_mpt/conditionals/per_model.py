@@ -14,8 +14,8 @@ import collections
 import functools
 
 from pyro_mpt.conditionals.auto import Auto, as_conditionals
+from pyro_mpt.conditionals.exact import verify_every_call
 from pyro_mpt.errors import StaleStructureError
-from pyro_mpt.trace.gaussian_form import verify_every_call
 
 __all__ = ["MAX_KEPT_MODELS", "conditionals_for", "forget_strategies", "package_function"]
 
@@ -66,7 +66,7 @@ def package_function(function):
     """What the functions of the package that take a strategy by name share, as they may
     prepare a model long after its strategy read it: they check what the kept read skips
     (the linear-Gaussian form is verified on every call, validation on or off; see
-    :func:`~pyro_mpt.trace.gaussian_form.verify_every_call`), and call themselves once more
+    :func:`~pyro_mpt.conditionals.exact.verify_every_call`), and call themselves once more
     when the model changed under the kept read
     (:class:`~pyro_mpt.errors.StaleStructureError`), which is forgotten by then, so that the
     second call reads the model afresh."""

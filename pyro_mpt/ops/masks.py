@@ -429,29 +429,33 @@ def masked_sum(values, masks):
     return total
 
 
-def mask_scores(log_conditionals, masks):
+def mask_scores(log_conditionals, masks, sizes=None):
     """The per-mask score ``(1/M) sum_{j in mask} log p(x_j | x_R)`` (0 for an empty mask).
 
     :param torch.Tensor log_conditionals: ``log p(x_j | x_R)`` for every feature, shape
         ``S + (D,)``; entries outside the mask are ignored.
     :param torch.Tensor masks: boolean masks, shape ``S + (D,)`` (broadcastable).
+    :param torch.Tensor sizes: the masks' sizes ``M`` (broadcastable to ``S``), where the
+        caller has them (:func:`sample_masks` returns them): counted from ``masks``
+        otherwise, a pass over every mask entry.
     :returns: a tensor of shape ``S``.
     """
-    masks = masks.expand(log_conditionals.shape)
-    sizes = masks.sum(-1).to(log_conditionals.dtype)
-    return masked_sum(log_conditionals, masks) / sizes.clamp(min=1)
+    if sizes is None:
+        sizes = masks.expand(log_conditionals.shape).sum(-1)
+    return masked_sum(log_conditionals, masks) / sizes.to(log_conditionals.dtype).clamp(min=1)
 
 
-def mpt_estimate(log_conditionals, masks, num_features=None):
+def mpt_estimate(log_conditionals, masks, num_features=None, sizes=None):
     """The MPT estimate ``D / M sum_{j in mask} log p(x_j | x_R)`` averaged over masks.
 
     :param torch.Tensor log_conditionals: shape ``(P,) + batch + (D,)``, one row per mask.
     :param torch.Tensor masks: boolean, shape ``(P,) + batch + (D,)`` (broadcastable).
     :param num_features: ``D``, or a ``batch`` tensor of per-observation counts of observed
         entries (missing data); by default the size of the last dim.
+    :param torch.Tensor sizes: the masks' sizes, as for :func:`mask_scores`.
     :returns: a tensor of shape ``batch``: for each observation, the mean over its ``P``
         masks of ``D`` times the mask score.
     """
     if num_features is None:
         num_features = log_conditionals.shape[-1]
-    return num_features * mask_scores(log_conditionals, masks).mean(0)
+    return num_features * mask_scores(log_conditionals, masks, sizes).mean(0)
