@@ -204,3 +204,12 @@ def test_auto_compares_rules_on_one_subsample():
         loss.loss(model, None, x)
     assert loss.conditionals.reason.startswith("converged")
     assert loss.conditionals.chosen.num_points < 100
+
+
+def test_ppca_sample_draws_on_the_models_device_and_dtype():
+    # A model moved off the default device draws there (a meta device stands in for a GPU).
+    from pyro_mpt.models import PPCA
+
+    model = PPCA(4, 2).to(device="meta", dtype=torch.float32)
+    draws = model.sample(5)
+    assert (draws.device.type, draws.dtype, draws.shape) == ("meta", torch.float32, (5, 4))

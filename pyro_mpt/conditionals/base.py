@@ -140,12 +140,13 @@ class Conditionals(ABC):
         (:class:`~pyro_mpt.conditionals.Auto` gives the one it chose)."""
         return self
 
-    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
+    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None, factor=1.5):
         """How far the conditionals of ``prepared`` may be off, as the strategy itself
         measures it on that call's data: nats of ``log p(x)`` per observation, or None where
         it has no such measure (exact conditionals have no error; importance sampling reports
         the diagnostics of its weights instead). ``structure``: the one ``prepared`` was made
-        from, where the caller holds it."""
+        from, where the caller holds it; ``factor``: how much finer the rule it is compared
+        with (coarser below 1)."""
         return None
 
     @abstractmethod

@@ -141,14 +141,16 @@ class Quadrature(Conditionals):
         call = (model, guide, args, kwargs, max_plate_nesting, signature)
         return self._structure.prepared(self, *call)
 
-    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None):
+    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None, factor=1.5):
         """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5
         times its nodes per dimension (the test ``conditionals="auto"`` chose it by), on the
         data of ``prepared``'s call; NaN when no finer rule fits (more than
         :data:`MAX_POINTS` nodes per dimension, or more memory than allowed). The
         finer rule is prepared from the random state the caller leaves, so a subsampled model
-        must be given the state ``prepared`` was made from."""
-        num_points = math.ceil(1.5 * self.num_points)
+        must be given the state ``prepared`` was made from. ``factor`` below 1 compares
+        with a coarser rule instead (``factor`` times the nodes, at least one): for a rule
+        at the limit, a sign that it is still moving, not a measure of its own error."""
+        num_points = max(1, math.ceil(factor * self.num_points))
         if num_points > MAX_POINTS:
             return math.nan
         finer = Quadrature(

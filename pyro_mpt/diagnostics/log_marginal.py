@@ -1,17 +1,27 @@
 """Reference evaluators of the log-marginal likelihood."""
 
 import math
+import warnings
 
+from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
-from pyro_mpt.trace.trace_utils import param_store_rollback
+from pyro_mpt.errors import QuadratureAccuracyWarning
+from pyro_mpt.trace.remembered_structure import call_signature
+from pyro_mpt.trace.trace_utils import RandomState, param_store_rollback
 
 __all__ = ["log_marginal"]
 
 
 @package_function
 def log_marginal(
-    model, *args, conditionals="exact", guide=None, max_plate_nesting=math.inf, **kwargs
+    model,
+    *args,
+    conditionals="exact",
+    guide=None,
+    max_plate_nesting=math.inf,
+    check_rule=True,
+    **kwargs,
 ):
     """The ``log p(x)`` of every observation, with the local latents integrated out.
 
@@ -32,11 +42,20 @@ def log_marginal(
     :param args: the model's arguments.
     :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`.
     :param callable guide: the guide, for strategies that use one.
+    :param bool check_rule: whether a quadrature rule given here measures its own error on
+        the data: the model runs once more at 1.5 times the nodes per dimension (2.25 times
+        the nodes of a 2-dimensional rule), or, for a rule at the limit of
+        :data:`~pyro_mpt.conditionals.quadrature.MAX_POINTS`, at two thirds of them. Pass
+        False where the rule is known to be accurate on such data and the cost matters.
+        (``conditionals="auto"`` checks the rule it chooses either way.)
     :param kwargs: the model's keyword arguments.
     :returns: a tensor of the data plate's batch shape (differentiable). An importance
         estimate whose weights fail the thresholds of
         :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics` comes with an
-        :class:`~pyro_mpt.errors.ImportanceAccuracyWarning` stating them.
+        :class:`~pyro_mpt.errors.ImportanceAccuracyWarning` stating them; a quadrature
+        rule that the check finds moving by more than
+        :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL` nats per observation, with a
+        :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` stating the figure.
     :raises ValueError: if the strategy does not apply to the model or gives no
         log-marginal likelihood.
 
@@ -49,11 +68,60 @@ def log_marginal(
         torch.Size([10])
     """
     strategy = conditionals_for(conditionals, model)
+    # auto measured the rule it chose while choosing it, and warns itself.
+    check_rule = check_rule and strategy.in_use is strategy
     with param_store_rollback(always=True):
-        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        before = RandomState() if check_rule else None
+        structure = None
+        if type(strategy).prepare in STRUCTURE_AWARE:
+            # The structure it reads for this call serves the check's rule too.
+            signature = call_signature(model, args, kwargs, max_plate_nesting)
+            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting, signature)
+            structure = strategy.structure_for(signature)
+        else:
+            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         try:
             result = prepared.log_marginal()
         except NotImplementedError as error:
             raise ValueError(f"conditionals={strategy!r}: {error}") from None
+        if check_rule:
+            _check_rule(strategy, prepared, (model, guide, args, kwargs), structure, before)
     warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 4)
     return result
+
+
+def _check_rule(strategy, prepared, call, structure, before):
+    """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
+    observation under a finer rule (under a coarser one for a rule that cannot be refined):
+    its values are about that far off. The other rule runs once, from the ``structure``
+    ``prepared`` was read with (where the strategy keeps one) and from the random state
+    ``prepared`` was made from (the same subsample); the caller's state is kept."""
+    after = RandomState()
+    before.restore()
+    try:
+        factor = 1.5
+        gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
+        if gap is not None and math.isnan(gap):
+            before.restore()
+            factor = 2 / 3
+            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
+    finally:
+        after.restore()
+    if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
+        return
+    if factor > 1:
+        figure = f"refined to 1.5 times its nodes per dimension, its log p(x) changes by {gap:.2g}"
+    else:
+        figure = (
+            f"it cannot be refined, and a rule with two thirds of its nodes differs from it "
+            f"by {gap:.2g}"
+        )
+    warnings.warn(
+        f"log_marginal with {strategy!r}: {figure} nats per observation (mean; above "
+        f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
+        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: more "
+        f"nodes, center='guide' with a guide fitted to the posterior, or "
+        f"conditionals='importance' with such a guide and many samples.",
+        QuadratureAccuracyWarning,
+        stacklevel=4,  # the caller of log_marginal, through package_function
+    )

@@ -120,8 +120,9 @@ class PPCA(PyroModule):
     @torch.no_grad()
     def sample(self, num_samples):
         """Draws ``num_samples`` observations from the model, shape ``(num_samples, D)``."""
-        z = torch.randn(num_samples, self.latent_dim, dtype=self.weight.dtype)
-        noise = torch.randn(num_samples, self.num_features, dtype=self.weight.dtype)
+        like = dict(dtype=self.weight.dtype, device=self.weight.device)
+        z = torch.randn(num_samples, self.latent_dim, **like)
+        noise = torch.randn(num_samples, self.num_features, **like)
         return z @ self.weight.T + self.loc + noise * self._noise()
 
 
