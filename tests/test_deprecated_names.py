@@ -123,3 +123,13 @@ def test_gaussian_form_names_moved_to_the_exact_strategy_warn_and_are_the_same_o
     assert extract_gaussian_form is exact.extract_gaussian_form
     with pytest.raises(ImportError, match="no_such_name"):
         from pyro_mpt.trace.gaussian_form import no_such_name  # noqa: F401
+
+
+def test_quadrature_conditionals_moved_to_the_quadrature_strategy_warn_and_are_the_same():
+    from pyro_mpt.conditionals import quadrature
+
+    with pytest.warns(DeprecationWarning, match="moved to pyro_mpt.conditionals.quadrature"):
+        from pyro_mpt.conditionals.quadrature_self_predictive import (
+            quadrature_self_predictive,
+        )
+    assert quadrature_self_predictive is quadrature.quadrature_self_predictive

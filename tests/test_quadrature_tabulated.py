@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pyro_mpt.conditionals import Quadrature
-from pyro_mpt.conditionals.quadrature_self_predictive import (
+from pyro_mpt.conditionals.quadrature import (
     BernoulliQuadratureSelfPredictive,
     QuadratureSelfPredictive,
     TabulatedQuadratureSelfPredictive,

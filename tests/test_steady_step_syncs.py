@@ -24,7 +24,7 @@ from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.conditionals.exact import _probe_points
-from pyro_mpt.conditionals.quadrature_self_predictive import _is_binary
+from pyro_mpt.conditionals.quadrature import _is_binary
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes

@@ -44,7 +44,7 @@ CHECKED_LINALG = ("cholesky", "inv", "solve")
 #: keys, and the CPU fast paths of masks, masked sums, log sigmoid and Bernoulli quadrature,
 #: and the test for binary data that chooses it).
 CPU_ONLY = {
-    ("conditionals/quadrature_self_predictive.py", "_is_binary"),
+    ("conditionals/quadrature.py", "_is_binary"),
     ("ops/bernoulli.py", "log_sigmoid"),
     ("ops/quadrature_bernoulli.py", "_orient"),
     ("ops/quadrature_bernoulli.py", "forward"),
