@@ -1,14 +1,11 @@
 """Reference evaluators of the log-marginal likelihood."""
 
 import math
-import warnings
 
-from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
-from pyro_mpt.errors import QuadratureAccuracyWarning
-from pyro_mpt.trace.remembered_structure import call_signature
-from pyro_mpt.trace.trace_utils import RandomState, param_store_rollback
+from pyro_mpt.diagnostics.rule_check import prepare_checked
+from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
 
@@ -68,60 +65,12 @@ def log_marginal(
         torch.Size([10])
     """
     strategy = conditionals_for(conditionals, model)
-    # auto measured the rule it chose while choosing it, and warns itself.
-    check_rule = check_rule and strategy.in_use is strategy
+    call = (model, guide, args, kwargs)
     with param_store_rollback(always=True):
-        before = RandomState() if check_rule else None
-        structure = None
-        if type(strategy).prepare in STRUCTURE_AWARE:
-            # The structure it reads for this call serves the check's rule too.
-            signature = call_signature(model, args, kwargs, max_plate_nesting)
-            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting, signature)
-            structure = strategy.structure_for(signature)
-        else:
-            prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "log_marginal")
         try:
             result = prepared.log_marginal()
         except NotImplementedError as error:
             raise ValueError(f"conditionals={strategy!r}: {error}") from None
-        if check_rule:
-            _check_rule(strategy, prepared, (model, guide, args, kwargs), structure, before)
     warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 4)
     return result
-
-
-def _check_rule(strategy, prepared, call, structure, before):
-    """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
-    observation under a finer rule (under a coarser one for a rule that cannot be refined):
-    its values are about that far off. The other rule runs once, from the ``structure``
-    ``prepared`` was read with (where the strategy keeps one) and from the random state
-    ``prepared`` was made from (the same subsample); the caller's state is kept."""
-    after = RandomState()
-    before.restore()
-    try:
-        factor = 1.5
-        gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
-        if gap is not None and math.isnan(gap):
-            before.restore()
-            factor = 2 / 3
-            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
-    finally:
-        after.restore()
-    if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
-        return
-    if factor > 1:
-        figure = f"refined to 1.5 times its nodes per dimension, its log p(x) changes by {gap:.2g}"
-    else:
-        figure = (
-            f"it cannot be refined, and a rule with two thirds of its nodes differs from it "
-            f"by {gap:.2g}"
-        )
-    warnings.warn(
-        f"log_marginal with {strategy!r}: {figure} nats per observation (mean; above "
-        f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
-        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: more "
-        f"nodes, center='guide' with a guide fitted to the posterior, or "
-        f"conditionals='importance' with such a guide and many samples.",
-        QuadratureAccuracyWarning,
-        stacklevel=4,  # the caller of log_marginal, through package_function
-    )

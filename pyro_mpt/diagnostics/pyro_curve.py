@@ -7,6 +7,7 @@ import torch
 
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
+from pyro_mpt.diagnostics.rule_check import prepare_checked
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
 
@@ -46,6 +47,7 @@ def mpt_curve(
     share_masks=False,
     progress=False,
     max_plate_nesting=math.inf,
+    check_rule=True,
     **kwargs,
 ):
     """The MPT curve ``M -> S(x; M)`` of a Pyro ``model`` on the data in ``args``.
@@ -65,6 +67,9 @@ def mpt_curve(
     :param conditionals: the conditional strategy, as in :class:`~pyro_mpt.MPTLoss`.
     :param bool share_masks: use each mask for every observation (the paper's convention).
     :param bool progress: show a progress bar over mask sizes.
+    :param bool check_rule: whether a quadrature rule given here measures its own error on
+        the data first, as :func:`~pyro_mpt.log_marginal` does (one more model run), and
+        warns with the figure when it is coarse.
     :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
 
     Example::
@@ -76,7 +81,8 @@ def mpt_curve(
         torch.Size([8])
     """
     strategy = conditionals_for(conditionals, model)
-    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    call = (model, guide, args, kwargs)
+    prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
     if prepared.observed.entries is not None:
         raise ValueError(
             f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "

@@ -1,5 +1,6 @@
-"""``log_marginal`` with a quadrature rule given by the user measures the rule on the data
-and warns with the figure when it is coarse. References: trapezoid grids of 40001 points."""
+"""``log_marginal`` and ``mpt_curve`` with a quadrature rule given by the user measure the
+rule on the data and warn with the figure when it is coarse. References: trapezoid grids of
+40001 points."""
 
 import warnings
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from experiments.zoo.references import grid_log_marginal_1d
-from pyro_mpt import log_marginal
+from pyro_mpt import log_marginal, mpt_curve
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.conditionals.auto import ACCURACY_TOL
 from pyro_mpt.conditionals.quadrature import MAX_POINTS
@@ -57,8 +58,10 @@ def test_a_coarse_rule_warns_with_a_figure_and_the_error_is_real():
     error = (value - _scale_mixture_reference(x)).abs().mean()
     assert error > ACCURACY_TOL  # the warning is warranted
     assert len(found) == 1
+    assert found[0].filename == __file__  # it points at the caller's line
     message = str(found[0].message)
-    assert "Quadrature(num_points=10" in message and "refined to 1.5 times" in message
+    assert message.startswith("log_marginal with Quadrature(num_points=10")
+    assert "refined to 1.5 times" in message
     figure = float(message.split("changes by ")[1].split(" nats")[0])
     assert ACCURACY_TOL < figure <= 3 * float(error)
     assert "more nodes" in message
@@ -136,3 +139,27 @@ def _state_after_one_run(model, x, state):
     torch.set_rng_state(state)
     log_marginal(model, x, conditionals=Quadrature(20), check_rule=False)
     return torch.get_rng_state()
+
+
+def test_mpt_curve_checks_its_rule_and_draws_the_same_masks():
+    x = _data(0)
+    curves = {}
+    for check in (True, False):
+        pyro.set_rng_seed(7)
+        curve, found = _quadrature_warnings(
+            lambda check=check: mpt_curve(
+                _scale_mixture, x, conditionals=Quadrature(10), num_masks=3, check_rule=check
+            )
+        )
+        curves[check] = curve.scores
+        assert len(found) == int(check)
+    assert str(found_message(x)).startswith("mpt_curve with Quadrature(num_points=10")
+    # The check leaves the random state as it found it: the same masks, the same curve.
+    assert torch.equal(curves[True], curves[False])
+
+
+def found_message(x):
+    _, found = _quadrature_warnings(
+        lambda: mpt_curve(_scale_mixture, x, conditionals=Quadrature(10), num_masks=1)
+    )
+    return found[0].message

@@ -1,0 +1,78 @@
+"""The check a quadrature rule given by the user makes of itself on the data, for the
+package's functions (:func:`~pyro_mpt.log_marginal`, :func:`~pyro_mpt.mpt_curve`): one
+more run of the model with a finer rule, and a
+:class:`~pyro_mpt.errors.QuadratureAccuracyWarning` with the figure when the two differ by
+more than :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL` nats of ``log p(x)`` per
+observation. ``MPTLoss`` checks its rules on its own schedule (``MPTLoss.rule_check``)."""
+
+import math
+import warnings
+
+from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
+from pyro_mpt.errors import QuadratureAccuracyWarning
+from pyro_mpt.trace.remembered_structure import call_signature
+from pyro_mpt.trace.trace_utils import RandomState
+
+__all__ = ["prepare_checked"]
+
+
+def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, check_rule, caller):
+    """``strategy.prepare(...)``, and with ``check_rule`` the rule's check of itself on the
+    same data, from the same random state (the same subsample), leaving the caller's random
+    state as the preparation alone leaves it. Strategies with no such measure (exact,
+    importance) are not checked, nor ``auto``, which measures the rule it chooses while
+    choosing it and warns itself.
+
+    :param str caller: the function's name, for the warning.
+    """
+    check_rule = check_rule and strategy.in_use is strategy
+    before = RandomState() if check_rule else None
+    structure = None
+    if type(strategy).prepare in STRUCTURE_AWARE:
+        # The structure it reads for this call serves the check's rule too: one more run.
+        signature = call_signature(model, args, kwargs, max_plate_nesting)
+        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting, signature)
+        structure = strategy.structure_for(signature)
+    else:
+        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    if check_rule:
+        call = (model, guide, args, kwargs)
+        _check_rule(strategy, prepared, call, structure, before, caller)
+    return prepared
+
+
+def _check_rule(strategy, prepared, call, structure, before, caller):
+    """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
+    observation under a finer rule (under a coarser one for a rule that cannot be refined):
+    its values are about that far off. The other rule runs once, from the ``structure``
+    ``prepared`` was read with (where the strategy keeps one) and from the random state
+    ``prepared`` was made from (the same subsample); the caller's state is kept."""
+    after = RandomState()
+    before.restore()
+    try:
+        factor = 1.5
+        gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
+        if gap is not None and math.isnan(gap):
+            before.restore()
+            factor = 2 / 3
+            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
+    finally:
+        after.restore()
+    if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
+        return
+    if factor > 1:
+        figure = f"refined to 1.5 times its nodes per dimension, its log p(x) changes by {gap:.2g}"
+    else:
+        figure = (
+            f"it cannot be refined, and a rule with two thirds of its nodes differs from it "
+            f"by {gap:.2g}"
+        )
+    warnings.warn(
+        f"{caller} with {strategy!r}: {figure} nats per observation (mean; above "
+        f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
+        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: more "
+        f"nodes, center='guide' with a guide fitted to the posterior, or "
+        f"conditionals='importance' with such a guide and many samples.",
+        QuadratureAccuracyWarning,
+        stacklevel=5,  # the caller of the package's function, through package_function
+    )
