@@ -9,6 +9,7 @@ import math
 import warnings
 
 from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
+from pyro_mpt.conditionals.base import Conditionals
 from pyro_mpt.errors import QuadratureAccuracyWarning
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState
@@ -25,7 +26,8 @@ def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, che
 
     :param str caller: the function's name, for the warning.
     """
-    check_rule = check_rule and strategy.in_use is strategy
+    measures = type(strategy).refinement_gap is not Conditionals.refinement_gap
+    check_rule = check_rule and measures and strategy.in_use is strategy
     before = RandomState() if check_rule else None
     structure = None
     if type(strategy).prepare in STRUCTURE_AWARE:
