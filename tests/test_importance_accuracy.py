@@ -356,3 +356,30 @@ def test_counts_of_a_model_go_with_it():
             assert alive() is None
     assert len(_flagged(caught)) == 3
     assert len(_CHECKS) == counted
+
+
+def test_the_functions_count_each_guide_and_strategy_apart():
+    # One model evaluated with another guide, or another number of samples, is a new
+    # estimate: its first failing call warns even though the model's earlier calls failed.
+    x = _data()
+
+    def model(x):  # its own function: counts are kept per model
+        _model(x)
+
+    def another_far_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(-3.0, 0.3))
+
+    calls = [
+        (_far_guide, 64),
+        (_far_guide, 64),  # the same estimate again: its second failure is silent
+        (_far_guide, 128),
+        (another_far_guide, 64),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for guide, samples in calls:
+            log_marginal(model, x, guide=guide, conditionals=ImportanceSampling(samples))
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 3
+    assert all("calls so far failed" not in message for message in flagged)

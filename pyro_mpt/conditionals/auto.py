@@ -222,7 +222,7 @@ class Auto(Conditionals):
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if diagnostics is not None:
             what = "conditionals='auto' (importance sampling, the only strategy that applies)"
-            warn_if_unreliable(diagnostics, what, model, args, stacklevel=5)
+            warn_if_unreliable(diagnostics, what, model, args, 5, None, guide, importance)
             reason = "its weights fail, and nothing more accurate applies"
             return self._choose(importance, key, model, reason, prepared, reasons)
         raise NotApplicableError(

@@ -258,7 +258,8 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch
         # Resampling is only as good as the weights: the same figures as the conditionals'.
         what = "Draws of hidden features"
-        warn_if_unreliable(ImportanceDiagnostics.of(log_w), what, guided.model, guided.args, 6)
+        diagnostics = ImportanceDiagnostics.of(log_w)
+        warn_if_unreliable(diagnostics, what, guided.model, guided.args, 6, None, guided.guide)
         if not joint:
             log_w = log_w.unsqueeze(-1).expand(log_w.shape + (observed.num_features,))
         index = mixture_component_sample(log_w, (num_samples,))

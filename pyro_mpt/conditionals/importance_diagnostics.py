@@ -108,22 +108,47 @@ _CHECKS = weakref.WeakKeyDictionary()
 _CHECKS_BY_ID = {}
 
 
-def _counts(what, model, args):
-    """The ``[checks, failures]`` of ``what`` for ``model`` on arguments of these shapes."""
+def _owner_and_method(fn):
+    """The object of a bound method and its function, or ``(fn, None)``."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None:
+        return fn, None
+    return owner, getattr(fn, "__func__", None)
+
+
+def _counts(what, model, args, guide=None, strategy=None):
+    """The ``[checks, failures]`` of ``what`` for ``model`` on arguments of these shapes,
+    with this guide and this strategy (by its ``repr``): a new guide, or another number of
+    samples, is counted afresh and warns at its first failing call."""
     shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
-    owner = getattr(model, "__self__", None)
-    method = getattr(model, "__func__", None) if owner is not None else None
-    owner = model if owner is None else owner
+    owner, method = _owner_and_method(model)
+    guide_owner, guide_method = _owner_and_method(guide)
     try:
         per_model = _CHECKS.setdefault(owner, {})
     except TypeError:
         per_model = _CHECKS_BY_ID.setdefault(id(owner), {})
-    return per_model.setdefault((what, method, shapes), [0, 0])
+    key = (what, method, shapes, repr(strategy), id(guide_owner), guide_method)
+    entry = per_model.get(key)
+    # The guide is held weakly where it can be: an id its guide outlived starts afresh.
+    if entry is None or entry[1]() is not guide_owner:
+        entry = per_model[key] = ([0, 0], _weak_or_strong(guide_owner))
+    return entry[0]
 
 
-def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3, counts=None):
+def _weak_or_strong(value):
+    """A callable returning ``value``: a weak reference where one can be taken."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
+def warn_if_unreliable(
+    diagnostics, what, model, args, stacklevel=3, counts=None, guide=None, strategy=None
+):
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
-    call per model and argument shapes, stating the figures and, from the second warning,
+    call per model, argument shapes, guide and strategy, stating the figures and, from the
+    second warning,
     how many of the calls so far failed. Early failures of an untrained guide thus do not
     hide later ones, and a long run is not flooded. The check reads the figures (a device
     synchronisation), so it runs only while Pyro's validation is enabled (the default).
@@ -131,12 +156,13 @@ def warn_if_unreliable(diagnostics, what, model, args, stacklevel=3, counts=None
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.
     :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
-        its own calls); by default those of the model and argument shapes.
+        its own calls); by default those of the model, argument shapes, ``guide`` and
+        ``strategy``.
     """
     if diagnostics is None or not is_validation_enabled():
         return
     if counts is None:
-        counts = _counts(what, model, args)
+        counts = _counts(what, model, args, guide, strategy)
     counts[0] += 1
     if diagnostics.reliable():
         return

@@ -72,5 +72,6 @@ def log_marginal(
             result = prepared.log_marginal()
         except NotImplementedError as error:
             raise ValueError(f"conditionals={strategy!r}: {error}") from None
-    warn_if_unreliable(prepared.diagnostics, "log_marginal", model, args, 4)
+    what = "log_marginal"
+    warn_if_unreliable(prepared.diagnostics, what, model, args, 4, None, guide, strategy.in_use)
     return result
