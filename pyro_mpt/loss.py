@@ -117,8 +117,9 @@ class MPTLoss(ELBO):
     :ivar diagnostics: the accuracy figures of the last step's importance-sampled
         conditionals (None for other strategies).
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
-        16th, 64th, 256th, ... call (or the next steady one, when the batch shape has just
-        changed): ``dict(step, strategy, mean_gap)``, the gap in nats of ``log p(x)`` per
+        16th, 64th, 256th, ... call, and for a rule given by the user also on the 2nd (or
+        the next steady one, when the batch shape has just changed):
+        ``dict(step, strategy, mean_gap)``, the gap in nats of ``log p(x)`` per
         observation (None where no finer rule fits: more than 200 nodes per dimension, or
         more memory than is allowed). Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
@@ -163,8 +164,11 @@ class MPTLoss(ELBO):
         self._kept = None
         self._guess_traces = None
         self._params_found = None
-        # Calls so far, and the first at which a steady step checks its strategy's accuracy.
-        self._num_calls, self._next_check = 0, _FIRST_CHECK
+        # Calls so far, and the first at which a steady step checks its strategy's accuracy:
+        # a strategy given by the user checks itself on its first steady call too (auto
+        # measured its choice while choosing it).
+        first_check = _FIRST_CHECK if self.conditionals.name == "auto" else 2
+        self._num_calls, self._next_check = 0, first_check
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
@@ -235,11 +239,12 @@ class MPTLoss(ELBO):
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
         strategy, structure = self._steady
-        # Now and then (the first steady call from the 16th, 64th, 256th, ... on) the strategy
-        # measures its own error on the step's data.
+        # Now and then (the first steady call from the 16th, 64th, 256th, ... on, and from the
+        # 2nd for a strategy given by the user) the strategy measures its own error on the
+        # step's data.
         check = self._num_calls >= self._next_check
         if check:
-            self._next_check *= 4
+            self._next_check = max(4 * self._next_check, _FIRST_CHECK)
         before = RandomState() if check else None
         try:
             nesting = self.max_plate_nesting

@@ -2,11 +2,11 @@
 posterior may narrow until the rule is coarse. The references are brute-force grids."""
 
 import math
+import re
 import warnings
 
 import pyro
 import pyro.distributions as dist
-import pytest
 import torch
 from pyro.infer import SVI
 
@@ -56,7 +56,8 @@ def _train(conditionals, sharpen, num_steps):
 
 def test_ragged_batches_are_checked_too():
     # Every epoch ends with a smaller batch, a call of another shape: the check still runs on
-    # the first steady call from the 16th on, and the 64th (a fixed-rule user warned twice).
+    # the first steady call from the 16th on, and the 64th, besides the 2nd that a rule given
+    # by the user checks (warned three times).
     data = torch.bernoulli(torch.full((70, NUM_FEATURES), 0.5))
     loss = MPTLoss(conditionals=Quadrature(20))
     svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
@@ -69,9 +70,9 @@ def test_ragged_batches_are_checked_too():
                 svi.step(data[batch])
                 if loss.rule_check is not None and loss.rule_check["step"] not in steps:
                     steps.append(loss.rule_check["step"])
-    assert len(steps) == 2 and 16 <= steps[0] < 20 and 64 <= steps[1] < 68
+    assert len(steps) == 3 and steps[0] == 2 and 16 <= steps[1] < 20 and 64 <= steps[2] < 68
     warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
-    assert len(warned) == 2
+    assert len(warned) == 3
 
 
 def test_auto_refines_a_rule_that_became_coarse():
@@ -92,10 +93,14 @@ def test_auto_refines_a_rule_that_became_coarse():
 
 
 def test_a_rule_given_by_the_user_warns_with_its_figure():
-    with pytest.warns(
-        QuadratureAccuracyWarning, match=r"changes log p\(x\) by [0-9.]+ nats .*\(step 16"
-    ):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         loss, first, batch, weight = _train(Quadrature(20), sharpen=3.0, num_steps=15)
+    warned = [str(w.message) for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+    # On the first steady call (the model sharpened since the first) and on the 16th.
+    assert len(warned) == 2
+    for message, step in zip(warned, (2, 16)):
+        assert re.search(rf"changes log p\(x\) by [0-9.]+ nats .*\(step {step},", message)
     assert loss.conditionals.in_use is first
     gap = loss.rule_check["mean_gap"]
     # The figure is the change of log p(x) under the finer rule, on the step's batch...
@@ -119,3 +124,24 @@ def test_a_rule_too_fine_to_refine_says_so():
     # 150 nodes: the finer rule would pass MAX_POINTS, so the gap is not measured.
     loss, _, _, _ = _train(Quadrature(150), sharpen=1.0, num_steps=15)
     assert loss.rule_check["step"] == 16 and loss.rule_check["mean_gap"] is None
+
+
+def test_a_rule_given_by_the_user_is_checked_on_the_second_step():
+    # A rule coarse from the start is flagged on the first steady call, not after 15 steps;
+    # the figure is the rule's own change under refinement on that step's batch.
+    data = torch.bernoulli(torch.full((100, NUM_FEATURES), 0.5))
+    pyro.param("weight", 3.0 * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
+    loss = MPTLoss(conditionals=Quadrature(8))
+    svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        svi.step(data[:50])
+        assert loss.rule_check is None
+        svi.step(data[50:])
+    warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+    assert len(warned) == 1 and loss.rule_check["step"] == 2
+    weight = pyro.param("weight").detach()
+    with torch.no_grad():
+        coarse = log_marginal(_model, data[50:], conditionals=Quadrature(8), check_rule=False)
+    error = float((coarse - _grid_log_marginal(data[50:], weight)).abs().mean())
+    assert error > ACCURACY_TOL and loss.rule_check["mean_gap"] > ACCURACY_TOL

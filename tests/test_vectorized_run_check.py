@@ -221,6 +221,7 @@ def test_the_check_costs_no_model_run_on_later_steps():
     ]:
         loss = MPTLoss(conditionals=conditionals)
         loss.loss(model, guide, x)
+        loss.loss(model, guide, x)  # a rule given by the user checks itself here
         first = len(count)
         loss.loss(model, guide, x)
         assert len(count) - first == 1, conditionals
