@@ -226,3 +226,31 @@ def test_per_observation_path_with_impossible_masked_values():
     torch.testing.assert_close(got[0, 0, 1], expected[0, 1], atol=1e-12, rtol=0)
     assert got[0, 1, 2] == -math.inf
     assert not torch.isnan(got).any()
+
+
+def test_guide_centred_nodes_read_autonormal():
+    """AutoNormal samples each latent as a Delta at its auxiliary Normal: the nodes sit at
+    that Normal, as for a hand-written guide with the same means and scales."""
+    from pyro.infer.autoguide import AutoNormal
+
+    weight, bias = 4.0 * torch.randn(12, 2), torch.randn(12)
+    model = _linear_model(weight, bias, "normal")
+    x = pyro.poutine.trace(model).get_trace(torch.zeros(5, 12)).nodes["x"]["fn"].sample()
+    exact = Exact().prepare(model, None, (x,), {}).log_marginal()
+    precision = torch.eye(2) + weight.T @ weight / 0.64
+    post_cov = torch.linalg.inv(precision)
+    post_mean = (x - bias) @ weight / 0.64 @ post_cov
+    auto = AutoNormal(model)
+    auto(x)  # creates its parameters: set them to the posterior's marginals
+    auto.locs.z = post_mean
+    auto.scales.z = post_cov.diagonal().sqrt().expand(5, 2).clone()
+
+    def guide(data):
+        with pyro.plate("data", data.shape[0]):
+            pyro.sample("z", dist.Normal(post_mean, post_cov.diagonal().sqrt()).to_event(1))
+
+    rule = Quadrature(num_points=12, center="guide")
+    by_auto = rule.prepare(model, auto, (x,), {}).log_marginal()
+    by_hand = Quadrature(num_points=12, center="guide").prepare(model, guide, (x,), {})
+    torch.testing.assert_close(by_auto, by_hand.log_marginal(), atol=1e-10, rtol=0)
+    assert (by_auto - exact).abs().max() < 1e-3

@@ -4,6 +4,7 @@ priors: where guide-centred quadrature places its nodes."""
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.distributions import Delta
 from pyro.poutine.messenger import Messenger
 
 from pyro_mpt.errors import NotApplicableError
@@ -27,14 +28,14 @@ class _LatentsAtGuideMeans(Messenger):
         if name not in structure.latent_names:
             return
         prior = unwrap_independent(msg["fn"])
-        site = self.guide_trace.nodes.get(name)
-        q = unwrap_independent(site["fn"]) if site is not None else None
-        if not isinstance(prior, torch.distributions.Normal) or not isinstance(
-            q, torch.distributions.Normal
-        ):
+        q = _guide_normal(self.guide_trace, name)
+        if not isinstance(prior, torch.distributions.Normal) or q is None:
             raise NotApplicableError(
                 f"quadrature with center='guide' needs a Normal prior and a Normal guide "
-                f"distribution for latent site {name!r}; use center='prior'."
+                f"distribution for latent site {name!r} (a guide that samples it from a "
+                f"Normal, or AutoNormal); use center='prior', or such a guide (AutoDelta, "
+                f"AutoDiagonalNormal, AutoMultivariateNormal and AutoLaplaceApproximation "
+                f"do not give one site's Normal)."
             )
         full = msg["fn"].batch_shape + msg["fn"].event_shape
         loc = q.loc.expand(full)
@@ -43,6 +44,27 @@ class _LatentsAtGuideMeans(Messenger):
         self.scales.append((q.scale / prior.scale).expand(full).reshape(batch + (-1,)))
         msg["value"] = loc
         msg["done"] = True
+
+
+def _guide_normal(guide_trace, name):
+    """The guide's ``Normal`` of latent site ``name``: the site's own distribution, or, for a
+    site that ``AutoNormal`` samples as a ``Delta`` at the value of its auxiliary
+    ``<name>_unconstrained`` Normal, that Normal (the value is the auxiliary's itself when
+    the prior's support is the real line, as a Normal prior's is). None for anything
+    else."""
+    site = guide_trace.nodes.get(name)
+    if site is None:
+        return None
+    q = unwrap_independent(site["fn"])
+    if isinstance(q, torch.distributions.Normal):
+        return q
+    auxiliary = guide_trace.nodes.get(name + "_unconstrained")
+    if not isinstance(q, Delta) or auxiliary is None:
+        return None
+    if not auxiliary["infer"].get("is_auxiliary"):
+        return None
+    q = unwrap_independent(auxiliary["fn"])
+    return q if isinstance(q, torch.distributions.Normal) else None
 
 
 def whitened_guide(model, guide, args, kwargs, structure):
