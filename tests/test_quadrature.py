@@ -165,21 +165,34 @@ def test_bad_num_points():
         Quadrature(num_points=2.5)
 
 
-def test_guide_centred_nodes_agree_with_exact_using_few_nodes():
-    """Nodes placed at q(z | x) integrate a narrow posterior that prior nodes miss."""
+def _narrow_posterior_case():
+    """A linear-Gaussian model whose posterior is narrow under its prior, its data, its
+    exact ``log p(x)``, and the exact posterior's means and marginal scales ``(5, 2)``."""
     weight, bias = 4.0 * torch.randn(12, 2), torch.randn(12)
     model = _linear_model(weight, bias, "normal")
     x = pyro.poutine.trace(model).get_trace(torch.zeros(5, 12)).nodes["x"]["fn"].sample()
     exact = Exact().prepare(model, None, (x,), {}).log_marginal()
-    # The exact posterior of u given x, as an amortized Normal guide (its diagonal).
     precision = torch.eye(2) + weight.T @ weight / 0.64
     post_cov = torch.linalg.inv(precision)
     post_mean = (x - bias) @ weight / 0.64 @ post_cov
+    return model, x, exact, post_mean, post_cov.diagonal().sqrt().expand(5, 2)
+
+
+def _normal_guide(loc, scale):
+    """An amortized Normal guide with these means and scales."""
 
     def guide(data):
         with pyro.plate("data", data.shape[0]):
-            pyro.sample("z", dist.Normal(post_mean, post_cov.diagonal().sqrt()).to_event(1))
+            pyro.sample("z", dist.Normal(loc, scale).to_event(1))
 
+    return guide
+
+
+def test_guide_centred_nodes_agree_with_exact_using_few_nodes():
+    """Nodes placed at q(z | x) integrate a narrow posterior that prior nodes miss."""
+    model, x, exact, post_mean, post_scale = _narrow_posterior_case()
+    # The exact posterior of u given x, as an amortized Normal guide (its diagonal).
+    guide = _normal_guide(post_mean, post_scale)
     guided = Quadrature(num_points=12, center="guide").prepare(model, guide, (x,), {})
     prior = Quadrature(num_points=12).prepare(model, guide, (x,), {})
     guided_error = (guided.log_marginal() - exact).abs().max()
@@ -233,22 +246,12 @@ def test_guide_centred_nodes_read_autonormal():
     that Normal, as for a hand-written guide with the same means and scales."""
     from pyro.infer.autoguide import AutoNormal
 
-    weight, bias = 4.0 * torch.randn(12, 2), torch.randn(12)
-    model = _linear_model(weight, bias, "normal")
-    x = pyro.poutine.trace(model).get_trace(torch.zeros(5, 12)).nodes["x"]["fn"].sample()
-    exact = Exact().prepare(model, None, (x,), {}).log_marginal()
-    precision = torch.eye(2) + weight.T @ weight / 0.64
-    post_cov = torch.linalg.inv(precision)
-    post_mean = (x - bias) @ weight / 0.64 @ post_cov
+    model, x, exact, post_mean, post_scale = _narrow_posterior_case()
     auto = AutoNormal(model)
     auto(x)  # creates its parameters: set them to the posterior's marginals
     auto.locs.z = post_mean
-    auto.scales.z = post_cov.diagonal().sqrt().expand(5, 2).clone()
-
-    def guide(data):
-        with pyro.plate("data", data.shape[0]):
-            pyro.sample("z", dist.Normal(post_mean, post_cov.diagonal().sqrt()).to_event(1))
-
+    auto.scales.z = post_scale.clone()
+    guide = _normal_guide(post_mean, post_scale)
     rule = Quadrature(num_points=12, center="guide")
     by_auto = rule.prepare(model, auto, (x,), {}).log_marginal()
     by_hand = Quadrature(num_points=12, center="guide").prepare(model, guide, (x,), {})
