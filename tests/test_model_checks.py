@@ -5,6 +5,7 @@ Every model here is plain Pyro that ``Trace_ELBO`` accepts; what MPT must add is
 that integrating its latents out is meaningful.
 """
 
+import math
 import warnings
 
 import pyro
@@ -213,3 +214,47 @@ def test_ppca_sample_draws_on_the_models_device_and_dtype():
     model = PPCA(4, 2).to(device="meta", dtype=torch.float32)
     draws = model.sample(5)
     assert (draws.device.type, draws.dtype, draws.shape) == ("meta", torch.float32, (5, 4))
+
+
+def _feature_plate_model(scale, weight):
+    """A factor model written with a feature plate, scaled per observation by ``scale``
+    (``poutine.scale`` around the data plate, so the latent and the observation alike)."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2], dim=-2), poutine.scale(scale=scale):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0))
+            with pyro.plate("features", x.shape[-1], dim=-1):
+                pyro.sample("x", dist.Normal(z * weight, 0.5), obs=x)
+
+    return model
+
+
+def test_a_per_observation_scale_inside_a_feature_plate_is_one_scale_per_observation():
+    # The observed site's scale has shape (N, 1): constant along the feature plate. It was
+    # refused as varying across features; it scales each observation's log p(x).
+    generator = torch.Generator().manual_seed(0)
+    num_obs, num_features = 6, 4
+    weight = torch.randn(num_features, generator=generator)
+    scale = torch.rand(num_obs, 1, generator=generator) + 0.5
+    x = torch.randn(num_obs, num_features, generator=generator)
+    model = _feature_plate_model(scale, weight)
+    covariance = torch.outer(weight, weight) + 0.25 * torch.eye(num_features)
+    exact = mvn_log_prob(x, torch.zeros(num_features), covariance)
+    torch.testing.assert_close(log_marginal(model, x), exact, atol=1e-10, rtol=0)
+    # MPTLoss scales each observation's estimate by its scale, as Trace_ELBO scales its
+    # log-likelihood; the estimates average to the exact log p(x).
+    loss = MPTLoss(num_masks=num_features, conditionals=Exact())
+    pyro.set_rng_seed(1)
+    estimates = torch.stack([loss.estimate(model, None, x) for _ in range(400)])
+    pyro.set_rng_seed(1)
+    value = loss.loss(model, None, x)
+    assert math.isclose(value, -float((scale.squeeze(-1) * estimates[0]).sum()), rel_tol=1e-9)
+    standard_error = estimates.std(0) / 400**0.5
+    assert ((estimates.mean(0) - exact).abs() <= 4 * standard_error + 1e-9).all()
+
+
+def test_a_scale_that_varies_across_features_is_still_refused():
+    scale = torch.rand(6, 4) + 0.5  # one per entry, not per observation
+    model = _feature_plate_model(scale, torch.ones(4))
+    with pytest.raises(ValueError, match=r"varies across the features of an observation"):
+        log_marginal(model, torch.randn(6, 4))

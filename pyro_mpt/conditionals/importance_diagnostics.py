@@ -149,8 +149,9 @@ def warn_if_unreliable(
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
     call per model, argument shapes, guide and strategy, stating the figures and, from the
     second warning, how many of the calls so far failed. Early failures of an untrained
-    guide thus do not hide later ones, and a long run is not flooded. The check reads the figures (a device
-    synchronisation), so it runs only while Pyro's validation is enabled (the default).
+    guide thus do not hide later ones, and a long run is not flooded. The check reads the
+    figures (a device synchronisation), so it runs only while Pyro's validation is enabled
+    (the default).
 
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.

@@ -273,7 +273,7 @@ def observed_site_of_run(guided, model_trace):
     """
     local = guided.local
     site = model_trace.nodes[local.observed.name]
-    scale = site_scale(site, local.observed.batch_shape)
+    scale = site_scale(site, local.observed.batch_shape, local.observed.num_feature_dims)
     if guided.remembered is None:
         return site, scale
     try:

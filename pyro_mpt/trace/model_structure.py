@@ -336,7 +336,7 @@ def _read_structure(model, args, kwargs, what):
     fn = obs_site["fn"]
     num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
     observed = read_observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
-    scale = site_scale(obs_site, observed.batch_shape)
+    scale = site_scale(obs_site, observed.batch_shape, observed.num_feature_dims)
     latents = []
     for name in latent_names:
         site = trace.nodes[name]

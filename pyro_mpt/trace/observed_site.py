@@ -204,11 +204,21 @@ def _check_support(name, fn, value, entries, num_feature_dims):
     )
 
 
-def site_scale(site, batch_shape):
-    """The site's scale per observation; it may not vary across features."""
+def site_scale(site, batch_shape, num_feature_dims=0):
+    """The site's scale per observation; it may not vary across features. A scale laid out
+    over the ``num_feature_dims`` feature dims too (``poutine.scale`` with a scale of shape
+    ``(N, 1)`` around a feature plate) counts when it is constant along them: of size one
+    there, or broadcast."""
     scale = site["scale"]
     if not torch.is_tensor(scale):
         return float(scale)
+    if num_feature_dims and scale.dim() > len(batch_shape):
+        padded = scale.reshape((1,) * max(0, num_feature_dims - scale.dim()) + scale.shape)
+        for dim in range(padded.dim() - num_feature_dims, padded.dim()):
+            if padded.stride(dim) == 0:  # broadcast along a feature dim: one value
+                padded = padded.narrow(dim, 0, 1)
+        if all(size == 1 for size in padded.shape[padded.dim() - num_feature_dims :]):
+            scale = padded.reshape(padded.shape[: padded.dim() - num_feature_dims])
     try:
         return torch.broadcast_to(scale, batch_shape)
     except RuntimeError:
@@ -232,7 +242,7 @@ def observed_in_run(structure, trace):
         )
     first = structure.observed
     observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    return observed, site_scale(site, observed.batch_shape)
+    return observed, site_scale(site, observed.batch_shape, observed.num_feature_dims)
 
 
 def check_run_matches(structure, trace, scale):
