@@ -383,3 +383,53 @@ def test_the_functions_count_each_guide_and_strategy_apart():
     flagged = [str(w.message) for w in _flagged(caught)]
     assert len(flagged) == 3
     assert all("calls so far failed" not in message for message in flagged)
+
+
+def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():
+    # S = 8 is too few for k-hat. Rows where one of the 8 weights dwarfs the rest (ESS near 1)
+    # mean the proposal found their posterior once, by chance.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    def diagnostics(num_single):
+        log_w = torch.zeros(8, 10)
+        log_w[0, :num_single] = 20.0  # one draw carries these rows
+        return ImportanceDiagnostics.of(log_w)
+
+    assert diagnostics(2).reliable()  # a fifth of the rows: tolerated
+    flagged = diagnostics(3)
+    assert not flagged.reliable()
+    assert "30% of the pairs rest on a single draw" in flagged.describe()
+
+
+def test_a_categorical_proposal_that_rarely_tries_a_class_is_flagged():
+    # A mixture with a local class per observation and a guide sure of class 0: with 8
+    # samples (the defensive mixture tries each class about once in ten draws), the
+    # estimate misses most of the other classes' mass, and the rows that did draw them
+    # rest on that one draw.
+    mu = torch.tensor([[-2.0, 0.0, 1.0, 2.0], [0.0, 2.0, -1.0, 0.0], [3.0, -3.0, 0.0, 1.0]])
+    weights = torch.tensor([0.5, 0.3, 0.2])
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            c = pyro.sample("c", dist.Categorical(weights))
+            pyro.sample("x", dist.Normal(mu[c], 0.7).to_event(1), obs=x)
+
+    def sure_guide(x):
+        logits = torch.zeros(x.shape[-2], 3)
+        logits[:, 0] = 8.0
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("c", dist.Categorical(logits=logits))
+
+    generator = torch.Generator().manual_seed(0)
+    classes = torch.tensor([2, 1, 0, 2, 1, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0])
+    x = mu[classes] + 0.7 * torch.randn(15, 4, generator=generator)
+    exact = torch.logsumexp(
+        weights.log() + dist.Normal(mu, 0.7).log_prob(x.unsqueeze(-2)).sum(-1), -1
+    )
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = log_marginal(model, x, guide=sure_guide, conditionals=ImportanceSampling(8))
+    assert float((value - exact).sum()) < -10.0  # the warning is deserved
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 1 and "rest on a single draw" in flagged[0]

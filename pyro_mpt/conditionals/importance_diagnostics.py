@@ -18,6 +18,7 @@ __all__ = [
     "MAX_PARETO_K",
     "MAX_UNRELIABLE_SHARE",
     "MIN_EFFECTIVE_SAMPLES",
+    "SINGLE_DRAW_ESS",
     "warn_if_unreliable",
 ]
 
@@ -31,6 +32,11 @@ MAX_UNRELIABLE_SHARE = 0.2
 #: Below this many effective samples the self-normalised estimate rests on a handful of
 #: draws, and the ``-(1/ESS - 1/S)/2`` bias of each log-mean-exp term passes a tenth of a nat.
 MIN_EFFECTIVE_SAMPLES = 5.0
+#: A row whose ESS is below this rests on one draw: the proposal found its posterior once,
+#: by chance, and rows like it that found it not at all look healthy (equal weights, all in
+#: the wrong place). More than :data:`MAX_UNRELIABLE_SHARE` of such rows flag the batch,
+#: which matters most where ``S`` is too small for k-hat.
+SINGLE_DRAW_ESS = 2.0
 
 
 class ImportanceDiagnostics(NamedTuple):
@@ -63,7 +69,8 @@ class ImportanceDiagnostics(NamedTuple):
     def summary(self):
         """Plain numbers for messages and logs: the share of rows with k-hat above
         :data:`MAX_PARETO_K`, the median and largest k-hat (NaN where ``S`` is too small
-        to fit a tail), and the median ESS."""
+        to fit a tail), the median ESS, and the share of rows whose ESS is below
+        :data:`SINGLE_DRAW_ESS`."""
 
         def finite(values):
             return values[~values.isnan()].float()
@@ -75,15 +82,18 @@ class ImportanceDiagnostics(NamedTuple):
             median_k=float(k.median()) if k.numel() else nan,
             max_k=float(k.max()) if k.numel() else nan,
             median_ess=float(ess.median()) if ess.numel() else nan,
+            single_draw=float((ess < SINGLE_DRAW_ESS).double().mean()) if ess.numel() else nan,
         )
 
     def reliable(self):
-        """Whether the weights pass both thresholds: at most :data:`MAX_UNRELIABLE_SHARE` of
-        the rows with k-hat above :data:`MAX_PARETO_K`, and a median ESS of at least
+        """Whether the weights pass the thresholds: at most :data:`MAX_UNRELIABLE_SHARE` of
+        the rows with k-hat above :data:`MAX_PARETO_K`, as many at most resting on one draw
+        (ESS below :data:`SINGLE_DRAW_ESS`), and a median ESS of at least
         :data:`MIN_EFFECTIVE_SAMPLES`."""
         figures = self.summary()
         return not (
             figures["unreliable"] > MAX_UNRELIABLE_SHARE
+            or figures["single_draw"] > MAX_UNRELIABLE_SHARE
             or figures["median_ess"] < MIN_EFFECTIVE_SAMPLES
         )
 
@@ -91,6 +101,11 @@ class ImportanceDiagnostics(NamedTuple):
         """The figures in one sentence."""
         f = self.summary()
         ess = f"median effective sample size {f['median_ess']:.1f} of {self.num_samples}"
+        if f["single_draw"] > MAX_UNRELIABLE_SHARE:
+            ess += (
+                f", and {100 * f['single_draw']:.0f}% of the pairs rest on a single draw "
+                f"(effective sample size below {SINGLE_DRAW_ESS:g})"
+            )
         if math.isnan(f["median_k"]):
             return f"{ess} (too few samples to fit the Pareto tail)"
         return (
