@@ -10,6 +10,7 @@ from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.diagnostics.rule_check import prepare_checked
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["mpt_curve"]
 
@@ -72,6 +73,9 @@ def mpt_curve(
         warns with the figure when it is coarse.
     :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
 
+    Pyro's param store is left as it was found, as :func:`~pyro_mpt.log_marginal` leaves
+    it: parameters first created here (a guide's sized by this ``x``) are removed.
+
     Example::
 
         >>> from pyro_mpt.models import PPCA
@@ -81,23 +85,38 @@ def mpt_curve(
         torch.Size([8])
     """
     strategy = conditionals_for(conditionals, model)
-    call = (model, guide, args, kwargs)
-    prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
-    if prepared.observed.entries is not None:
-        raise ValueError(
-            f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "
-            f"scores masks of each size among all D features, so it needs complete "
-            f"observations. Drop the incomplete ones, or use MPTLoss.estimate, which scores "
-            f"each observation's observed entries."
-        )
-    num_features = prepared.num_features
-    sizes = _sizes_from(rates, sizes, num_features)
-    batch_shape = prepared.batch_shape
+    # The param store is left as it was found (a guide sized by this x creates parameters).
+    with param_store_rollback(always=True):
+        call = (model, guide, args, kwargs)
+        prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
+        if prepared.observed.entries is not None:
+            raise ValueError(
+                f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "
+                f"scores masks of each size among all D features, so it needs complete "
+                f"observations. Drop the incomplete ones, or use MPTLoss.estimate, which scores "
+                f"each observation's observed entries."
+            )
+        num_features = prepared.num_features
+        sizes = _sizes_from(rates, sizes, num_features)
+        scores = _scores_by_size(prepared, sizes, num_masks, share_masks, progress)
+    num_obs = scores.shape[0]
+    return MPTCurve.from_scores(
+        scores,
+        rates=sizes.double() / num_features,
+        sizes=sizes.expand(num_obs, -1),
+        num_features=torch.full((num_obs,), num_features),
+        share_masks=share_masks,
+    )
+
+
+def _scores_by_size(prepared, sizes, num_masks, share_masks, progress):
+    """The mask scores of ``num_masks`` random masks of each of ``sizes``, ``(N, R, P)``,
+    scored in chunks that keep ``log_prob``'s largest tensor near ``_CHUNK_ELEMENTS``."""
+    num_features, batch_shape = prepared.num_features, prepared.batch_shape
     mask_batch = torch.Size() if share_masks else batch_shape
     value = prepared.observed.value
     per_mask = max(1, value.numel() * max(1, prepared.log_prob_width))
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
-
     per_size = []
     for size in progress_bar(sizes.tolist(), desc="MPT curve", disable=not progress):
         scores = []
@@ -108,13 +127,6 @@ def mpt_curve(
             if share_masks:
                 masks = masks.reshape((count,) + (1,) * len(batch_shape) + (num_features,))
             scores.append(mask_scores(prepared.log_prob(masks), masks))
-        per_size.append(torch.cat(scores).expand((num_masks,) + batch_shape).reshape(num_masks, -1))
-    scores = torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)
-    num_obs = scores.shape[0]
-    return MPTCurve.from_scores(
-        scores,
-        rates=sizes.double() / num_features,
-        sizes=sizes.expand(num_obs, -1),
-        num_features=torch.full((num_obs,), num_features),
-        share_masks=share_masks,
-    )
+        scores = torch.cat(scores).expand((num_masks,) + batch_shape)
+        per_size.append(scores.reshape(num_masks, -1))
+    return torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)

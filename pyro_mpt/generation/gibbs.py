@@ -9,6 +9,7 @@ from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["gibbs"]
 
@@ -55,6 +56,9 @@ def gibbs(
     :param kwargs: the model's keyword arguments.
     :returns: the chain, ``(num_steps + 1,) + x.shape``; its first entry is the data.
 
+    Pyro's param store is left as it was found, as :func:`~pyro_mpt.log_marginal` leaves
+    it: parameters first created here (a guide's sized by this ``x``) are removed.
+
     Example::
 
         >>> from pyro_mpt import gibbs
@@ -77,28 +81,32 @@ def gibbs(
         raise TypeError(f"joint must be True or False, got {joint!r}.")
     strategy = conditionals_for(conditionals, model)
     rest = tuple(args[1:])
-    # Prepared with gradients on: some strategies check their guide by differentiating it.
-    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-    observed = prepared.observed
-    _check_state(data, observed)
-    num_features = observed.num_features
-    block_size = check_count(
-        "block_size",
-        block_size,
-        1,
-        num_features,
-        f"It counts the features drawn per step, of the D={num_features} of one observation.",
-    )
-    sizes = torch.full(observed.batch_shape, block_size, device=data.device)
-    chain = [data]
-    for step in progress_bar(range(num_steps), desc="Gibbs", disable=not progress, leave=False):
-        step_args = (chain[-1],) + rest
-        if step > 0:
-            prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
-        blocks = masks_of_sizes(sizes, num_features)
-        with torch.no_grad():
-            draws = draw_hidden(prepared, blocks, 1, joint=joint)[0]
-        chain.append(draws.reshape(data.shape).to(data.dtype))
+    # The param store is left as it was found (a guide sized by this x creates parameters).
+    with param_store_rollback(always=True):
+        # Prepared with gradients on: some strategies check their guide by differentiating it.
+        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        observed = prepared.observed
+        _check_state(data, observed)
+        num_features = observed.num_features
+        block_size = check_count(
+            "block_size",
+            block_size,
+            1,
+            num_features,
+            f"It counts the features drawn per step, of the D={num_features} of one "
+            f"observation.",
+        )
+        sizes = torch.full(observed.batch_shape, block_size, device=data.device)
+        chain = [data]
+        steps = progress_bar(range(num_steps), desc="Gibbs", disable=not progress, leave=False)
+        for step in steps:
+            step_args = (chain[-1],) + rest
+            if step > 0:
+                prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
+            blocks = masks_of_sizes(sizes, num_features)
+            with torch.no_grad():
+                draws = draw_hidden(prepared, blocks, 1, joint=joint)[0]
+            chain.append(draws.reshape(data.shape).to(data.dtype))
     return torch.stack(chain)
 
 

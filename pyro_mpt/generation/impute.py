@@ -8,6 +8,7 @@ from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
+from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["impute"]
 
@@ -55,6 +56,9 @@ def impute(
     :raises TypeError: if ``missing`` is not a boolean tensor.
     :raises ValueError: if it does not broadcast to ``x`` or has no True entry.
 
+    Pyro's param store is left as it was found, as :func:`~pyro_mpt.log_marginal` leaves
+    it: parameters first created here (a guide's sized by this ``x``) are removed.
+
     Example::
 
         >>> import torch
@@ -73,10 +77,12 @@ def impute(
     num_samples = check_positive_int("num_samples", num_samples, "e.g. num_samples=100.")
     check_missing(missing)
     strategy = conditionals_for(conditionals, model)
-    # Prepared with gradients on: some strategies check their guide by differentiating it.
-    prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
-    observed = prepared.observed
-    hidden = flat_missing(missing.to(observed.value.device), observed)
-    with torch.no_grad():
-        draws = draw_hidden(prepared, hidden, num_samples, joint=True)
+    # The param store is left as it was found (a guide sized by this x creates parameters).
+    with param_store_rollback(always=True):
+        # Prepared with gradients on: some strategies check their guide by differentiating it.
+        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        observed = prepared.observed
+        hidden = flat_missing(missing.to(observed.value.device), observed)
+        with torch.no_grad():
+            draws = draw_hidden(prepared, hidden, num_samples, joint=True)
     return draws.reshape((num_samples,) + tuple(observed.full_shape))
