@@ -119,9 +119,11 @@ class MPTLoss(ELBO):
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
         16th, 64th, 256th, ... call, and for a rule given by the user also on the 2nd (or
         the next steady one, when the batch shape has just changed):
-        ``dict(step, strategy, mean_gap)``, the gap in nats of ``log p(x)`` per
-        observation (None where no finer rule fits: more than 200 nodes per dimension, or
-        more memory than is allowed). Past
+        ``dict(step, strategy, mean_gap, compared_with)``, the gap in nats of ``log p(x)``
+        per observation against the ``"finer"`` rule (1.5 times the nodes per dimension).
+        Where no finer rule fits (more than 200 nodes per dimension, or more memory than is
+        allowed), a rule given by the user is compared with a ``"coarser"`` one (two thirds
+        of the nodes) instead, and ``auto``'s choice gives None. Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
         again, and a rule given by the user warns
         (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
@@ -284,17 +286,31 @@ class MPTLoss(ELBO):
         after = RandomState()
         before.restore()
         gap = strategy.refinement_gap(prepared, *call, structure=structure)
+        compared_with = "finer"
+        if gap is not None and math.isnan(gap) and strategy is self.conditionals:
+            # A rule given by the user that cannot be refined is compared with a coarser one,
+            # as log_marginal compares it: a sign that it is still moving.
+            before.restore()
+            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=2 / 3)
+            compared_with = "coarser"
         after.restore()
         if gap is None:  # a strategy with no such measure
             return prepared
         step = self._num_calls
         measured = None if math.isnan(gap) else gap
-        self.rule_check = dict(step=step, strategy=repr(strategy), mean_gap=measured)
+        self.rule_check = dict(
+            step=step, strategy=repr(strategy), mean_gap=measured, compared_with=compared_with
+        )
         if measured is None or measured <= ACCURACY_TOL:
             return prepared
+        if compared_with == "finer":
+            change = "changes log p(x) by {:.2g} nats per observation when refined to 1.5 times"
+            change += " its nodes per dimension"
+        else:
+            change = "cannot be refined, and a rule with two thirds of its nodes differs from it"
+            change += " by {:.2g} nats of log p(x) per observation"
         figure = (
-            f"{strategy!r} changes log p(x) by {gap:.2g} nats per observation when refined "
-            f"to 1.5 times its nodes per dimension (step {step}, above {ACCURACY_TOL:g})"
+            f"{strategy!r} {change.format(gap)} (step {step}, above {ACCURACY_TOL:g})"
         )
         if strategy is not self.conditionals:
             _logger.info("conditionals='auto' searches again: %s.", figure)
