@@ -213,9 +213,9 @@ class Auto(Conditionals):
         if best is not None and (diagnostics is None or best.mean_gap < COARSE_RULE_TOL):
             warnings.warn(
                 f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
-                f"{_gap_text(best)}, so its conditionals may be coarse. Give MPTLoss a guide "
-                f"that proposes well "
-                f"(importance sampling then applies).",
+                f"{_gap_text(best)}, so its conditionals may be coarse: off by about that "
+                f"much, or a few times more where the integrand converges slowly. Give "
+                f"MPTLoss a guide that proposes well (importance sampling then applies).",
                 stacklevel=4,
             )
             reason = "coarse, and nothing more accurate applies"
