@@ -17,6 +17,7 @@ from pyro_mpt.conditionals.auto import (
     as_conditionals,
     prepare_call,
 )
+from pyro_mpt.conditionals.base import gap_sentence
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import (
     NotApplicableError,
@@ -284,15 +285,16 @@ class MPTLoss(ELBO):
             same subsample. The random state after the check is the one it found.
         """
         after = RandomState()
-        before.restore()
-        gap = strategy.refinement_gap(prepared, *call, structure=structure)
-        compared_with = "finer"
-        if gap is not None and math.isnan(gap) and strategy is self.conditionals:
+        if strategy is self.conditionals:
             # A rule given by the user that cannot be refined is compared with a coarser one,
-            # as log_marginal compares it: a sign that it is still moving.
+            # as the package's functions compare it.
+            gap, compared_with = strategy.checked_gap(
+                prepared, *call, structure=structure, restore=before.restore
+            )
+        else:
             before.restore()
-            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=2 / 3)
-            compared_with = "coarser"
+            gap = strategy.refinement_gap(prepared, *call, structure=structure)
+            compared_with = "finer"
         after.restore()
         if gap is None:  # a strategy with no such measure
             return prepared
@@ -303,14 +305,9 @@ class MPTLoss(ELBO):
         )
         if measured is None or measured <= ACCURACY_TOL:
             return prepared
-        if compared_with == "finer":
-            change = "changes log p(x) by {:.2g} nats per observation when refined to 1.5 times"
-            change += " its nodes per dimension"
-        else:
-            change = "cannot be refined, and a rule with two thirds of its nodes differs from it"
-            change += " by {:.2g} nats of log p(x) per observation"
         figure = (
-            f"{strategy!r} {change.format(gap)} (step {step}, above {ACCURACY_TOL:g})"
+            f"{gap_sentence(strategy, gap, compared_with)} (step {step}, above "
+            f"{ACCURACY_TOL:g})"
         )
         if strategy is not self.conditionals:
             _logger.info("conditionals='auto' searches again: %s.", figure)

@@ -62,7 +62,7 @@ def test_a_coarse_rule_warns_with_a_figure_and_the_error_is_real():
     message = str(found[0].message)
     assert message.startswith("log_marginal with Quadrature(num_points=10")
     assert "refined to 1.5 times" in message
-    figure = float(message.split("changes by ")[1].split(" nats")[0])
+    figure = float(message.split("log p(x) by ")[1].split(" nats")[0])
     assert ACCURACY_TOL < figure <= 3 * float(error)
     assert "more nodes" in message
 

@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["Conditionals", "SelfPredictive"]
+__all__ = ["Conditionals", "SelfPredictive", "gap_sentence"]
 
 
 class SelfPredictive(ABC):
@@ -149,6 +149,24 @@ class Conditionals(ABC):
         with (coarser below 1)."""
         return None
 
+    def checked_gap(self, prepared, model, guide, args, kwargs, structure=None, restore=None):
+        """:meth:`refinement_gap` against 1.5 times the nodes, or, for a rule that cannot be
+        refined, against two thirds of them (a sign that the rule is still moving, not a
+        measure of its own error): ``(gap, "finer" or "coarser")``; ``(None, None)`` for a
+        strategy with no such measure. ``restore``, if given, is called before each rule is
+        prepared (to put back the random state ``prepared`` was made from)."""
+        call = (prepared, model, guide, args, kwargs)
+        if restore is not None:
+            restore()
+        gap = self.refinement_gap(*call, structure=structure)
+        if gap is None:
+            return None, None
+        if not math.isnan(gap):
+            return gap, "finer"
+        if restore is not None:
+            restore()
+        return self.refinement_gap(*call, structure=structure, factor=2 / 3), "coarser"
+
     @abstractmethod
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         """Runs the model (and the guide, if the strategy needs one) on a batch of data.
@@ -161,3 +179,16 @@ class Conditionals(ABC):
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def gap_sentence(strategy, gap, compared_with):
+    """What :meth:`Conditionals.checked_gap` found, in words, for warnings and logs."""
+    if compared_with == "finer":
+        return (
+            f"{strategy!r} changes log p(x) by {gap:.2g} nats per observation when refined to "
+            f"1.5 times its nodes per dimension"
+        )
+    return (
+        f"{strategy!r} cannot be refined, and a rule with two thirds of its nodes differs from "
+        f"it by {gap:.2g} nats of log p(x) per observation"
+    )

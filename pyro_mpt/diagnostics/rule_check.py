@@ -9,7 +9,7 @@ import math
 import warnings
 
 from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
-from pyro_mpt.conditionals.base import Conditionals
+from pyro_mpt.conditionals.base import Conditionals, gap_sentence
 from pyro_mpt.errors import QuadratureAccuracyWarning
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState
@@ -45,32 +45,22 @@ def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, che
 
 def _check_rule(strategy, prepared, call, structure, before, caller):
     """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
-    observation under a finer rule (under a coarser one for a rule that cannot be refined):
-    its values are about that far off. The other rule runs once, from the ``structure``
-    ``prepared`` was read with (where the strategy keeps one) and from the random state
-    ``prepared`` was made from (the same subsample); the caller's state is kept."""
+    observation under a finer rule (under a coarser one for a rule that cannot be refined:
+    :meth:`~pyro_mpt.conditionals.Conditionals.checked_gap`): its values are about that far
+    off. The other rule runs once, from the ``structure`` ``prepared`` was read with (where
+    the strategy keeps one) and from the random state ``prepared`` was made from (the same
+    subsample); the caller's state is kept."""
     after = RandomState()
-    before.restore()
     try:
-        factor = 1.5
-        gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
-        if gap is not None and math.isnan(gap):
-            before.restore()
-            factor = 2 / 3
-            gap = strategy.refinement_gap(prepared, *call, structure=structure, factor=factor)
+        gap, compared_with = strategy.checked_gap(
+            prepared, *call, structure=structure, restore=before.restore
+        )
     finally:
         after.restore()
     if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
         return
-    if factor > 1:
-        figure = f"refined to 1.5 times its nodes per dimension, its log p(x) changes by {gap:.2g}"
-    else:
-        figure = (
-            f"it cannot be refined, and a rule with two thirds of its nodes differs from it "
-            f"by {gap:.2g}"
-        )
     warnings.warn(
-        f"{caller} with {strategy!r}: {figure} nats per observation (mean; above "
+        f"{caller} with {gap_sentence(strategy, gap, compared_with)} (mean; above "
         f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
         f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: more "
         f"nodes, center='guide' with a guide fitted to the posterior, or "
