@@ -46,7 +46,9 @@ GROUPS = {
 
 #: Objectives of a group: label -> (loss kind, ``MPTLoss`` guide_loss, where the draws
 #: come from: ``"masks"``, some of the masks; ``"masks+unmasked"``, one mask and the guide
-#: on the unmasked image; ``"unmasked"``, the guide on the unmasked image only). ``"iwae"``
+#: on the unmasked image; ``"unmasked"``, the guide on the unmasked image only;
+#: ``"every mask"``, the same draws with the average over every mask taken exactly,
+#: ``num_masks="all"``). ``"iwae"``
 #: is ``RenyiELBO(alpha=0)`` with as many particles as the MPT rows' importance samples.
 OBJECTIVES = {
     "ELBO": ("elbo", None, None),
@@ -56,6 +58,7 @@ OBJECTIVES = {
     "MPT, guide_loss='wake'": ("mpt", "wake", "masks"),
     "MPT, guide_loss='wake', unmasked proposal": ("mpt", "wake", "masks+unmasked"),
     "MPT, guide_loss='wake', unmasked proposal only": ("mpt", "wake", "unmasked"),
+    "MPT, guide_loss='wake', every mask": ("mpt", "wake", "every mask"),
 }
 
 
@@ -98,7 +101,8 @@ def make_loss(method, cfg):
     (``num_proposals=1, unmasked_proposal=True``), the row with the unmasked proposal only
     all ``S`` from the guide on the unmasked image (``num_proposals=0``), with
     ``cfg["unmasked_only_masks"]`` masks per image (``P`` when absent): ``S`` draws per
-    image too."""
+    image too. The row over every mask takes the same draws and averages over every mask
+    exactly (``num_masks="all"``)."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -109,9 +113,11 @@ def make_loss(method, cfg):
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
         proposals = min(cfg.get("train_proposals", masks), masks)
-        if method["proposals"] in ("masks+unmasked", "unmasked"):
-            only = method["proposals"] == "unmasked"
-            if only:
+        if method["proposals"] in ("masks+unmasked", "unmasked", "every mask"):
+            only = method["proposals"] != "masks+unmasked"
+            if method["proposals"] == "every mask":
+                masks = "all"
+            elif only:
                 masks = cfg.get("unmasked_only_masks", masks)
             conditionals = ImportanceSampling(
                 num_samples=samples if only else max(1, samples // 2),
@@ -141,6 +147,11 @@ def masks_text(cfg, proposals="masks"):
     """How the MPT rows' masks use the draws, in words, e.g. "P=16 masks per image, Q=4 of
     which draw, the draws pooled"; ``proposals`` as in :data:`OBJECTIVES`."""
     masks = cfg.get("train_masks", 1)
+    if proposals == "every mask":
+        return (
+            f"every mask, averaged exactly, the unmasked image drawing all "
+            f"{cfg['train_samples']}"
+        )
     if proposals == "unmasked":
         return (
             f"P={cfg.get('unmasked_only_masks', masks)} masks per image, the unmasked image "

@@ -26,6 +26,7 @@ from pyro_mpt.errors import (
 )
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.masks import (
+    UniformRate,
     as_rate_schedule,
     check_num_masks,
     mpt_estimate,
@@ -76,9 +77,16 @@ class MPTLoss(ELBO):
     :param rate: the mask-size schedule: ``"uniform"``, a float in ``(0, 1]`` (fixed rate),
         or a pair ``(lo, hi)`` (a random rate per mask, as in R2MAE). See
         :func:`pyro_mpt.ops.masks.as_rate_schedule`.
-    :param int num_masks: masks per observation and step, all scored in one vectorized
+    :param num_masks: masks per observation and step, all scored in one vectorized
         pass. Their sizes are stratified, so ``num_masks=D`` with ``rate="uniform"`` sums
-        over every mask size exactly once.
+        over every mask size exactly once. ``"all"``, with ``rate="uniform"``: the average
+        over every mask, computed exactly where the conditionals allow it, so that drawing
+        masks adds no variance: exact and quadrature conditionals give their ``log p(x)``
+        (the identity above), and importance conditionals that share one proposal's draws
+        across masks (``ImportanceSampling(S, share_samples=True, num_proposals=0,
+        unmasked_proposal=True)``) a closed form
+        (:meth:`~pyro_mpt.conditionals.SelfPredictive.mask_average`); other conditionals
+        raise an error that says so.
     :param conditionals: how the conditionals are computed: ``"auto"`` (the first strategy
         that applies), ``"exact"``, or a :class:`pyro_mpt.conditionals.Conditionals`.
     :param bool share_masks: draw one mask per step for the whole batch instead of one per
@@ -149,7 +157,21 @@ class MPTLoss(ELBO):
             num_particles=1, max_plate_nesting=max_plate_nesting, retain_graph=retain_graph
         )
         self.schedule = as_rate_schedule(rate)
-        self.num_masks = check_num_masks(num_masks)
+        if num_masks == ALL_MASKS:
+            if not isinstance(self.schedule, UniformRate):
+                raise ValueError(
+                    f"num_masks='all' averages over every mask under the uniform rate, whose "
+                    f"average is log p(x); rate={rate!r} has no such average. Use "
+                    f"rate='uniform', or draw masks (num_masks=P)."
+                )
+            if share_masks:
+                raise ValueError(
+                    "share_masks=True draws one mask for the whole batch, but "
+                    "num_masks='all' draws none. Leave share_masks=False."
+                )
+            self.num_masks = ALL_MASKS
+        else:
+            self.num_masks = check_num_masks(num_masks)
         self.conditionals = as_conditionals(conditionals)
         self.share_masks = bool(share_masks)
         if guide_loss not in GUIDE_LOSSES:
@@ -179,7 +201,7 @@ class MPTLoss(ELBO):
 
     def __repr__(self):
         return (
-            f"MPTLoss(rate={self.schedule!r}, num_masks={self.num_masks}, "
+            f"MPTLoss(rate={self.schedule!r}, num_masks={self.num_masks!r}, "
             f"conditionals={self.conditionals!r}, guide_loss={self.guide_loss!r})"
         )
 
@@ -383,6 +405,11 @@ class MPTLoss(ELBO):
         return prepared, estimates
 
     def _estimate(self, prepared):
+        if self.num_masks == ALL_MASKS:
+            try:
+                return prepared.mask_average()
+            except NotImplementedError as error:
+                raise ValueError(f"MPTLoss(num_masks='all'): {error}") from None
         observed = prepared.observed
         batch_shape = observed.batch_shape
         if self.share_masks and observed.entries is not None:
@@ -528,6 +555,9 @@ class MPTLoss(ELBO):
 
 _logger = logging.getLogger("pyro_mpt")
 
+
+#: ``num_masks`` for the exact average over every mask.
+ALL_MASKS = "all"
 
 #: The call from which ``MPTLoss`` first checks a strategy's accuracy (then 4 times later).
 _FIRST_CHECK = 16

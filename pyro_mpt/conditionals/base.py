@@ -121,6 +121,26 @@ class SelfPredictive(ABC):
         )
 
 
+    def mask_average(self):
+        """The uniform-rate MPT estimate of each observation averaged over every mask
+        exactly, ``sum_M S(x; M)`` of these conditionals, shape ``batch_shape``: what
+        ``MPTLoss(num_masks="all")`` trains on, with no variance from drawing masks.
+
+        Conditionals that are those of one joint distribution (exact ones, a quadrature
+        rule's mixture) sum by the chain rule to its ``log p(x)``, :meth:`log_marginal`;
+        importance conditionals that share one proposal's draws across masks telescope
+        (:func:`~pyro_mpt.ops.shared_sample_importance.every_mask_average`).
+
+        :raises NotImplementedError: for conditionals whose average over the ``2^D`` masks
+            has no closed form.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no closed form for the average over every mask; use "
+            f"exact or quadrature conditionals, or ImportanceSampling(share_samples=True, "
+            f"num_proposals=0, unmasked_proposal=True), or draw masks (num_masks=P)."
+        )
+
+
 class Conditionals(ABC):
     """A strategy that computes self-predictive conditionals for a Pyro model.
 

@@ -323,6 +323,10 @@ class GaussianSelfPredictive(SelfPredictive):
             draws = draw(x, form.weight, form.loc, form.noise_var, context, num_samples)
         return self.keep_given(hidden, draws)
 
+    def mask_average(self):
+        """The exact ``log p(x)``: exact conditionals average to it over every mask."""
+        return self.log_marginal()
+
     def log_marginal(self):
         """The exact ``log p(x)`` of each observation, shape ``batch_shape``."""
         form = self.form

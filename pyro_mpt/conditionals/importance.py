@@ -30,6 +30,7 @@ from pyro_mpt.ops.self_normalised_importance import (
 )
 from pyro_mpt.ops.shared_sample_importance import (
     context_log_likelihoods,
+    every_mask_average,
     mixture_log_density,
     proposal_masks,
     shared_sample_log_conditionals,
@@ -291,6 +292,51 @@ class ImportanceSelfPredictive(SelfPredictive):
         if entries is None:
             return result
         # An observation with no observed entry has log p = 0 exactly, not its estimate.
+        return torch.where(entries.any(-1), result, 0.0)
+
+
+    def mask_average(self):
+        """The average over every mask, exactly, of conditionals whose masks all weight the
+        same ``S`` draws from the guide on the unmasked input (``share_samples=True,
+        num_proposals=0, unmasked_proposal=True``): ``LSE_s(log r_s + log p(x | z_s)) -
+        LSE_s(log r_s)`` with ``r_s = p(z_s) / q(z_s | x)``
+        (:func:`~pyro_mpt.ops.shared_sample_importance.every_mask_average`). Its weights'
+        diagnostics cover both ends of the chain of contexts, the full one and the empty
+        one, whose term is exactly 0 and whose error the estimate carries
+        (:attr:`ImportanceDiagnostics.empty_context`).
+
+        :raises ValueError: for other settings, whose masks draw samples of their own.
+        """
+        if not (self.share_samples and self.num_proposals == 0 and self.unmasked_proposal):
+            raise ValueError(
+                f"The average over every mask has a closed form only when all masks weight "
+                f"the same draws, from the guide on the unmasked input; these conditionals "
+                f"draw per mask (share_samples={self.share_samples}, "
+                f"num_proposals={self.num_proposals}, "
+                f"unmasked_proposal={self.unmasked_proposal}). Use "
+                f"ImportanceSampling({self.num_samples}, share_samples=True, num_proposals=0, "
+                f"unmasked_proposal=True), or draw masks (num_masks=P)."
+            )
+        entries = self.observed.entries
+        visible = self.context(torch.zeros_like(self.observed.value, dtype=torch.bool))
+        hidden = ~visible.unsqueeze(0)
+        filled = fill_masked(self.observed.value, hidden, self.fill)
+        shared = self._sample_shared(filled, hidden)
+        if shared is None:
+            log_w, ll = self._sample(filled, hidden)
+            log_w, ll = log_w[:, 0], ll[:, 0]
+        else:
+            log_w, ll = shared
+        total = masked_sum(ll, visible)
+        ends = torch.stack([log_w + total, log_w], 1).detach()  # (S, 2) + batch
+        self._record(ends, entries, ends[:, :1])
+        self.diagnostics = self.diagnostics._replace(
+            empty_context=torch.logsumexp(ends[:, 1], 0) - math.log(ends.shape[0])
+        )
+        result = every_mask_average(log_w, total)
+        if entries is None:
+            return result
+        # An observation with no observed entry has log p = 0 exactly.
         return torch.where(entries.any(-1), result, 0.0)
 
 

@@ -15,6 +15,7 @@ from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 
 __all__ = [
     "ImportanceDiagnostics",
+    "MAX_EMPTY_CONTEXT_ERROR",
     "MAX_PARETO_K",
     "MAX_UNRELIABLE_SHARE",
     "MIN_EFFECTIVE_SAMPLES",
@@ -37,6 +38,10 @@ MIN_EFFECTIVE_SAMPLES = 5.0
 #: the wrong place). More than :data:`MAX_UNRELIABLE_SHARE` of such rows flag the batch,
 #: which matters most where ``S`` is too small for k-hat.
 SINGLE_DRAW_ESS = 2.0
+#: The most nats per observation, on average, by which the empty context's term of an
+#: average over every mask may miss its exact value 0 (see
+#: :attr:`ImportanceDiagnostics.empty_context`): the estimate carries that error whole.
+MAX_EMPTY_CONTEXT_ERROR = 0.5
 
 
 class ImportanceDiagnostics(NamedTuple):
@@ -49,11 +54,17 @@ class ImportanceDiagnostics(NamedTuple):
         :data:`MAX_PARETO_K` the estimate is unreliable.
     :ivar torch.Tensor ess: Kish's effective sample size of each row, out of ``num_samples``.
     :ivar int num_samples: ``S``.
+    :ivar empty_context: for an average over every mask
+        (:meth:`~pyro_mpt.conditionals.ImportanceSelfPredictive.mask_average`), the
+        estimate of ``log p(x_empty)`` of each observation, whose exact value is 0: the
+        average over every mask is the importance estimate of ``log p(x)`` minus it, so its
+        value is that term's error, known exactly. None otherwise.
     """
 
     pareto_k: torch.Tensor
     ess: torch.Tensor
     num_samples: int
+    empty_context: torch.Tensor | None = None
 
     @classmethod
     def of(cls, log_weights, entries=None):
@@ -69,15 +80,18 @@ class ImportanceDiagnostics(NamedTuple):
     def summary(self):
         """Plain numbers for messages and logs: the share of rows with k-hat above
         :data:`MAX_PARETO_K`, the median and largest k-hat (NaN where ``S`` is too small
-        to fit a tail), the median ESS, and the share of rows whose ESS is below
-        :data:`SINGLE_DRAW_ESS`."""
+        to fit a tail), the median ESS, the share of rows whose ESS is below
+        :data:`SINGLE_DRAW_ESS`, and the mean of :attr:`empty_context` (NaN without
+        one)."""
 
         def finite(values):
             return values[~values.isnan()].float()
 
         k, ess = finite(self.pareto_k), finite(self.ess)
         nan = math.nan
+        empty = None if self.empty_context is None else finite(self.empty_context)
         return dict(
+            empty_context=float(empty.mean()) if empty is not None and empty.numel() else nan,
             unreliable=float((k > MAX_PARETO_K).float().mean()) if k.numel() else nan,
             median_k=float(k.median()) if k.numel() else nan,
             max_k=float(k.max()) if k.numel() else nan,
@@ -88,13 +102,15 @@ class ImportanceDiagnostics(NamedTuple):
     def reliable(self):
         """Whether the weights pass the thresholds: at most :data:`MAX_UNRELIABLE_SHARE` of
         the rows with k-hat above :data:`MAX_PARETO_K`, as many at most resting on one draw
-        (ESS below :data:`SINGLE_DRAW_ESS`), and a median ESS of at least
-        :data:`MIN_EFFECTIVE_SAMPLES`."""
+        (ESS below :data:`SINGLE_DRAW_ESS`), a median ESS of at least
+        :data:`MIN_EFFECTIVE_SAMPLES`, and the empty context's term of an average over
+        every mask within :data:`MAX_EMPTY_CONTEXT_ERROR` of 0 on average."""
         figures = self.summary()
         return not (
             figures["unreliable"] > MAX_UNRELIABLE_SHARE
             or figures["single_draw"] > MAX_UNRELIABLE_SHARE
             or figures["median_ess"] < MIN_EFFECTIVE_SAMPLES
+            or abs(figures["empty_context"]) > MAX_EMPTY_CONTEXT_ERROR
         )
 
     def describe(self):
@@ -105,6 +121,13 @@ class ImportanceDiagnostics(NamedTuple):
             ess += (
                 f", and {100 * f['single_draw']:.0f}% of the pairs rest on a single draw "
                 f"(effective sample size below {SINGLE_DRAW_ESS:g})"
+            )
+        if not math.isnan(f["empty_context"]):
+            ess += (
+                f"; the average over every mask carries the error of its empty context's "
+                f"term, exactly 0, which came out at {f['empty_context']:.2f} nats per "
+                f"observation on average, so the estimate is {-f['empty_context']:+.2f} nats "
+                f"from the importance bound of the same draws"
             )
         if math.isnan(f["median_k"]):
             return f"{ess} (too few samples to fit the Pareto tail)"

@@ -97,6 +97,11 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         """``log p(x)`` of each observation (of its observed entries) by the same rule."""
         return torch.logsumexp(self.node_log_joint(), dim=0)
 
+    def mask_average(self):
+        """The rule's ``log p(x)``: its conditionals are those of the mixture over its
+        nodes, and average to that mixture's log-marginal over every mask."""
+        return self.log_marginal()
+
     def _entry_weights(self, dtype):
         entries = self.observed.entries
         return None if entries is None else entries.to(dtype)

@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "context_log_likelihoods",
+    "every_mask_average",
     "mixture_log_density",
     "proposal_masks",
     "shared_sample_log_conditionals",
@@ -71,6 +72,34 @@ def shared_sample_log_conditionals(log_joint, log_likelihoods):
     predictive = torch.einsum("spn,snd->pnd", weights, scaled)
     out = predictive.log() + shift
     return out.reshape((num_masks,) + batch + out.shape[-1:])
+
+
+def every_mask_average(log_ratios, log_likelihoods):
+    """The uniform-rate MPT estimate averaged over every mask exactly, for conditionals that
+    share one set of samples ``z_s`` across all masks (drawn from one proposal that does
+    not depend on the mask).
+
+    With ``g(A) = LSE_s(log r_s + sum_{k in A} l_sk)``, the conditional of feature ``j``
+    given the context ``R`` is ``g(R + j) - g(R)``. Averaged over mask sizes ``M ~
+    Uniform{1..D}`` and masks of each size, the estimate is the mean over orderings of the
+    features of a chain-rule sum, which telescopes to ``g(all) - g(empty)``:
+
+    .. math::
+
+        \\operatorname{LSE}_s(\\log r_s + \\textstyle\\sum_k l_{sk})
+            - \\operatorname{LSE}_s(\\log r_s).
+
+    The first term less ``log S`` is the importance estimate of ``log p(x)``; the second
+    less ``log S`` is the estimate of ``log p(x_empty) = 0`` (the mean of ``p(z_s) /
+    q(z_s)``), so its value is the exact error of that term.
+
+    :param torch.Tensor log_ratios: ``log r_s = log p(z_s) - log q(z_s)``, shape
+        ``(S,) + batch``.
+    :param torch.Tensor log_likelihoods: ``sum_k l_sk``, the log-likelihood of every
+        observed feature at each sample, shape ``(S,) + batch``.
+    :returns: a tensor of shape ``batch``.
+    """
+    return torch.logsumexp(log_ratios + log_likelihoods, 0) - torch.logsumexp(log_ratios, 0)
 
 
 def mixture_log_density(log_densities):

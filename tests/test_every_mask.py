@@ -1,0 +1,224 @@
+"""``MPTLoss(num_masks="all")`` and ``SelfPredictive.mask_average``: the uniform-rate MPT
+estimate averaged over every mask exactly, checked against the brute-force average over
+all ``2^D - 1`` masks of the same conditionals, and against closed forms."""
+
+import itertools
+import math
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling, Quadrature
+from pyro_mpt.errors import ImportanceAccuracyWarning
+
+D, K, N = 4, 2, 3
+W = torch.tensor([[1.2, -0.7, 0.4, 2.0], [-0.3, 1.5, -1.1, 0.6]])
+
+
+def bernoulli_model(x):
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+        pyro.sample("x", dist.Bernoulli(logits=2 * torch.tanh(z @ W)).to_event(1), obs=x)
+
+
+def guide(x):
+    with pyro.plate("data", x.shape[-2]):
+        pyro.sample("z", dist.Normal(0.3 * x[..., :K], 0.8).to_event(1))
+
+
+def masked_model(x, observed):
+    """The Bernoulli model with some entries missing (``poutine.mask``)."""
+    with pyro.plate("data", x.shape[-2], dim=-2):
+        z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+        logits = 2 * torch.tanh(z @ W).squeeze(-2)
+        with pyro.plate("features", D, dim=-1), poutine.mask(mask=observed):
+            pyro.sample("x", dist.Bernoulli(logits=logits), obs=x)
+
+
+def masked_guide(x, observed):
+    with pyro.plate("data", x.shape[-2], dim=-2):
+        loc = 0.3 * x[..., :K].unsqueeze(-2)
+        pyro.sample("z", dist.Normal(loc, 0.8).to_event(1))
+
+
+def shared_draws(num_samples=16):
+    return ImportanceSampling(
+        num_samples, share_samples=True, num_proposals=0, unmasked_proposal=True
+    )
+
+
+def every_mask_by_brute_force(prepared, observed_entries=None):
+    """The uniform-rate estimate averaged over all masks of each observation's observed
+    entries, from one call of ``log_prob`` (one set of draws) on every mask at once."""
+    masks = torch.tensor(list(itertools.product([0, 1], repeat=D)), dtype=torch.bool)[1:]
+    log_cond = prepared.log_prob(masks.unsqueeze(1).expand(-1, N, -1))  # (P, N, D)
+    entries = torch.ones(N, D, dtype=torch.bool) if observed_entries is None else observed_entries
+    totals = []
+    for n in range(N):
+        count = int(entries[n].sum())
+        total = 0.0
+        for p, mask in enumerate(masks):
+            if (mask & ~entries[n]).any():
+                continue  # masks only among the observed entries
+            size = int(mask.sum())
+            score = float((log_cond[p, n] * mask).sum()) / size
+            total += score / math.comb(count, size)  # mean over masks of size M, summed over M
+        totals.append(total)
+    return torch.tensor(totals)
+
+
+def test_shared_importance_draws_average_over_every_mask_in_closed_form():
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    prepared = shared_draws().prepare(bernoulli_model, guide, (x,), {}, 1)
+    torch.manual_seed(3)
+    brute = every_mask_by_brute_force(prepared)
+    torch.manual_seed(3)  # the same draws
+    closed = prepared.mask_average()
+    assert torch.allclose(closed, brute, atol=1e-10, rtol=0)
+    # The empty context's term is the log of the mean prior-to-guide ratio: an estimate of 0.
+    assert prepared.diagnostics.empty_context.shape == (N,)
+
+
+def test_every_mask_average_counts_observed_entries_only():
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    observed = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    prepared = shared_draws().prepare(masked_model, masked_guide, (x, observed), {}, 2)
+    torch.manual_seed(5)
+    brute = every_mask_by_brute_force(prepared, observed)
+    torch.manual_seed(5)
+    closed = prepared.mask_average()
+    assert torch.allclose(closed, brute, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("center", ["prior", "guide"])
+def test_a_quadrature_rule_averages_to_its_log_marginal_over_every_mask(center):
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    prepared = Quadrature(10, center=center).prepare(bernoulli_model, guide, (x,), {}, 1)
+    brute = every_mask_by_brute_force(prepared)
+    # The tabulated conditionals flush node weights too small to matter (ops/floored_exp).
+    assert torch.allclose(prepared.mask_average(), brute, atol=1e-5, rtol=0)
+
+
+def test_mpt_loss_over_every_mask_of_a_linear_gaussian_model_is_minus_log_p_x():
+    weight = torch.tensor([[1.0, 0.5, -0.3], [0.2, -1.0, 0.8]])
+    bias = torch.tensor([0.1, -0.2, 0.3])
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight + bias, 0.4).to_event(1), obs=x)
+
+    x = torch.randn(7, 3)
+    covariance = weight.T @ weight + 0.16 * torch.eye(3)
+    exact = dist.MultivariateNormal(bias, covariance).log_prob(x).sum()
+    loss = MPTLoss(num_masks="all", conditionals="exact").loss(model, lambda x: None, x)
+    assert loss == pytest.approx(-float(exact), abs=1e-9)
+
+
+def test_mpt_loss_over_every_mask_matches_a_fine_rule_at_many_draws():
+    """Independent of the closed form's code: the whole loss at S=20000 shared draws from a
+    guide that covers the posterior, against a 60-node-per-dimension quadrature rule."""
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+
+    def wide_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(torch.zeros(K), 1.3).to_event(1))
+
+    reference = Quadrature(60).prepare(bernoulli_model, wide_guide, (x,), {}, 1).log_marginal()
+    loss = MPTLoss(num_masks="all", conditionals=shared_draws(20000), guide_loss=None)
+    estimates = torch.stack([loss.estimate(bernoulli_model, wide_guide, x) for _ in range(8)])
+    mean, standard_error = estimates.mean(0), estimates.std(0) / math.sqrt(8)
+    # The finite-S bias of the ratio is of order 1/S, far below the tolerance here.
+    assert ((mean - reference).abs() <= 5 * standard_error + 2e-3).all()
+
+
+def test_a_guide_that_misses_the_prior_is_flagged_with_the_empty_contexts_figure():
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+
+    def narrow_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(torch.full((K,), 1.5), 0.05).to_event(1))
+
+    loss = MPTLoss(num_masks="all", conditionals=shared_draws(64), guide_loss=None)
+    with pytest.warns(ImportanceAccuracyWarning, match="empty context"):
+        loss.estimate(bernoulli_model, narrow_guide, x)
+    figures = loss.diagnostics.summary()
+    assert figures["empty_context"] < -0.5  # the mean of p(z)/q(z) far below its value 1
+
+
+def test_the_gradient_over_every_mask_is_that_of_the_brute_force_average():
+    """The model's gradient of the closed form equals that of the average over all masks
+    of the same draws."""
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+
+    def model(x):
+        shift = pyro.param("shift", torch.tensor([0.3, -0.2, 0.1, 0.5]))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+            logits = 2 * torch.tanh(z @ W) + shift
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    prepared = shared_draws().prepare(model, guide, (x,), {}, 1)
+    shift = pyro.param("shift")
+    torch.manual_seed(7)
+    (brute,) = torch.autograd.grad(every_mask_by_brute_force_differentiable(prepared), shift)
+    torch.manual_seed(7)
+    (closed,) = torch.autograd.grad(prepared.mask_average().sum(), shift)
+    assert torch.allclose(closed, brute, atol=1e-10, rtol=0)
+
+
+def every_mask_by_brute_force_differentiable(prepared):
+    """The sum over observations of :func:`every_mask_by_brute_force`, as a tensor."""
+    masks = torch.tensor(list(itertools.product([0, 1], repeat=D)), dtype=torch.bool)[1:]
+    log_cond = prepared.log_prob(masks.unsqueeze(1).expand(-1, N, -1))
+    sizes = masks.sum(-1)
+    weights = 1.0 / (sizes * torch.tensor([math.comb(D, int(m)) for m in sizes]))
+    return ((log_cond * masks.unsqueeze(1)).sum(-1) * weights.unsqueeze(-1)).sum()
+
+
+def test_mpt_loss_over_every_mask_has_the_gradient_of_log_p_x():
+    def model(x):
+        weight = pyro.param("weight", torch.tensor([[1.0, 0.5, -0.3], [0.2, -1.0, 0.8]]))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight, 0.4).to_event(1), obs=x)
+
+    x = torch.randn(7, 3)
+    loss = MPTLoss(num_masks="all").differentiable_loss(model, lambda x: None, x)
+    weight = pyro.param("weight")
+    (got,) = torch.autograd.grad(loss, weight)
+    covariance = weight.T @ weight + 0.16 * torch.eye(3)
+    exact = -dist.MultivariateNormal(torch.zeros(3), covariance).log_prob(x).sum()
+    (expected,) = torch.autograd.grad(exact, weight)
+    assert torch.allclose(got, expected, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rate=0.15), "rate=0.15"),
+        (dict(share_masks=True), "share_masks"),
+    ],
+)
+def test_every_mask_refuses_settings_without_that_average(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MPTLoss(num_masks="all", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "conditionals, match",
+    [
+        (ImportanceSampling(8), "unmasked_proposal=True"),
+        (EncodeDecode(), "no closed form"),
+    ],
+)
+def test_every_mask_refuses_conditionals_that_draw_per_mask(conditionals, match):
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    loss = MPTLoss(num_masks="all", conditionals=conditionals)
+    with pytest.raises(ValueError, match=match):
+        loss.loss(bernoulli_model, guide, x)
+    assert not list(pyro.get_param_store().keys())
