@@ -247,6 +247,10 @@ def _vae_deep_verdict(target, runs):
     return out
 
 
+#: The ``MPTLoss`` argument of the row over every mask.
+EVERY_MASK = 'num_masks="all"'
+
+
 def vae_deep_block(ctx):
     res = ctx.json("vae-deep.json")
     if "target" not in res:
@@ -258,6 +262,11 @@ def vae_deep_block(ctx):
         only = (
             f", and {_masks_text(cfg, 'unmasked')} for the row with the unmasked proposal "
             f"only, {ctx.code('num_proposals=0')}"
+        )
+    if any(name.endswith("every mask") for name in runs):
+        only += (
+            f"; the row over every mask takes the same draws and averages over every mask "
+            f"exactly, {ctx.code(EVERY_MASK)}"
         )
     caption = (
         f"{ctx.run_text('vae-deep')}: {target['question']} A deep VAE (one tanh layer of "
