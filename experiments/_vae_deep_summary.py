@@ -91,6 +91,20 @@ def summarise_row(records, elbo_records, step_ratio):
         out[key] = _mean_curve([r[key] for r in records])
     for key in ("initial_log_marginal", "initial_held_out_log_marginal"):
         out[key] = statistics.fmean(r[key] for r in records)
+    out["final_weights"] = _final_weights(records)
+    return out
+
+
+def _final_weights(records):
+    """The weight figures of the last epoch's last batch, averaged over seeds (None for rows
+    without importance weights, or records that have none)."""
+    finals = [r["weights"][-1] for r in records if r.get("weights") and r["weights"][-1]]
+    if not finals:
+        return None
+    out = {}
+    for key in finals[0]:
+        values = [f[key] for f in finals if f[key] is not None and f[key] == f[key]]
+        out[key] = statistics.fmean(values) if values else None
     return out
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "new_vae",
     "own_random_numbers",
     "step_seconds",
+    "weight_figures",
     "train_run",
     "unavailable",
 ]
@@ -249,6 +250,23 @@ def mean_log_marginal(vae, x, num_samples, chunk):
     return total / x.shape[0]
 
 
+def weight_figures(diagnostics):
+    """The importance weights of an MPT row's last training batch in plain numbers: the
+    median ESS of the rows toward ``p(z | x)`` with every pixel in the context (for the
+    row over every mask; of every (mask, image) row otherwise), the median Pareto k-hat,
+    and the mean empty-context term (None except over every mask)."""
+    if diagnostics is None:
+        return None
+    summary = diagnostics.summary()
+    ess = diagnostics.ess[0] if diagnostics.empty_context is not None else diagnostics.ess
+    empty = summary["empty_context"]
+    return dict(
+        median_ess=float(ess[~ess.isnan()].median()),
+        median_k=summary["median_k"],
+        empty_context=None if empty != empty else empty,
+    )
+
+
 def _step(loss_fn, vae, optimizer, batch):
     """One Adam step on ``batch``; returns the objective per observation before the step."""
     optimizer.zero_grad()
@@ -288,6 +306,7 @@ def train_run(method, data, cfg, seeds, bar=None):
     initial, initial_held_out = evaluate()
     common.seed_everything(seeds["batches"])
     record = dict(objective=[], log_marginal=[], held_out_log_marginal=[], seconds_per_epoch=[])
+    record["weights"] = [] if method["loss_kind"] == "mpt" else None
     for _ in range(cfg["epochs"]):
         with (
             common.Stopwatch() as clock,
@@ -298,6 +317,8 @@ def train_run(method, data, cfg, seeds, bar=None):
                 for idx in torch.randperm(x.shape[0], device=x.device).split(cfg["batch"])
             ]
         record["seconds_per_epoch"].append(clock.seconds)
+        if record["weights"] is not None:
+            record["weights"].append(weight_figures(loss_fn.diagnostics))
         record["objective"].append(sum(values) / len(values))
         train_value, held_out_value = evaluate()
         record["log_marginal"].append(train_value)

@@ -251,6 +251,30 @@ def _vae_deep_verdict(target, runs):
 EVERY_MASK = 'num_masks="all"'
 
 
+def _every_mask_weights(runs, cfg):
+    """A sentence on the weights of the rows over every mask at the end of training, from
+    the result file (empty for files without them)."""
+    parts = []
+    for r in runs.values():
+        final = r.get("final_weights")
+        if r.get("proposals") != "every mask" or not final or final["empty_context"] is None:
+            continue
+        parts.append(
+            f"{r['group']}: median effective sample size {num(final['median_ess'])} of "
+            f"{cfg['train_samples']} toward p(z | x), empty context's term "
+            f"{num(final['empty_context'], sign=True)} nats per image"
+        )
+    if not parts:
+        return ""
+    return (
+        "Weights of the rows over every mask in the last training batch (mean over seeds): "
+        + "; ".join(parts)
+        + ". The wake update of the encoder rests on that many draws; the objective lies "
+        "minus the empty context's term above the importance-weighted bound of the same "
+        "draws, a term whose exact value is 0."
+    )
+
+
 def vae_deep_block(ctx):
     res = ctx.json("vae-deep.json")
     if "target" not in res:
@@ -327,6 +351,9 @@ def vae_deep_block(ctx):
             f"The Gaussian group (grey pixels, one learned noise scale: the paper's "
             f"likelihood) runs {res['gaussian_rows']['rule']}."
         )
+    weights = _every_mask_weights(runs, cfg)
+    if weights:
+        notes.append(weights)
     notes.append(
         "Bernoulli values are log-probabilities of binary images, Gaussian ones log-densities "
         "of grey images: compare rows within a group only. The paper (Fig. 3, bottom) shows "
