@@ -19,6 +19,7 @@ from pyro_mpt.models import VAE
 
 __all__ = [
     "ALL_METHODS",
+    "EVERY_MASK",
     "GAUSSIAN_METHODS",
     "GROUPS",
     "METHODS",
@@ -49,7 +50,9 @@ GROUPS = {
 #: come from: ``"masks"``, some of the masks; ``"masks+unmasked"``, one mask and the guide
 #: on the unmasked image; ``"unmasked"``, the guide on the unmasked image only;
 #: ``"every mask"``, the same draws with the average over every mask taken exactly,
-#: ``num_masks="all"``). ``"iwae"``
+#: ``num_masks="all"``, the wake update toward ``p(z | x)`` and one context drawn at the
+#: uniform rate; ``"every mask, full context"``, the same with the wake update toward
+#: ``p(z | x)`` only, ``wake_contexts=0``). ``"iwae"``
 #: is ``RenyiELBO(alpha=0)`` with as many particles as the MPT rows' importance samples.
 OBJECTIVES = {
     "ELBO": ("elbo", None, None),
@@ -60,7 +63,15 @@ OBJECTIVES = {
     "MPT, guide_loss='wake', unmasked proposal": ("mpt", "wake", "masks+unmasked"),
     "MPT, guide_loss='wake', unmasked proposal only": ("mpt", "wake", "unmasked"),
     "MPT, guide_loss='wake', every mask": ("mpt", "wake", "every mask"),
+    "MPT, guide_loss='wake', every mask, wake toward p(z | x) only": (
+        "mpt",
+        "wake",
+        "every mask, full context",
+    ),
 }
+
+#: The ``proposals`` of the rows over every mask.
+EVERY_MASK = ("every mask", "every mask, full context")
 
 
 def _rows(group):
@@ -102,8 +113,9 @@ def make_loss(method, cfg):
     (``num_proposals=1, unmasked_proposal=True``), the row with the unmasked proposal only
     all ``S`` from the guide on the unmasked image (``num_proposals=0``), with
     ``cfg["unmasked_only_masks"]`` masks per image (``P`` when absent): ``S`` draws per
-    image too. The row over every mask takes the same draws and averages over every mask
-    exactly (``num_masks="all"``)."""
+    image too. The rows over every mask take the same draws and average over every mask
+    exactly (``num_masks="all"``), one with the wake update's default contexts, one with
+    ``wake_contexts=0``."""
     kind, samples = method["loss_kind"], cfg["train_samples"]
     if kind == "elbo":
         return Trace_ELBO(max_plate_nesting=1)
@@ -114,10 +126,13 @@ def make_loss(method, cfg):
     if kind == "mpt":
         masks = cfg.get("train_masks", 1)
         proposals = min(cfg.get("train_proposals", masks), masks)
-        if method["proposals"] in ("masks+unmasked", "unmasked", "every mask"):
+        if method["proposals"] in ("masks+unmasked", "unmasked", *EVERY_MASK):
             only = method["proposals"] != "masks+unmasked"
-            if method["proposals"] == "every mask":
+            options = {}
+            if method["proposals"] in EVERY_MASK:
                 masks = "all"
+                if method["proposals"] == "every mask, full context":
+                    options = dict(wake_contexts=0)
             elif only:
                 masks = cfg.get("unmasked_only_masks", masks)
             conditionals = ImportanceSampling(
@@ -125,6 +140,7 @@ def make_loss(method, cfg):
                 share_samples=True,
                 num_proposals=0 if only else 1,
                 unmasked_proposal=True,
+                **options,
             )
         else:
             conditionals = ImportanceSampling(
@@ -148,7 +164,7 @@ def masks_text(cfg, proposals="masks"):
     """How the MPT rows' masks use the draws, in words, e.g. "P=16 masks per image, Q=4 of
     which draw, the draws pooled"; ``proposals`` as in :data:`OBJECTIVES`."""
     masks = cfg.get("train_masks", 1)
-    if proposals == "every mask":
+    if proposals in EVERY_MASK:
         return (
             f"every mask, averaged exactly, the unmasked image drawing all "
             f"{cfg['train_samples']}"

@@ -257,10 +257,12 @@ def _every_mask_weights(runs, cfg):
     parts = []
     for r in runs.values():
         final = r.get("final_weights")
-        if r.get("proposals") != "every mask" or not final or final["empty_context"] is None:
+        every = str(r.get("proposals")).startswith("every mask")
+        if not every or not final or final["empty_context"] is None:
             continue
         parts.append(
-            f"{r['group']}: median effective sample size {num(final['median_ess'])} of "
+            f"{r['group']}, {r['label']}: median effective sample size "
+            f"{num(final['median_ess'])} of "
             f"{cfg['train_samples']} toward p(z | x), empty context's term "
             f"{num(final['empty_context'], sign=True)} nats per image"
         )
@@ -269,7 +271,7 @@ def _every_mask_weights(runs, cfg):
     return (
         "Weights of the rows over every mask in the last training batch (mean over seeds): "
         + "; ".join(parts)
-        + ". The wake update of the encoder rests on that many draws; the objective lies "
+        + ". The wake update toward p(z | x) rests on that many draws; the objective lies "
         "minus the empty context's term above the importance-weighted bound of the same "
         "draws, a term whose exact value is 0."
     )
@@ -287,10 +289,12 @@ def vae_deep_block(ctx):
             f", and {_masks_text(cfg, 'unmasked')} for the row with the unmasked proposal "
             f"only, {ctx.code('num_proposals=0')}"
         )
-    if any(name.endswith("every mask") for name in runs):
+    if any("every mask" in name for name in runs):
         only += (
-            f"; the row over every mask takes the same draws and averages over every mask "
-            f"exactly, {ctx.code(EVERY_MASK)}"
+            f"; the rows over every mask take the same draws and average over every mask "
+            f"exactly, {ctx.code(EVERY_MASK)}, the encoder by the wake update toward "
+            f"p(z | x) and one context drawn at the uniform rate per image (the default), or "
+            f"toward p(z | x) only ({ctx.code('wake_contexts=0')})"
         )
     caption = (
         f"{ctx.run_text('vae-deep')}: {target['question']} A deep VAE (one tanh layer of "

@@ -222,3 +222,60 @@ def test_every_mask_refuses_conditionals_that_draw_per_mask(conditionals, match)
     with pytest.raises(ValueError, match=match):
         loss.loss(bernoulli_model, guide, x)
     assert not list(pyro.get_param_store().keys())
+
+
+def test_the_wake_loss_toward_the_full_context_is_that_of_the_unmasked_proposal():
+    """wake_contexts=0: the same targets and draws as the masks' path with the unmasked
+    proposal only (its weights toward p(z | x)), computed there from log_prob's draws."""
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    strategy = ImportanceSampling(
+        16, share_samples=True, num_proposals=0, unmasked_proposal=True, wake_contexts=0
+    )
+    prepared = strategy.prepare(bernoulli_model, guide, (x,), {}, 1)
+    torch.manual_seed(11)
+    prepared.mask_average()
+    every_mask = prepared.proposal_loss()
+    masks = torch.tensor([[1, 0, 0, 1], [0, 1, 1, 1]], dtype=torch.bool).unsqueeze(1)
+    torch.manual_seed(11)
+    prepared.log_prob(masks.expand(-1, N, -1))
+    assert torch.allclose(every_mask, prepared.proposal_loss(), atol=1e-12, rtol=0)
+
+
+def test_wake_contexts_average_the_targets():
+    """Under a likelihood that ignores the latent every context's posterior is the prior, so
+    any number of drawn contexts gives the full context's loss (a sum instead of a mean
+    would not); under one that depends on it, drawn contexts change the loss."""
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+
+    def flat_model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+            logits = torch.zeros(x.shape[-1]) + 0 * z.sum(-1, keepdim=True)
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    def wake_loss(model, contexts):
+        strategy = ImportanceSampling(
+            16, share_samples=True, num_proposals=0, unmasked_proposal=True,
+            wake_contexts=contexts,
+        )  # fmt: skip
+        prepared = strategy.prepare(model, guide, (x,), {}, 1)
+        torch.manual_seed(13)
+        prepared.mask_average()
+        return prepared.proposal_loss()
+
+    assert torch.allclose(wake_loss(flat_model, 3), wake_loss(flat_model, 0), atol=1e-12)
+    assert not torch.allclose(wake_loss(bernoulli_model, 3), wake_loss(bernoulli_model, 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(wake_contexts=-1), "non-negative"),
+        (dict(wake_contexts=1.5), "non-negative"),
+        (dict(wake_contexts=True), "non-negative"),
+        (dict(share_samples=True, wake_contexts=2), "unmasked_proposal=True"),
+    ],
+)
+def test_wake_contexts_is_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ImportanceSampling(8, **kwargs)

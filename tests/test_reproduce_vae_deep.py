@@ -79,13 +79,17 @@ def test_smoke_runs_every_row_the_library_accepts(smoke):
     assert [n for n in res["skipped"] if n in bernoulli] == [n for n in bernoulli if n not in ran]
     for name, why in res["skipped"].items():
         assert "guide_loss=" in why and repr(ALL_METHODS[name]["guide_loss"]) in why
-    # The Gaussian group: its ELBO, IWAE and the best row without the ELBO at Bernoulli K=16.
+    # The Gaussian group: its ELBO, IWAE, the rows over every mask and the best row without
+    # the ELBO at Bernoulli K=16.
     candidates = [n for n in res["runs"] if n.startswith("Bernoulli K=16") and _without_elbo(n)]
     best = max(candidates, key=lambda n: res["runs"][n]["test_log_marginal"])
     assert res["gaussian_rows"]["best"] == ALL_METHODS[best]["label"]
     gaussian = [n for n in res["runs"] if n.startswith("Gaussian")]
-    expected = ["ELBO", "IWAE", ALL_METHODS[best]["label"]]
-    assert gaussian == [f"Gaussian K=16: {label}" for label in expected]
+    every = [n for n in ALL_METHODS if n.startswith("Gaussian") and "every mask" in n]
+    assert len(every) == 2
+    expected = {"Gaussian K=16: ELBO", "Gaussian K=16: IWAE", *every}
+    expected.add(f"Gaussian K=16: {ALL_METHODS[best]['label']}")
+    assert gaussian == [n for n in ALL_METHODS if n in expected]
 
 
 def test_smoke_records_every_seed_and_epoch(smoke):
@@ -117,8 +121,8 @@ def test_smoke_records_the_weights_of_each_mpt_epoch(smoke):
             assert len(record["weights"]) == cfg["epochs"], name
             for figures in record["weights"]:
                 assert 1.0 <= figures["median_ess"] <= cfg["train_samples"] * 4, name
-                # Only the row over every mask has an empty context to measure.
-                every_mask = run["proposals"] == "every mask"
+                # Only the rows over every mask have an empty context to measure.
+                every_mask = run["proposals"].startswith("every mask")
                 assert (figures["empty_context"] is not None) == every_mask, name
         if run["loss_kind"] == "mpt":
             last = [r["weights"][-1]["median_ess"] for r in run["seeds"]]
@@ -284,12 +288,14 @@ def test_make_loss_builds_each_row():
                 assert loss.conditionals.num_samples == cfg["train_samples"]
                 assert loss.num_masks == cfg["unmasked_only_masks"] != cfg["train_masks"]
                 continue
-            if method["proposals"] == "every mask":
+            if method["proposals"] in ("every mask", "every mask, full context"):
                 # The unmasked image draws all S, and every mask is averaged exactly.
                 assert loss.conditionals.unmasked_proposal and loss.conditionals.share_samples
                 assert loss.conditionals.num_proposals == 0
                 assert loss.conditionals.num_samples == cfg["train_samples"]
                 assert loss.num_masks == "all"
+                full_only = method["proposals"] == "every mask, full context"
+                assert loss.conditionals.wake_contexts == (0 if full_only else None)
                 continue
             assert method["proposals"] == "masks"
             assert not loss.conditionals.unmasked_proposal

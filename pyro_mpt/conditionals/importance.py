@@ -21,7 +21,7 @@ from pyro_mpt.ops.jackknife_importance import (
     jackknife_importance_log_conditionals,
     jackknife_importance_log_marginal,
 )
-from pyro_mpt.ops.masks import masked_sum
+from pyro_mpt.ops.masks import UniformRate, masked_sum, process_generator, sample_masks
 from pyro_mpt.ops.self_normalised_importance import (
     check_fill,
     fill_masked,
@@ -70,6 +70,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         share_samples=False,
         num_proposals=None,
         unmasked_proposal=False,
+        wake_contexts=None,
     ):
         super().__init__(guided.local.observed, guided.local.scale, factor_log_prob(guided.local))
         self.guided = guided
@@ -79,6 +80,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         self.share_samples = share_samples
         self.num_proposals = num_proposals
         self.unmasked_proposal = unmasked_proposal
+        self.wake_contexts = 1 if wake_contexts is None else wake_contexts
         self.diagnostics = None
         self._proposal_terms = None
 
@@ -204,6 +206,27 @@ class ImportanceSelfPredictive(SelfPredictive):
             return jackknife_importance_log_conditionals(log_w, ll, context)
         return importance_log_conditionals(log_w, ll, context)
 
+    def _wake_targets(self, full, log_w, ll):
+        """The log weights that :meth:`proposal_loss` trains the guide toward after
+        :meth:`mask_average`: the full context's, ``full`` ``(S, 1) + batch``, and those of
+        :attr:`wake_contexts` contexts per observation drawn at the uniform rate, the
+        contexts the average runs over, ``(S, C) + batch``. The posteriors of partial
+        contexts are broader than ``p(z | x)``, and their weights rest on more draws."""
+        if not self.wake_contexts:
+            return full
+        value = self.observed.value
+        masks, _ = sample_masks(
+            UniformRate(),
+            self.wake_contexts,
+            self.observed.batch_shape,
+            value.shape[-1],
+            device=value.device,
+            entries=self.observed.entries,
+            generator=process_generator(value.device),
+        )
+        contexts = log_w.unsqueeze(1) + context_log_likelihoods(ll, self.context(masks))
+        return torch.cat([full, contexts.detach()], 1)
+
     def _record(self, log_joint, entries, targets=None):
         """Keeps the weights' diagnostics of every mask, and the log weights toward the
         posteriors that the proposals approximate, the targets of :meth:`proposal_loss`:
@@ -219,7 +242,9 @@ class ImportanceSelfPredictive(SelfPredictive):
         ``p(z | x_R)`` and the samples ``z_s`` detached (reweighted wake-sleep; Bornschein &
         Bengio, 2015). Its gradient moves ``q`` toward ``p(z | x_R)`` (it is the gradient
         of ``KL(p(z | x_R) || q)`` up to the estimator's error) and never rewards a larger
-        estimate of ``log p(x_j | x_R)``. Averaged over masks, summed over observations
+        estimate of ``log p(x_j | x_R)``. Averaged over the targets (every mask's own
+        context, or the proposals' contexts with pooled draws; after :meth:`mask_average`,
+        the full context and :attr:`wake_contexts` drawn ones), summed over observations
         (scaled like the loss); shape ``()``.
         """
         guide_trace, lead = self._proposal_terms
@@ -303,7 +328,8 @@ class ImportanceSelfPredictive(SelfPredictive):
         (:func:`~pyro_mpt.ops.shared_sample_importance.every_mask_average`). Its weights'
         diagnostics cover both ends of the chain of contexts, the full one and the empty
         one, whose term is exactly 0 and whose error the estimate carries
-        (:attr:`ImportanceDiagnostics.empty_context`).
+        (:attr:`ImportanceDiagnostics.empty_context`). The wake loss that follows targets the
+        full context and ``wake_contexts`` contexts drawn at the uniform rate.
 
         :raises ValueError: for other settings, whose masks draw samples of their own.
         """
@@ -329,7 +355,7 @@ class ImportanceSelfPredictive(SelfPredictive):
             log_w, ll = shared
         total = masked_sum(ll, visible)
         ends = torch.stack([log_w + total, log_w], 1).detach()  # (S, 2) + batch
-        self._record(ends, entries, ends[:, :1])
+        self._record(ends, entries, self._wake_targets(ends[:, :1], log_w, ll))
         self.diagnostics = self.diagnostics._replace(
             empty_context=torch.logsumexp(ends[:, 1], 0) - math.log(ends.shape[0])
         )
@@ -403,6 +429,14 @@ class ImportanceSampling(Conditionals):
         with the masks' draws: the mixture then proposes well for the masks that hide
         little, whose posteriors are close to ``p(z | x)``, and the wake update trains the
         guide on the unmasked input too. The model runs ``S`` times more per observation.
+    :param int wake_contexts: with ``share_samples=True, num_proposals=0,
+        unmasked_proposal=True`` and ``MPTLoss(num_masks="all")``, how many contexts per
+        observation, drawn at the uniform rate, the wake update trains the guide toward
+        besides the full one (None: 1). The average over every mask conditions on every
+        context, and under a sharp likelihood the weights toward ``p(z | x)`` alone rest on
+        about one draw, so that the wake update learns little from them (:ref:`deep-vae-masks`
+        measures both); the posteriors of partial contexts are broader and their weights
+        rest on more. 0 trains toward ``p(z | x)`` only, as reweighted wake-sleep does.
 
     .. note:: The proposal is only as good as the guide is on *filled* data. An encoder
         fitted to complete data (e.g. PPCA's exact posterior) reads the filled values as
@@ -431,6 +465,7 @@ class ImportanceSampling(Conditionals):
         share_samples=False,
         num_proposals=None,
         unmasked_proposal=False,
+        wake_contexts=None,
     ):
         self.num_samples = check_positive_int("num_samples", num_samples)
         if share_samples not in (True, False):
@@ -471,6 +506,25 @@ class ImportanceSampling(Conditionals):
                 "serve the masks only when they are pooled. Pass share_samples=True."
             )
         self.unmasked_proposal = bool(unmasked_proposal)
+        if wake_contexts is not None:
+            if isinstance(wake_contexts, bool) or not isinstance(wake_contexts, int):
+                raise ValueError(
+                    f"wake_contexts must be a non-negative integer, got {wake_contexts!r}, "
+                    f"e.g. wake_contexts=1."
+                )
+            if wake_contexts < 0:
+                raise ValueError(
+                    f"wake_contexts must be a non-negative integer, got {wake_contexts}; 0 "
+                    f"trains the guide toward p(z | x) only."
+                )
+            if not (share_samples and num_proposals == 0 and unmasked_proposal):
+                raise ValueError(
+                    f"wake_contexts={wake_contexts} is used by the average over every mask "
+                    f"(MPTLoss(num_masks='all')), whose draws all come from the guide on the "
+                    f"unmasked input: pass share_samples=True, num_proposals=0, "
+                    f"unmasked_proposal=True, or leave wake_contexts=None."
+                )
+        self.wake_contexts = wake_contexts
         self.fill = check_fill(fill)
         if debias not in DEBIAS:
             raise ValueError(
@@ -491,6 +545,8 @@ class ImportanceSampling(Conditionals):
             shared += f", num_proposals={self.num_proposals}"
         if self.unmasked_proposal:
             shared += ", unmasked_proposal=True"
+        if self.wake_contexts is not None:
+            shared += f", wake_contexts={self.wake_contexts}"
         options = f"num_samples={self.num_samples}, fill={self.fill!r}{debias}{shared}"
         return f"ImportanceSampling({options})"
 
@@ -514,6 +570,7 @@ class ImportanceSampling(Conditionals):
             self.share_samples,
             self.num_proposals,
             self.unmasked_proposal,
+            self.wake_contexts,
         )
 
 
