@@ -137,7 +137,7 @@ def report(cfg, measured):
         f"k={cfg['refit_samples']}), then the IWAE bound with S={cfg['final_samples']}."
     )
     headers = ["row", "guide by", "step/ELBO", "held-out LML", "vs ELBO", "quad-IWAE"]
-    headers += [f"own enc. k={cfg['eval_samples']}", "min corr", "target"]
+    headers += [f"own enc. k={cfg['eval_samples']}", "min rank corr", "target"]
     notes = verdict_lines(target, runs)
     notes += [f"skipped {n}: {why}" for n, why in skipped.items()]
     table = common.format_table(headers, rows, title=title, notes=notes)

@@ -84,9 +84,9 @@ class MPTLoss(ELBO):
         masks adds no variance: exact and quadrature conditionals give their ``log p(x)``
         (the identity above), and importance conditionals that share one proposal's draws
         across masks (``ImportanceSampling(S, share_samples=True, num_proposals=0,
-        unmasked_proposal=True)``) a closed form
-        (:meth:`~pyro_mpt.conditionals.SelfPredictive.mask_average`); other conditionals
-        raise an error that says so.
+        unmasked_proposal=True)``, what ``conditionals="importance"`` and ``"auto"`` then
+        use) a closed form (:meth:`~pyro_mpt.conditionals.SelfPredictive.mask_average`);
+        other conditionals raise an error that says so.
     :param conditionals: how the conditionals are computed: ``"auto"`` (the first strategy
         that applies), ``"exact"``, or a :class:`pyro_mpt.conditionals.Conditionals`.
     :param bool share_masks: draw one mask per step for the whole batch instead of one per
@@ -172,7 +172,7 @@ class MPTLoss(ELBO):
             self.num_masks = ALL_MASKS
         else:
             self.num_masks = check_num_masks(num_masks)
-        self.conditionals = as_conditionals(conditionals)
+        self.conditionals = as_conditionals(conditionals, every_mask=num_masks == ALL_MASKS)
         self.share_masks = bool(share_masks)
         if guide_loss not in GUIDE_LOSSES:
             raise ValueError(

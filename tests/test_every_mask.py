@@ -279,3 +279,29 @@ def test_wake_contexts_average_the_targets():
 def test_wake_contexts_is_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ImportanceSampling(8, **kwargs)
+
+
+def deep_model(x):
+    """A 4-dimensional latent: beyond quadrature, so ``auto`` takes importance sampling."""
+    weight = torch.linspace(-1.0, 1.0, 4 * D).reshape(4, D)
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        pyro.sample("x", dist.Bernoulli(logits=torch.tanh(z @ weight)).to_event(1), obs=x)
+
+
+def deep_guide(x):
+    with pyro.plate("data", x.shape[-2]):
+        pyro.sample("z", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+
+
+@pytest.mark.parametrize("name", ["auto", "importance"])
+def test_importance_by_name_over_every_mask_draws_from_the_unmasked_guide(name):
+    x = torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
+    loss = MPTLoss(num_masks="all", conditionals=name)
+    value = loss.loss(deep_model, deep_guide, x)
+    used = loss.conditionals.in_use
+    assert isinstance(used, ImportanceSampling) and math.isfinite(value)
+    assert used.share_samples and used.num_proposals == 0 and used.unmasked_proposal
+    # The prior as guide: the estimate is a plain Monte Carlo average over the prior's draws
+    # for the full context, and the empty context's term is 0 exactly.
+    assert torch.allclose(loss.diagnostics.empty_context, torch.zeros(N), atol=1e-12)

@@ -333,6 +333,20 @@ def test_rising_together_needs_both_curves_up_and_correlated():
     assert rising_together([1.0, 1.0], [2.0, 3.0]) == (False, None)  # a flat objective
 
 
+
+def test_rising_together_ranks_the_epochs():
+    """Curves that both rise every epoch rise together, however large the first epoch's
+    jump in one of them (Pearson's correlation of these is 0.78); one that falls back in
+    the middle while the other rises does not (a rank correlation of 3/7)."""
+    objective = [-600.0, -190.0, -185.0, -181.0, -178.0, -176.0, -174.0, -172.0]
+    held_out = [-200.0, -181.0, -176.0, -173.0, -171.0, -169.0, -160.0, -150.0]
+    ok, corr = rising_together(objective, held_out)
+    assert ok and corr == pytest.approx(1.0)
+    wavering = [-200.0, -181.0, -170.0, -185.0, -184.0, -183.0, -182.0, -168.0]
+    ok, corr = rising_together(objective, wavering)
+    assert not ok and corr == pytest.approx(3 / 7)
+
+
 def _run(group, gap, ratio, together=True):
     return dict(group=group, gap=gap, gap_sd=1.0, step_ratio=ratio, rising_together=together)
 

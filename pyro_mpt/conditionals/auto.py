@@ -358,17 +358,26 @@ def _refine(rule, prepared, call, state, key):
         rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
 
 
-def as_conditionals(conditionals):
+def as_conditionals(conditionals, every_mask=False):
     """Normalises the ``conditionals`` argument: a strategy name or a :class:`Conditionals`.
 
+    :param bool every_mask: for ``MPTLoss(num_masks="all")``: the names ``"importance"``
+        and ``"auto"`` then stand for (or try) importance sampling whose draws all come from
+        the guide on the unmasked input, the setting whose average over every mask has a
+        closed form (:meth:`~pyro_mpt.conditionals.SelfPredictive.mask_average`).
     :raises ValueError: for an unknown name.
     :raises TypeError: for a value of another type.
     """
     if isinstance(conditionals, Conditionals):
         return conditionals
     if isinstance(conditionals, str):
+        shared = None
+        if every_mask:
+            shared = ImportanceSampling(share_samples=True, num_proposals=0, unmasked_proposal=True)
         if conditionals == "auto":
-            return Auto()
+            return Auto() if shared is None else Auto(candidates={"importance": shared})
+        if conditionals == "importance" and shared is not None:
+            return shared
         if conditionals in STRATEGIES:
             return STRATEGIES[conditionals]()
         names = ", ".join(repr(n) for n in ["auto", *STRATEGIES])
