@@ -120,7 +120,6 @@ class SelfPredictive(ABC):
             f"a Quadrature rule, or ImportanceSampling."
         )
 
-
     def mask_average(self):
         """The uniform-rate MPT estimate of each observation averaged over every mask
         exactly, ``sum_M S(x; M)`` of these conditionals, shape ``batch_shape``: what

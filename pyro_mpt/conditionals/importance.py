@@ -319,7 +319,6 @@ class ImportanceSelfPredictive(SelfPredictive):
         # An observation with no observed entry has log p = 0 exactly, not its estimate.
         return torch.where(entries.any(-1), result, 0.0)
 
-
     def mask_average(self):
         """The average over every mask, exactly, of conditionals whose masks all weight the
         same ``S`` draws from the guide on the unmasked input (``share_samples=True,
