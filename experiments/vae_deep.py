@@ -78,9 +78,8 @@ NAME = "vae-deep"
 #: ``eval_*``: the per-epoch own-encoder LML; ``refit_*``: the fresh encoder;
 #: ``final_samples``: its IWAE bound; ``chunk``: (sample, image) pairs per pass;
 #: ``gaussian_rows``: ``"best"`` (the ELBO, IWAE, the rows over every mask and the best MPT
-#: row without the ELBO) or
-#: ``"all"``. The default takes about 16 minutes of one core: per seed, about 130 s of CPU for
-#: Bernoulli K=2, 120 s for K=16 and 66 s for the Gaussian rows (the result file records it).
+#: row without the ELBO) or ``"all"``. The default takes about half an hour of one core (the
+#: result file records its wall time).
 _PRESETS = {
     "smoke": dict(
         N=64, N_test=16, batch=32, epochs=3, lr=2e-2, hidden=16, train_samples=4, train_masks=4,
@@ -233,7 +232,7 @@ def run(out_dir, device="cpu", smoke=False, full=False, seed=0, progress=True, m
 
     ``smoke``: a tiny VAE on 64 images, 2 seeds (seconds). The default (``N = 2000``, 200
     hidden units, 20 epochs, ``S = 8``, 3 seeds, a fresh encoder fitted for 150 steps, the
-    held-out LML by 5000 samples) takes about 16 minutes on one core; ``full`` (``N = 4000``,
+    held-out LML by 5000 samples) takes about half an hour on one core; ``full`` (``N = 4000``,
     400 hidden units, 50 epochs, every Gaussian row) several hours. ``methods``: names of
     the rows to run, keys of :data:`ALL_METHODS` (default: all, the Gaussian group as
     ``gaussian_rows`` says). The other arguments are those of
