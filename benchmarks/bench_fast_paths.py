@@ -17,6 +17,15 @@ replaces, forward and backward, at the sizes of the VAE benchmarks (float32).
   :func:`~pyro_mpt.ops.self_normalised_importance.plain_importance_log_conditionals`
   (``logsumexp`` under autograd), S=16 samples. ``importance_log_conditionals`` takes the
   first on the CPU and the second elsewhere;
+* ``every-mask average``:
+  :func:`~pyro_mpt.ops.shared_sample_importance.every_mask_average` (hand-written backward
+  whose weights are flushed to zero below the GEMM-safe floor) against
+  :func:`~pyro_mpt.ops.shared_sample_importance.plain_every_mask_average` (``logsumexp``
+  under autograd), through a decoder's output layer (H=200 hidden units to D=784 Bernoulli
+  pixels, S=8 samples of N=100 images, as in ``vae-deep``) whose backward matrix products
+  meet the weights. The log-ratios spread over the samples with a standard deviation of
+  ``SPREAD`` nats, as a decoder's do; the report gives the share of the plain gradient's
+  entries at the output layer that are subnormal;
 * ``bernoulli log_prob``: :func:`~pyro_mpt.ops.bernoulli.bernoulli_log_prob` against
   ``torch.distributions.Bernoulli(logits).log_prob``, S x N x D entries;
 * ``masks``: :func:`~pyro_mpt.ops.masks.masks_of_sizes` (16-bit keys sorted by NumPy)
@@ -43,10 +52,14 @@ from pyro_mpt.ops.self_normalised_importance import (
     per_sample_importance_log_conditionals,
     plain_importance_log_conditionals,
 )
+from pyro_mpt.ops.shared_sample_importance import every_mask_average, plain_every_mask_average
 
 __all__ = ["main", "print_report", "run"]
 
 NUM_POINTS, NUM_IMAGES, NUM_PIXELS, NUM_SAMPLES = 20, 128, 784, 16
+#: The every-mask case: hidden units, samples and images of a ``vae-deep`` step, and the
+#: standard deviation over samples of the log-ratios, in nats.
+HIDDEN, EVERY_MASK_SAMPLES, EVERY_MASK_IMAGES, SPREAD = 200, 8, 100, 40.0
 TARGET = 1.3
 
 
@@ -118,6 +131,7 @@ def _cases(device, seed):
 
     return {
         "bernoulli quadrature": (bernoulli_fast, bernoulli_plain),
+        "every-mask average": _every_mask_case(device, seed),
         "tabulated quadrature": (tabulated_fast, tabulated_plain),
         "importance": (
             lambda: importance(per_sample_importance_log_conditionals),
@@ -129,6 +143,48 @@ def _cases(device, seed):
             lambda: plain_masks_of_sizes(sizes, NUM_PIXELS),
         ),
     }
+
+
+def _every_mask_inputs(device, seed):
+    """A decoder output layer's weights, hidden activations, binary images and log-ratios."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + 2)
+    samples, images = EVERY_MASK_SAMPLES, EVERY_MASK_IMAGES
+    hidden = torch.tanh(torch.randn(samples, images, HIDDEN, generator=generator))
+    weight = 0.3 * torch.randn(NUM_PIXELS, HIDDEN, generator=generator)
+    pixels = (torch.rand(images, NUM_PIXELS, generator=generator) < 0.2).float()
+    log_ratios = SPREAD * torch.randn(samples, images, generator=generator)
+    tensors = hidden.requires_grad_(), weight.requires_grad_(), pixels, log_ratios
+    return [t.to(device) if t.is_leaf else t for t in tensors]
+
+
+def _every_mask_backward(average, hidden, weight, pixels, log_ratios):
+    """The output layer's logits, the pixels' log-likelihood, the average and its backward;
+    returns the gradient at the logits."""
+    logits = hidden @ weight.T
+    logits.retain_grad()
+    average(log_ratios, bernoulli_log_prob(logits, pixels).sum(-1)).sum().backward()
+    hidden.grad = weight.grad = None
+    return logits.grad
+
+
+def _every_mask_case(device, seed):
+    inputs = _every_mask_inputs(device, seed)
+    return (
+        lambda: _every_mask_backward(every_mask_average, *inputs),
+        lambda: _every_mask_backward(plain_every_mask_average, *inputs),
+    )
+
+
+def subnormal_share(device="cpu", seed=0):
+    """The share of the plain every-mask gradient's entries at the logits that are
+    subnormal, and the same for the flushed one (0 if the flushing works)."""
+    inputs = _every_mask_inputs(torch.device(device), seed)
+    tiny = torch.finfo(torch.float32).tiny
+    shares = []
+    for average in (plain_every_mask_average, every_mask_average):
+        grad = _every_mask_backward(average, *inputs).abs()
+        shares.append(float(((grad > 0) & (grad < tiny)).float().mean()))
+    return shares
 
 
 def run(device="cpu", steps=5, repeats=5, seed=0):
@@ -144,6 +200,13 @@ def run(device="cpu", steps=5, repeats=5, seed=0):
         )
     config = dict(nodes=NUM_POINTS**2, images=NUM_IMAGES, pixels=NUM_PIXELS, samples=NUM_SAMPLES)
     config["target_speedup"] = TARGET
+    plain_share, fast_share = subnormal_share(device, seed)
+    config.update(
+        every_mask=dict(
+            hidden=HIDDEN, samples=EVERY_MASK_SAMPLES, images=EVERY_MASK_IMAGES, spread=SPREAD,
+            plain_subnormal_share=plain_share, fast_subnormal_share=fast_share,
+        )
+    )
     return make_report(device, results, config, steps=steps, repeats=repeats)
 
 
@@ -156,6 +219,13 @@ def print_report(report):
         "{threads} threads; G={nodes} N={images} D={pixels} S={samples}; median of {repeats} x "
         "{steps})",
         meets=lambda r: "yes" if r["speedup"] >= report["config"]["target_speedup"] else "no",
+    )
+    every = report["config"]["every_mask"]
+    print(
+        f"every-mask average: H={every['hidden']} S={every['samples']} N={every['images']}, "
+        f"log-ratios spread {every['spread']:g} nats; subnormal entries of the gradient at the "
+        f"logits: {every['plain_subnormal_share']:.1%} plain, "
+        f"{every['fast_subnormal_share']:.1%} flushed"
     )
 
 

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from experiments.results_blocks_benchmarks import (
+    bench_fast_paths_block,
     bench_gp_active_set_block,
     bench_importance_masks_block,
     bench_importance_masks_long_block,
@@ -97,6 +98,7 @@ BLOCKS = {
     "coherence": coherence_block,
     "benchmarks": benchmarks_block,
     "bench-vae-step": bench_vae_step_block,
+    "bench-fast-paths": bench_fast_paths_block,
     "bench-gp-active-set": bench_gp_active_set_block,
     "bench-importance-masks": bench_importance_masks_block,
     "bench-importance-masks-long": bench_importance_masks_long_block,

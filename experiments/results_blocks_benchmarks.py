@@ -3,6 +3,7 @@
 from experiments.results_format import num, ratio, spread
 
 __all__ = [
+    "bench_fast_paths_block",
     "bench_gp_active_set_block",
     "bench_importance_masks_block",
     "bench_importance_masks_long_block",
@@ -74,6 +75,38 @@ def bench_vae_step_block(ctx):
         + f" MiB with the ELBO ({' / '.join(m['dtype'] for m in memory)})."
     )
     return "\n\n".join([caption, ctx.table(headers, rows), note])
+
+
+def bench_fast_paths_block(ctx):
+    """Each hand-written fast path of ``pyro_mpt.ops`` against its plain version."""
+    report = _bench(ctx, "fast_paths")
+    cfg = report["config"]
+    every = cfg.get("every_mask")
+    if every is None:
+        raise KeyError("the fast_paths report has no every_mask figures; rerun benchmarks.")
+    caption = (
+        f"{ctx.run_text('benchmarks')}, {ctx.code('bench_fast_paths.py')}: one forward and "
+        f"backward pass of each fast path and of the plain version it replaces, float32, "
+        f"median of {cfg['repeats']} repeats of {cfg['steps']} calls; G={cfg['nodes']} nodes, "
+        f"N={cfg['images']} images, D={cfg['pixels']} pixels, S={cfg['samples']} samples. The "
+        f"every-mask average runs through a decoder's output layer (H={every['hidden']} "
+        f"hidden units, S={every['samples']} samples of N={every['images']} images) with "
+        f"log-ratios spread by {every['spread']:g} nats over the samples: "
+        f"{every['plain_subnormal_share']:.1%} of the plain version's gradient entries at the "
+        f"logits are subnormal, {every['fast_subnormal_share']:.1%} of the fast one's:"
+    )
+    rows = [
+        [
+            r["path"],
+            f"{num(r['fast_ms'], 2)} ms",
+            f"{num(r['plain_ms'], 2)} ms",
+            ratio(r["speedup"]),
+            "yes" if r["speedup"] >= cfg["target_speedup"] else "no",
+        ]
+        for r in report["results"]
+    ]
+    headers = ["path", "fast", "plain", "speed-up", f"≥ {cfg['target_speedup']:g}×"]
+    return caption + "\n\n" + ctx.table(headers, rows)
 
 
 def benchmarks_block(ctx):

@@ -16,7 +16,9 @@ from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.ops.self_normalised_importance import plain_importance_log_conditionals
 from pyro_mpt.ops.shared_sample_importance import (
     context_log_likelihoods,
+    every_mask_average,
     mixture_log_density,
+    plain_every_mask_average,
     proposal_masks,
     shared_sample_log_conditionals,
 )
@@ -106,6 +108,49 @@ def test_shared_sample_conditionals_equal_the_plain_formula_and_its_gradients():
     )
     for got, expected in zip(grads_shared, grads_plain):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("ratio_shape", [(7, 4), (7, 1)])
+def test_every_mask_average_has_the_gradients_of_its_autograd_version(ratio_shape):
+    """The hand-written backward pass against ``logsumexp`` under autograd, with an
+    impossible sample and log-ratios broadcast over the batch."""
+    torch.manual_seed(0)
+    log_ratios = (3 * torch.randn(ratio_shape, dtype=torch.float64)).requires_grad_()
+    ll = (5 * torch.randn(7, 4, dtype=torch.float64)).requires_grad_()
+    impossible = torch.arange(7).unsqueeze(-1) == 2
+    upstream = torch.randn(4, dtype=torch.float64)
+    results = []
+    for average in (every_mask_average, plain_every_mask_average):
+        value = average(log_ratios, torch.where(impossible, -math.inf, ll))
+        results.append((value, *torch.autograd.grad((value * upstream).sum(), (log_ratios, ll))))
+    for got, expected in zip(*results):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_every_mask_average_flushes_subnormal_weights_from_its_gradients():
+    """Log-weights 100 nats apart give float32 softmax weights below the normal range;
+    the gradients drop them (no subnormal number reaches a decoder's matrix products), and
+    differ from the autograd version's by no more than those weights."""
+    torch.manual_seed(0)
+    log_ratios = torch.tensor([0.0, -30.0, -50.0, -95.0, -100.0], dtype=torch.float32)
+    log_ratios = log_ratios.unsqueeze(-1).repeat(1, 6).requires_grad_()
+    ll = torch.randn(5, 6, dtype=torch.float32).requires_grad_()
+    tiny = torch.finfo(torch.float32).tiny
+    results = []
+    for average in (every_mask_average, plain_every_mask_average):
+        value = average(log_ratios, ll)
+        results.append((value, *torch.autograd.grad(value.sum(), (log_ratios, ll))))
+    (value, *grads), (plain_value, *plain_grads) = results
+    torch.testing.assert_close(value, plain_value, atol=0, rtol=0)
+
+    def subnormals(t):
+        return int(((t != 0) & (t.abs() < tiny)).sum())
+
+    assert subnormals(plain_grads[1]) > 0  # the inputs do reach the subnormal range
+    for got, expected in zip(grads, plain_grads):
+        assert subnormals(got) == 0
+        torch.testing.assert_close(got, expected, atol=2e-19, rtol=1e-6)
 
 
 def test_mixture_log_density_is_the_log_of_the_mean_density():
