@@ -259,7 +259,8 @@ class MPTLoss(ELBO):
         self.diagnostics = prepared.diagnostics
         if prepared.diagnostics is not None:
             what, counts = "MPTLoss's conditionals", self._accuracy_counts
-            warn_if_unreliable(prepared.diagnostics, what, model, args, 5, counts)
+            advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
+            warn_if_unreliable(prepared.diagnostics, what, model, args, 5, counts, advice=advice)
         return prepared, estimates
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
@@ -558,6 +559,14 @@ _logger = logging.getLogger("pyro_mpt")
 
 #: ``num_masks`` for the exact average over every mask.
 ALL_MASKS = "all"
+
+#: What the accuracy warning of an ``MPTLoss`` over drawn masks adds to its fix.
+_EVERY_MASK_ADVICE = (
+    " To train a deep model, average over every mask instead (MPTLoss(num_masks='all'), "
+    "whose draws all come from the guide on the unmasked input; see the deep-VAE docs): "
+    "every mask's conditionals rest on every draw, and the one term by which its objective "
+    "departs from the importance-weighted bound is known exactly."
+)
 
 #: The call from which ``MPTLoss`` first checks a strategy's accuracy (then 4 times later).
 _FIRST_CHECK = 16

@@ -144,10 +144,17 @@ def test_a_guide_that_misses_the_prior_is_flagged_with_the_empty_contexts_figure
             pyro.sample("z", dist.Normal(torch.full((K,), 1.5), 0.05).to_event(1))
 
     loss = MPTLoss(num_masks="all", conditionals=shared_draws(64), guide_loss=None)
-    with pytest.warns(ImportanceAccuracyWarning, match="empty context"):
+    with pytest.warns(ImportanceAccuracyWarning, match="empty context") as caught:
         loss.estimate(bernoulli_model, narrow_guide, x)
     figures = loss.diagnostics.summary()
     assert figures["empty_context"] < -0.5  # the mean of p(z)/q(z) far below its value 1
+    # Already over every mask: the warning does not advise it.
+    assert not any("num_masks='all'" in str(w.message) for w in caught)
+
+    # Over drawn masks, the same guide's warning points to the average over every mask.
+    drawn = MPTLoss(num_masks=4, conditionals=ImportanceSampling(64), guide_loss=None)
+    with pytest.warns(ImportanceAccuracyWarning, match=r"MPTLoss\(num_masks='all'\)"):
+        drawn.estimate(bernoulli_model, narrow_guide, x)
 
 
 def test_the_gradient_over_every_mask_is_that_of_the_brute_force_average():

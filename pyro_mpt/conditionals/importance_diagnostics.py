@@ -182,7 +182,8 @@ def _weak_or_strong(value):
 
 
 def warn_if_unreliable(
-    diagnostics, what, model, args, stacklevel=3, counts=None, guide=None, strategy=None
+    diagnostics, what, model, args, stacklevel=3, counts=None, guide=None, strategy=None,
+    advice="",
 ):
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
     call per model, argument shapes, guide and strategy, stating the figures and, from the
@@ -196,6 +197,7 @@ def warn_if_unreliable(
     :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
         its own calls); by default those of the model, argument shapes, ``guide`` and
         ``strategy``.
+    :param str advice: a sentence the caller adds to the fix (e.g. a setting of its own).
     """
     if diagnostics is None or not is_validation_enabled():
         return
@@ -216,7 +218,7 @@ def warn_if_unreliable(
         f"observation, in either direction. Fix: use a guide that sees which entries are "
         f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
         f"(MPTLoss(guide_loss='wake')), raise ImportanceSampling(num_samples=...), or use exact or "
-        f"quadrature conditionals where the model allows.",
+        f"quadrature conditionals where the model allows.{advice}",
         ImportanceAccuracyWarning,
         stacklevel=stacklevel,
     )
