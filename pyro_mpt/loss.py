@@ -23,12 +23,12 @@ from pyro_mpt.errors import (
     NotApplicableError,
     QuadratureAccuracyWarning,
     StaleStructureError,
+    check_positive_int,
 )
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.masks import (
     UniformRate,
     as_rate_schedule,
-    check_num_masks,
     mpt_estimate,
     process_generator,
     sample_masks,
@@ -170,8 +170,14 @@ class MPTLoss(ELBO):
                     "num_masks='all' draws none. Leave share_masks=False."
                 )
             self.num_masks = ALL_MASKS
+        elif isinstance(num_masks, str):
+            raise ValueError(
+                f"num_masks must be a positive integer or 'all' (the average over every mask), "
+                f"got {num_masks!r}."
+            )
         else:
-            self.num_masks = check_num_masks(num_masks)
+            hint = "It is the number of masks drawn per observation and step, or 'all'."
+            self.num_masks = check_positive_int("num_masks", num_masks, hint)
         self.conditionals = as_conditionals(conditionals, every_mask=num_masks == ALL_MASKS)
         self.share_masks = bool(share_masks)
         if guide_loss not in GUIDE_LOSSES:
@@ -214,6 +220,11 @@ class MPTLoss(ELBO):
 
         For an observation with missing entries (a mask on the observed site, or
         ``obs_mask``) it estimates ``log p(x_observed)``; for one masked out entirely it is 0.
+        With importance conditionals the estimates carry their errors (see
+        :attr:`diagnostics`); over every mask (``num_masks="all"``) each one is the
+        importance-weighted bound of its draws less the empty context's term, which is a
+        bias of its own: ``diagnostics.empty_context`` gives it, and the warning fires past
+        half a nat.
 
         :returns: a tensor of the data plate's batch shape (differentiable). The accuracy
             figures of approximate conditionals are in :attr:`diagnostics` afterwards.

@@ -148,8 +148,11 @@ def test_a_guide_that_misses_the_prior_is_flagged_with_the_empty_contexts_figure
         loss.estimate(bernoulli_model, narrow_guide, x)
     figures = loss.diagnostics.summary()
     assert figures["empty_context"] < -0.5  # the mean of p(z)/q(z) far below its value 1
-    # Already over every mask: the warning does not advise it.
-    assert not any("num_masks='all'" in str(w.message) for w in caught)
+    # Already over every mask, with the guide on the unmasked input: the fix advises neither
+    # the average over every mask nor a guide told which entries are hidden.
+    (message,) = [str(w.message) for w in caught if w.category is ImportanceAccuracyWarning]
+    assert "num_masks='all'" not in message and "'hidden'" not in message
+    assert "wake_contexts" in message
 
     # Over drawn masks, the same guide's warning points to the average over every mask.
     drawn = MPTLoss(num_masks=4, conditionals=ImportanceSampling(64), guide_loss=None)
@@ -214,6 +217,19 @@ def test_mpt_loss_over_every_mask_has_the_gradient_of_log_p_x():
 def test_every_mask_refuses_settings_without_that_average(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MPTLoss(num_masks="all", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "num_masks, error, match",
+    [
+        ("ALL", ValueError, "positive integer or 'all'.*'ALL'"),
+        (0, ValueError, "at least 1, got 0.*or 'all'"),
+        (2.5, TypeError, "positive integer"),
+    ],
+)
+def test_num_masks_is_a_positive_integer_or_all(num_masks, error, match):
+    with pytest.raises(error, match=match):
+        MPTLoss(num_masks=num_masks)
 
 
 @pytest.mark.parametrize(

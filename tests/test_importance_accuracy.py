@@ -401,6 +401,18 @@ def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():
     assert "30% of the pairs rest on a single draw" in flagged.describe()
 
 
+def test_a_fifth_of_the_rows_above_the_k_hat_threshold_is_tolerated_in_float32():
+    # 4 of 20 rows: the share is 0.2 exactly, which a float32 mean rounds above 0.2.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    def diagnostics(num_high):
+        k = torch.tensor([0.9] * num_high + [0.1] * (20 - num_high), dtype=torch.float32)
+        return ImportanceDiagnostics(k, torch.full((20,), 50.0), 64)
+
+    assert diagnostics(4).reliable()
+    assert not diagnostics(5).reliable()
+
+
 def test_a_categorical_proposal_that_rarely_tries_a_class_is_flagged():
     # A mixture with a local class per observation and a guide sure of class 0: with 8
     # samples (the defensive mixture tries each class about once in ten draws), the

@@ -85,14 +85,14 @@ class ImportanceDiagnostics(NamedTuple):
         one)."""
 
         def finite(values):
-            return values[~values.isnan()].float()
+            return values[~values.isnan()].double()
 
         k, ess = finite(self.pareto_k), finite(self.ess)
         nan = math.nan
         empty = None if self.empty_context is None else finite(self.empty_context)
         return dict(
             empty_context=float(empty.mean()) if empty is not None and empty.numel() else nan,
-            unreliable=float((k > MAX_PARETO_K).float().mean()) if k.numel() else nan,
+            unreliable=float((k > MAX_PARETO_K).double().mean()) if k.numel() else nan,
             median_k=float(k.median()) if k.numel() else nan,
             max_k=float(k.max()) if k.numel() else nan,
             median_ess=float(ess.median()) if ess.numel() else nan,
@@ -127,7 +127,8 @@ class ImportanceDiagnostics(NamedTuple):
                 f"; the average over every mask carries the error of its empty context's "
                 f"term, exactly 0, which came out at {f['empty_context']:.2f} nats per "
                 f"observation on average, so the estimate is {-f['empty_context']:+.2f} nats "
-                f"from the importance bound of the same draws"
+                f"from the importance-weighted bound of the same draws (a bound below "
+                f"log p(x) by an amount these draws do not measure)"
             )
         if math.isnan(f["median_k"]):
             return f"{ess} (too few samples to fit the Pareto tail)"
@@ -136,6 +137,24 @@ class ImportanceDiagnostics(NamedTuple):
             f"(observation, mask) pairs (median {f['median_k']:.2f}, max {f['max_k']:.2f}); "
             f"{ess}"
         )
+
+
+def _fix(diagnostics):
+    """What to do about failing weights: over every mask the guide sees the unmasked input
+    only, so a guide told which entries are hidden does not help there."""
+    if diagnostics.empty_context is not None:
+        return (
+            "train the guide toward the posterior (MPTLoss(guide_loss='wake'), the default "
+            "under importance sampling, with ImportanceSampling(wake_contexts=...)), raise "
+            "ImportanceSampling(num_samples=...), or use exact or quadrature conditionals "
+            "where the model allows."
+        )
+    return (
+        "use a guide that sees which entries are hidden (a 'hidden' argument, see 'Guides "
+        "for masked inputs'), train it as a proposal (MPTLoss(guide_loss='wake')), raise "
+        "ImportanceSampling(num_samples=...), or use exact or quadrature conditionals where "
+        "the model allows."
+    )
 
 
 #: Owner of a model (the object of a bound method, else the function) -> {(what, method
@@ -215,10 +234,7 @@ def warn_if_unreliable(
         f"{what} by importance sampling cannot be trusted here{history}: "
         f"{diagnostics.describe()}. "
         f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
-        f"observation, in either direction. Fix: use a guide that sees which entries are "
-        f"hidden (a 'hidden' argument, see 'Guides for masked inputs'), train it as a proposal "
-        f"(MPTLoss(guide_loss='wake')), raise ImportanceSampling(num_samples=...), or use exact or "
-        f"quadrature conditionals where the model allows.{advice}",
+        f"observation, in either direction. Fix: {_fix(diagnostics)}{advice}",
         ImportanceAccuracyWarning,
         stacklevel=stacklevel,
     )
