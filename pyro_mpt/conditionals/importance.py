@@ -53,6 +53,12 @@ __all__ = [
 DEBIAS = (None, "jackknife")
 
 
+def _draws_shared_from_unmasked(share_samples, num_proposals, unmasked_proposal):
+    """Whether every mask weights the same draws, all from the guide on the unmasked input:
+    the setting whose average over every mask has a closed form."""
+    return bool(share_samples) and num_proposals == 0 and bool(unmasked_proposal)
+
+
 class ImportanceSelfPredictive(SelfPredictive):
     """Conditionals of one batch by self-normalised importance sampling.
 
@@ -332,7 +338,9 @@ class ImportanceSelfPredictive(SelfPredictive):
 
         :raises ValueError: for other settings, whose masks draw samples of their own.
         """
-        if not (self.share_samples and self.num_proposals == 0 and self.unmasked_proposal):
+        if not _draws_shared_from_unmasked(
+            self.share_samples, self.num_proposals, self.unmasked_proposal
+        ):
             raise ValueError(
                 f"The average over every mask has a closed form only when all masks weight "
                 f"the same draws, from the guide on the unmasked input; these conditionals "
@@ -516,7 +524,7 @@ class ImportanceSampling(Conditionals):
                     f"wake_contexts must be a non-negative integer, got {wake_contexts}; 0 "
                     f"trains the guide toward p(z | x) only."
                 )
-            if not (share_samples and num_proposals == 0 and unmasked_proposal):
+            if not _draws_shared_from_unmasked(share_samples, num_proposals, unmasked_proposal):
                 raise ValueError(
                     f"wake_contexts={wake_contexts} is used by the average over every mask "
                     f"(MPTLoss(num_masks='all')), whose draws all come from the guide on the "
