@@ -229,9 +229,11 @@ class MPTLoss(ELBO):
         :returns: a tensor of the data plate's batch shape (differentiable). The accuracy
             figures of approximate conditionals are in :attr:`diagnostics` afterwards.
         """
-        return self._prepare_and_estimate(model, guide, args, kwargs)[1]
+        return self._mpt_loss(model, guide, args, kwargs)[2]
 
-    def _prepare_and_estimate(self, model, guide, args, kwargs):
+    def _mpt_loss(self, model, guide, args, kwargs):
+        """The call's loss, its prepared conditionals and the per-observation estimates: a
+        call like the last successful one (the next mini-batch) takes the steady route."""
         key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
         self._num_calls += 1
         steady = key == self._last_call
@@ -271,11 +273,16 @@ class MPTLoss(ELBO):
         if prepared.diagnostics is not None:
             what, counts = "MPTLoss's conditionals", self._accuracy_counts
             advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
-            warn_if_unreliable(prepared.diagnostics, what, model, args, 5, counts, advice=advice)
-        return prepared, estimates
+            # stacklevel 6: the caller of SVI.step.
+            warn_if_unreliable(prepared.diagnostics, what, model, args, 6, counts, advice=advice)
+        loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
+        if is_validation_enabled():
+            # Reads the loss back from the device, so only under validation.
+            warn_if_nan(loss, "loss")
+        return loss, prepared, estimates
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
-        strategy, structure = self._steady
+        strategy, structure, _ = self._steady
         # Now and then (the first steady call from the 16th, 64th, 256th, ... on, and from the
         # 2nd for a strategy given by the user) the strategy measures its own error on the
         # step's data.
@@ -358,13 +365,13 @@ class MPTLoss(ELBO):
 
     def _steady_route(self, signature):
         """How later calls like a successful one of ``signature`` are prepared: the strategy
-        that prepared it (auto's choice) and the structure that strategy read for it, or None
+        that prepared it (auto's choice), the structure that strategy read for it, or None
         for a strategy that finds its own (it is then passed the signature where it takes
-        one)."""
+        one), and what ``guide_loss="auto"`` trains the guide by under that strategy."""
         strategy = self.conditionals.in_use
         if type(strategy).prepare in STRUCTURE_AWARE:
-            return strategy, strategy.structure_for(signature)
-        return strategy, None
+            return strategy, strategy.structure_for(signature), strategy.guide_loss
+        return strategy, None, strategy.guide_loss
 
     def _call_key(self, model, guide, args, kwargs):
         """What identifies a call: the model and the guide (functions, or methods and their
@@ -447,14 +454,6 @@ class MPTLoss(ELBO):
         counts = None if observed.entries is None else observed.feature_counts()
         return mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
 
-    def _mpt_loss(self, model, guide, args, kwargs):
-        prepared, estimates = self._prepare_and_estimate(model, guide, args, kwargs)
-        loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
-        if is_validation_enabled():
-            # Reads the loss back from the device, so only under validation.
-            warn_if_nan(loss, "loss")
-        return loss, prepared
-
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a differentiable scalar tensor.
 
@@ -462,10 +461,10 @@ class MPTLoss(ELBO):
         its gradient is the MPT gradient for the model's parameters and the guide loss's for
         the guide's.
         """
-        loss, prepared = self._mpt_loss(model, guide, args, kwargs)
+        loss, prepared, _ = self._mpt_loss(model, guide, args, kwargs)
         mode = self.guide_loss
         if mode == "auto":
-            mode = self._steady[0].guide_loss  # that of the strategy that prepared the call
+            mode = self._steady[2]  # that of the strategy that prepared the call
         proposal_loss = prepared.proposal_loss() if mode == "wake" else None
         if mode == "wake" and proposal_loss is None:
             raise ValueError(

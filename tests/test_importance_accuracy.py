@@ -103,7 +103,7 @@ def test_wake_trains_the_guide_and_leaves_the_model_gradient():
     assert (grads["wake"][1] - grads[None][1]).abs() > 1e-3
     pyro.set_rng_seed(3)
     loss = MPTLoss(num_masks=3, conditionals=ImportanceSampling(num_samples=32))
-    prepared, _ = loss._prepare_and_estimate(model, _global_guide, (x,), {})
+    _, prepared, _ = loss._mpt_loss(model, _global_guide, (x,), {})
     expected = torch.autograd.grad(prepared.proposal_loss(), [pyro.param("m")])[0]
     torch.testing.assert_close(grads["wake"][1], expected, atol=1e-12, rtol=0)
 
@@ -267,7 +267,7 @@ def test_a_guide_centred_rule_gives_log_p_x_but_auto_never_trains_on_it(caplog):
     loss = MPTLoss(conditionals="auto")
     with caplog.at_level(logging.INFO, logger="pyro_mpt"), warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        loss._prepare_and_estimate(model, guide, (x,), {})
+        loss._mpt_loss(model, guide, (x,), {})
     chosen = loss.conditionals.chosen
     assert getattr(chosen, "center", "prior") != "guide"
     assert "Rejected before it" in caplog.text and "quadrature" in caplog.text

@@ -458,4 +458,7 @@ def mpt_estimate(log_conditionals, masks, num_features=None, sizes=None):
     """
     if num_features is None:
         num_features = log_conditionals.shape[-1]
-    return num_features * mask_scores(log_conditionals, masks, sizes).mean(0)
+    if sizes is None:
+        sizes = masks.expand(log_conditionals.shape).sum(-1)
+    scores = masked_sum(log_conditionals, masks) / sizes.to(log_conditionals.dtype).clamp(min=1)
+    return num_features * scores.mean(0)

@@ -58,20 +58,17 @@ class ObservedSite(NamedTuple):
         return self.entries.sum(-1).to(self.value.dtype)
 
 
-def _entry_mask(site, full_shape, num_feature_dims):
-    """The site's mask as booleans ``batch + (D,)``, or ``None`` when every entry counts."""
-    mask, fn = site["mask"], site["fn"]
-    inner = distribution_mask(fn)  # from .mask(...) on the distribution
+def _entry_mask(mask, inner, event_shape, full_shape, num_feature_dims):
+    """The site's ``mask`` combined with the mask ``inner`` of ``.mask(...)`` wrappers of its
+    distribution, as booleans ``batch + (D,)``; ``None`` when every entry counts."""
     if inner is not None and inner.dim() > len(full_shape):
         inner = inner.reshape((-1,) + tuple(full_shape))[0]  # leading dims of points
-    if (mask is None or mask is True) and inner is None:
-        return None
     if mask is None or mask is True:
         mask = torch.ones((), dtype=torch.bool)
     elif mask is False:
         mask = torch.zeros((), dtype=torch.bool)
     mask = torch.as_tensor(mask, dtype=torch.bool)
-    mask = mask.reshape(mask.shape + (1,) * len(fn.event_shape))
+    mask = mask.reshape(mask.shape + (1,) * len(event_shape))
     mask = mask.reshape(mask.shape[max(0, mask.dim() - len(full_shape)) :]).expand(full_shape)
     if inner is not None:
         mask = mask & inner
@@ -96,55 +93,72 @@ def _check_dtype(name, value, fn):
         )
 
 
-def read_observed_site(site, full_shape, num_batch, checked=False):
+def read_observed_site(site, full_shape, num_batch, checked=False, dtype=None):
     """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
     shape ``full_shape`` (after any leading dims of points or samples), of which the first
     ``num_batch`` index observations. With ``checked`` (a later run of a model whose
     structure was read from data of the same shape and dtype), the dtype and shape are
-    checked again only while Pyro's validation is enabled."""
+    checked again only while Pyro's validation is enabled; ``dtype``, where the caller has
+    it from that read, is the one floating data are computed in (else the parameters')."""
     name, fn = site["name"], site["fn"]
     validate = is_validation_enabled()
     if validate or not checked:
-        _check_dtype(name, site["value"], fn)
-        shape = site["value"].shape
-        broadcasts = len(shape) <= len(full_shape)
-        for size, target in zip(reversed(shape), reversed(full_shape)):
-            broadcasts = broadcasts and size in (1, target)
-        if not broadcasts:
-            raise ValueError(
-                f"Observed site {name!r} has a value of shape {tuple(shape)} that "
-                f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
-                f"subsampled plate, observe the subsample: obs=pyro.subsample(x, "
-                f"event_dim=...) or x[ind] with the plate's indices."
-            )
+        _check_value(name, site["value"], fn, full_shape)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
     value = given = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
-    dtype = _parameter_dtype(fn)
+    if dtype is None:
+        dtype = _parameter_dtype(fn)
     if value.is_floating_point() and dtype is not None and dtype != value.dtype:
         # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
         # are computed in the model's dtype.
         value = value.to(dtype)
-    entries = _entry_mask(site, full_shape, num_feature_dims)
+    mask, inner = site["mask"], distribution_mask(fn)  # inner: from .mask(...) on fn
+    entries = None
+    if not (mask is None or mask is True) or inner is not None:
+        entries = _entry_mask(mask, inner, fn.event_shape, full_shape, num_feature_dims)
     # The data checks read the data back (a device synchronisation): like Pyro's own checks
     # of observations, they run while validation is enabled (the default).
-    nan = torch.isnan(value) if validate and value.is_floating_point() else None
-    if nan is not None:
-        stray = nan if entries is None else nan & entries
-        if bool(stray.any()):
-            raise ValueError(
-                f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
-                f"{value.numel()} among the entries that count. Mark missing entries with a "
-                f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
-                f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only. To "
-                f"impute NaN entries of a model without such a mask, pass "
-                f"torch.nan_to_num(x) with missing=torch.isnan(x)."
-            )
+    if validate and value.is_floating_point():
+        _check_nan(name, value, entries)
     if entries is not None:
         value = _fill_missing(value, entries)
     unfilled = None if value is given else given
     if validate:
         _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
+
+
+def _check_value(name, value, fn, full_shape):
+    """Raises for an observed value that is not a tensor, holds integers under a continuous
+    likelihood, or does not broadcast to the distribution's shape ``full_shape``."""
+    _check_dtype(name, value, fn)
+    shape = value.shape
+    broadcasts = len(shape) <= len(full_shape)
+    for size, target in zip(reversed(shape), reversed(full_shape)):
+        broadcasts = broadcasts and size in (1, target)
+    if not broadcasts:
+        raise ValueError(
+            f"Observed site {name!r} has a value of shape {tuple(shape)} that "
+            f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
+            f"subsampled plate, observe the subsample: obs=pyro.subsample(x, "
+            f"event_dim=...) or x[ind] with the plate's indices."
+        )
+
+
+def _check_nan(name, value, entries):
+    """Raises for NaN among the entries of ``value`` that count."""
+    stray = torch.isnan(value)
+    if entries is not None:
+        stray = stray & entries
+    if bool(stray.any()):
+        raise ValueError(
+            f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
+            f"{value.numel()} among the entries that count. Mark missing entries with a "
+            f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
+            f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only. To "
+            f"impute NaN entries of a model without such a mask, pass "
+            f"torch.nan_to_num(x) with missing=torch.isnan(x)."
+        )
 
 
 def _parameter_dtype(fn):
@@ -241,8 +255,12 @@ def observed_in_run(structure, trace):
             f"MPTLoss needs the same sites on every run of the model."
         )
     first = structure.observed
-    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    return observed, site_scale(site, observed.batch_shape, observed.num_feature_dims)
+    full_shape, num_batch, dtype = first.full_shape, len(first.batch_shape), first.value.dtype
+    observed = read_observed_site(site, full_shape, num_batch, checked=True, dtype=dtype)
+    scale = site["scale"]  # a number, unless poutine.scale was given a tensor
+    if torch.is_tensor(scale):
+        scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
+    return observed, scale if torch.is_tensor(scale) else float(scale)
 
 
 def check_run_matches(structure, trace, scale):
