@@ -132,19 +132,25 @@ def test_mask_scores_ignore_non_finite_values_outside_the_mask():
 
 
 def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
+    # 4096 features, the most that take 16-bit keys: the M-th and (M+1)-th keys of a row tie
+    # in about 6 rows of 100, which are drawn again with float64 keys.
     from pyro_mpt.ops import masks as masks_module
 
-    random_keys = masks_module._random_keys
+    draws = masks_module._masks_below_threshold
+    redrawn = []
 
-    def coarse_keys(shape, dtype, device, generator=None):
-        keys = random_keys(shape, dtype, device, generator)
-        # 16-bit keys on a grid of 8 values: ties in every row; float64 keys untouched.
-        return keys // 8192 * 8192 if dtype == torch.int16 else keys
+    def counted(sizes, num_features, dtype, generator=None):
+        masks, tied = draws(sizes, num_features, dtype, generator)
+        if dtype == torch.float64:
+            redrawn.append(sizes.numel())
+        return masks, tied
 
-    monkeypatch.setattr(masks_module, "_random_keys", coarse_keys)
-    sizes = torch.randint(0, 21, (500,))
-    masks = masks_of_sizes(sizes, 20)
+    monkeypatch.setattr(masks_module, "_masks_below_threshold", counted)
+    torch.manual_seed(0)
+    sizes = torch.randint(0, 4097, (500,))
+    masks = masks_of_sizes(sizes, 4096)
     assert torch.equal(masks.sum(-1), sizes)
+    assert redrawn and redrawn[0] > 0  # the tied rows were drawn again
 
 
 def test_masked_sum_ignores_non_finite_values_outside_the_mask():

@@ -50,6 +50,7 @@ CPU_ONLY = {
     ("ops/quadrature_bernoulli.py", "forward"),
     ("ops/quadrature_bernoulli.py", "_oriented_forward"),
     ("ops/masks.py", "sort_rows"),
+    ("ops/masks.py", "_masks_below_threshold"),
     ("ops/masks.py", "masks_of_sizes"),
     ("ops/masks.py", "masked_sum"),
 }

@@ -164,8 +164,10 @@ def _no_latent_form(site, observed, scale):
 
 def extract_gaussian_form(model, args, kwargs, structure):
     """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
-    the model at whitened points; ``structure`` was read from an earlier trace
-    (:func:`~pyro_mpt.trace.model_structure.read_structure`).
+    the model at the whitened points of :func:`_probe_points`; ``structure`` was read from
+    an earlier trace (:func:`~pyro_mpt.trace.model_structure.read_structure`). The form is
+    verified at the check points (:func:`_verify_affine`) on every call while Pyro's
+    validation is enabled, else on the first with the structure.
 
     :raises NotGaussianError: if the model is not linear-Gaussian.
     """
@@ -184,7 +186,29 @@ def extract_gaussian_form(model, args, kwargs, structure):
         if layout is not None:
             _PROBES[layout] = points
     run = run_at_points(model, args, kwargs, structure, points)
-    return _form_at_points(structure, run, points), run.extra_log_prob
+    observed, fn = run.observed, run.fn
+    base = unwrap_independent(fn)
+    if not isinstance(base, torch.distributions.Normal):
+        raise _not_normal(base, observed.name)
+    num_latent = points.shape[-1]
+    locs = point_parameter(base.loc, fn, observed).expand(
+        points.shape[:1] + (-1,) * observed.value.dim()
+    )
+    scales = point_parameter(base.scale, fn, observed)
+    # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
+    bias = locs[0]
+    weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
+    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
+    latents = tuple(structure.latent_names)
+    form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, latents)
+    # Verified on every call while Pyro's validation is enabled, else once per structure
+    # (the check reads the device).
+    once = not is_validation_enabled() and not _EVERY_CALL.get()
+    if layout is None or layout not in _VERIFIED or not once:
+        _verify_affine(form, locs, scales, points[num_latent + 1 :])
+        if layout is not None:
+            _VERIFIED.add(layout)
+    return form, run.extra_log_prob
 
 
 def no_latent_form(structure):
@@ -226,37 +250,19 @@ def verify_every_call():
         _EVERY_CALL.reset(token)
 
 
-def _form_at_points(structure, run, points):
-    """The latent linear-Gaussian form from the likelihood at the points of
-    :func:`_probe_points`, verified at its check points (on every call while Pyro's
-    validation is enabled, else on the first with the structure)."""
-    observed, fn, latents = run.observed, run.fn, list(structure.latent_names)
-    base = unwrap_independent(fn)
-    if not isinstance(base, torch.distributions.Normal):
-        raise _not_normal(base, observed.name)
-    num_latent = points.shape[-1]
-    locs = point_parameter(base.loc, fn, observed).expand(
-        points.shape[:1] + (-1,) * observed.value.dim()
-    )
-    scales = point_parameter(base.scale, fn, observed)
-    # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
-    bias = locs[0]
-    weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
-    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
-    form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, tuple(latents))
-    # Verified on every call while Pyro's validation is enabled, else once per structure
-    # (the check reads the device).
-    layout = structure.point_layout
-    once = not is_validation_enabled() and not _EVERY_CALL.get()
-    if layout is not None and layout in _VERIFIED and once:
-        return form
+def _verify_affine(form, locs, scales, checks):
+    """Raises :class:`NotGaussianError` unless the likelihood's ``locs`` at the ``checks``
+    points (those of :func:`_probe_points` past the origin and the unit vectors) are those
+    the affine ``form`` predicts, and its ``scales`` are the same at every point."""
+    observed, latents = form.observed, list(form.latent_names)
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
+    num_fitted = locs.shape[0] - checks.shape[0]
     with torch.no_grad():
-        bias64, weight64 = bias.double(), weight.double()
-        checks = points[num_latent + 1 :].double()
+        bias64, weight64 = form.loc.double(), form.weight.double()
+        checks = checks.double()
         predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks)
-        actual = locs[num_latent + 1 :].double()
+        actual = locs[num_fitted:].double()
         size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks.abs())
         affine = bool(((predicted - actual).abs() <= tol * (size + 1)).all())
         scales64 = scales.double()
@@ -276,9 +282,6 @@ def _form_at_points(structure, run, points):
             f"{latents}; exact conditionals need a noise scale that does not. Use "
             f"conditionals='quadrature' or 'importance'."
         )
-    if structure.point_layout is not None:
-        _VERIFIED.add(structure.point_layout)
-    return form
 
 
 class GaussianSelfPredictive(SelfPredictive):

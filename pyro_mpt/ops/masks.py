@@ -311,22 +311,20 @@ def plain_masks_of_sizes(sizes, num_features):
 _MAX_FEATURES_FOR_SHORT_KEYS = 4096
 
 
-def _random_keys(shape, dtype, device, generator=None):
-    """Independent uniform keys: ``torch.rand`` for floating dtypes; for ``int16``, the four
-    16-bit pieces of uniform 64-bit integers, four times fewer draws than ``torch.rand``."""
-    if dtype.is_floating_point:
-        return torch.rand(shape, dtype=dtype, device=device, generator=generator)
-    size = math.prod(shape)
-    bits = torch.empty(-(-size // 4), dtype=torch.int64, device=device)
-    bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
-    return bits.view(torch.int16)[:size].reshape(shape)
-
-
 def _masks_below_threshold(sizes, num_features, dtype, generator=None):
-    """Masks of the given sizes from random keys, and which rows' M-th and (M+1)-th keys
-    tie."""
-    keys = _random_keys(sizes.shape + (num_features,), dtype, sizes.device, generator)
-    sorted_keys = sort_rows(keys)
+    """Masks of the given sizes from random CPU keys, and which rows' M-th and (M+1)-th keys
+    tie. Keys of a floating ``dtype`` come from ``torch.rand``; ``int16`` keys are the four
+    16-bit pieces of uniform 64-bit integers, four times fewer draws. NumPy sorts them (see
+    :func:`sort_rows`)."""
+    shape = sizes.shape + (num_features,)
+    if dtype.is_floating_point:
+        keys = torch.rand(shape, dtype=dtype, generator=generator)
+    else:
+        size = math.prod(shape)
+        bits = torch.empty(-(-size // 4), dtype=torch.int64)
+        bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
+        keys = bits.view(torch.int16)[:size].reshape(shape)
+    sorted_keys = torch.from_numpy(np.sort(keys.numpy(), axis=-1))
     index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
     threshold = sorted_keys.gather(-1, index)
     following = sorted_keys.gather(-1, (index + 1).clamp(max=num_features - 1))

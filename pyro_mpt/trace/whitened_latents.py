@@ -20,6 +20,7 @@ bring different values, and parameters that need a gradient keep their rows (eac
 gradient is its own observation's).
 """
 
+import math
 from typing import NamedTuple
 
 import pyro
@@ -38,7 +39,6 @@ from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwr
 __all__ = [
     "PointsRun",
     "point_parameter",
-    "points_plate",
     "run_at_points",
     "whiten",
 ]
@@ -65,11 +65,6 @@ class PointsRun(NamedTuple):
     scale: object
     extra_log_prob: object
     rows_differ: bool = False
-
-
-def points_plate(num_points, max_plate_nesting):
-    """The plate over points, left of every plate of the model."""
-    return pyro.plate(_POINTS_PLATE, num_points, dim=-(max_plate_nesting + 1))
 
 
 def _narrow_broadcast_dims(tensor):
@@ -206,7 +201,8 @@ class _LatentsAtPoints(Messenger):
             if self.watch_rows and not self.rows_differ:
                 first = _narrow_equal_rows(tensor, obs_dims, first=True)
                 self.rows_differ = not bool((tensor == first).all())
-            if self.compact or first_rows:
+            many_rows = math.prod(tensor.shape[obs_dims.start : obs_dims.stop]) > 1
+            if (self.compact or first_rows) and many_rows:
                 tensor = _narrow_equal_rows(tensor, obs_dims, first_rows)
             return tensor
 
@@ -215,7 +211,8 @@ class _LatentsAtPoints(Messenger):
             num_dims = len(fn.batch_shape + fn.event_shape)
 
             def check_shape(shape, dtype):
-                if any(shape[d - num_dims] > 1 for d in obs_dims):
+                lead = len(shape) - num_dims  # obs_dims count from the left of fn's dims
+                if math.prod(shape[lead + obs_dims.start : lead + obs_dims.stop]) > 1:
                     self.memory_check(self.points.shape[0], dtype)
 
         msg["value"] = whiten(fn, u.reshape(noise_shape), latent.name, narrow, check_shape)
@@ -299,7 +296,9 @@ def run_at_points(
     latents = _LatentsAtPoints(structure, points, compact, first_rows, memory_check, watch)
     # The first trace validated the model on the data; validating every distribution again
     # at every point would double the cost of this run.
-    with points_plate(points.shape[0], structure.max_plate_nesting), pyro.validation_enabled(False):
+    # The plate over points sits left of every plate of the model.
+    plate = pyro.plate(_POINTS_PLATE, points.shape[0], dim=-(structure.max_plate_nesting + 1))
+    with plate, pyro.validation_enabled(False):
         trace = poutine.trace(latents(model)).get_trace(*args, **kwargs)
     if latents.position != len(structure.latents):
         missing = [latent.name for latent in structure.latents[latents.position :]]
