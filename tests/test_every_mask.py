@@ -291,16 +291,16 @@ def test_wake_contexts_average_the_targets():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        (dict(wake_contexts=-1), "non-negative"),
-        (dict(wake_contexts=1.5), "non-negative"),
-        (dict(wake_contexts=True), "non-negative"),
-        (dict(share_samples=True, wake_contexts=2), "unmasked_proposal=True"),
+        (dict(wake_contexts=-1), ValueError, "non-negative"),
+        (dict(wake_contexts=1.5), TypeError, "non-negative integer, got 1.5 of type float"),
+        (dict(wake_contexts=True), TypeError, "non-negative integer, got True of type bool"),
+        (dict(share_samples=True, wake_contexts=2), ValueError, "unmasked_proposal=True"),
     ],
 )
-def test_wake_contexts_is_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_wake_contexts_is_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
         ImportanceSampling(8, **kwargs)
 
 

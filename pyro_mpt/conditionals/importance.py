@@ -3,6 +3,7 @@ wake-phase loss that trains the guide as a proposal. The diagnostics of the weig
 :mod:`pyro_mpt.conditionals.importance_diagnostics`."""
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -514,10 +515,10 @@ class ImportanceSampling(Conditionals):
             )
         self.unmasked_proposal = bool(unmasked_proposal)
         if wake_contexts is not None:
-            if isinstance(wake_contexts, bool) or not isinstance(wake_contexts, int):
-                raise ValueError(
-                    f"wake_contexts must be a non-negative integer, got {wake_contexts!r}, "
-                    f"e.g. wake_contexts=1."
+            if isinstance(wake_contexts, bool) or not isinstance(wake_contexts, numbers.Integral):
+                raise TypeError(
+                    f"wake_contexts must be a non-negative integer, got {wake_contexts!r} of "
+                    f"type {type(wake_contexts).__name__}, e.g. wake_contexts=1."
                 )
             if wake_contexts < 0:
                 raise ValueError(
@@ -531,7 +532,7 @@ class ImportanceSampling(Conditionals):
                     f"unmasked input: pass share_samples=True, num_proposals=0, "
                     f"unmasked_proposal=True, or leave wake_contexts=None."
                 )
-        self.wake_contexts = wake_contexts
+        self.wake_contexts = None if wake_contexts is None else int(wake_contexts)
         self.fill = check_fill(fill)
         if debias not in DEBIAS:
             raise ValueError(
