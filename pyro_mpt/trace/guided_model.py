@@ -296,7 +296,11 @@ def _with_arguments(guided, args, kwargs):
     site = local.trace.nodes[local.observed.name]
     first = local.observed
     observed = read_observed_site(
-        dict(site, value=args[0]), first.full_shape, len(first.batch_shape), checked=True
+        dict(site, value=args[0]),
+        first.full_shape,
+        len(first.batch_shape),
+        checked=True,
+        dtype=first.value.dtype,
     )
     return guided._replace(
         args=tuple(args), kwargs=dict(kwargs), local=local._replace(observed=observed)
