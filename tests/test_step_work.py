@@ -166,6 +166,10 @@ def test_a_steady_step_finds_its_structure_by_identity(name, validation):
     assert "read_structure" not in names
     # Data whose shape and dtype the key fixes is checked again only under validation.
     assert ("_check_dtype" in names) == validation
+    if name == "exact":
+        # The first step verified the affine form; later ones again only under validation.
+        assert "_verify_affine" in first
+        assert ("_verify_affine" in names) == validation
 
 
 def test_the_first_step_still_checks_the_dtype_with_validation_off():
