@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 import os
+import weakref
 
 import torch
 from torch.distributions import constraints
@@ -427,8 +428,10 @@ class Quadrature(Conditionals):
         self.max_latent_dim = int(max_latent_dim)
         self.center = center
         self.max_memory_gb = None if max_memory_gb is None else float(max_memory_gb)
-        # The rule's nodes and log-weights in the dtypes and on the devices used so far.
+        # The rule's nodes and log-weights in the dtypes and on the devices used so far, and
+        # each structure's plan (see _plan), by its point layout.
         self._grids = {}
+        self._plans = weakref.WeakKeyDictionary()
 
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
@@ -484,6 +487,31 @@ class Quadrature(Conditionals):
     def prepare_with(self, structure, model, guide, args, kwargs):
         """:meth:`prepare` for a call like the one ``structure`` was read from (the same
         model and argument shapes): the model runs once, at the nodes."""
+        layout = structure.point_layout
+        plan = self._plans.get(layout) if layout is not None else None
+        if plan is None:  # once per structure: it depends on nothing else
+            plan = self._plan(structure)
+            if layout is not None:
+                self._plans[layout] = plan
+        nodes, log_weights, memory_check = plan
+        if self.center == "guide":
+            if guide is None:
+                raise NotApplicableError("quadrature with center='guide' needs a guide.")
+            center, scale = whitened_guide(model, guide, args, kwargs, structure)
+            nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
+        run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
+        # Draws run the model again at the nodes they pick, with the structure read here.
+        run_at = functools.partial(run_at_points, model, args, kwargs, structure)
+        # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
+        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check)
+
+    def _plan(self, structure):
+        """What a structure's every call uses: the prior's nodes and log-weights and the
+        memory check of :meth:`_memory_check`, after checking that the rule applies.
+
+        :raises NotApplicableError: for a model without local latents, a likelihood that does
+            not factorise over features, or more than ``max_latent_dim`` latent dimensions.
+        """
         observed = structure.observed
         if not structure.latents:
             raise NotApplicableError(
@@ -511,18 +539,7 @@ class Quadrature(Conditionals):
         if grid is None:  # once per latent dimension, dtype and device
             grid = gauss_hermite_grid(self.num_points, *grid_key)
             self._grids[grid_key] = grid
-        nodes, log_weights = grid
-        if self.center == "guide":
-            if guide is None:
-                raise NotApplicableError("quadrature with center='guide' needs a guide.")
-            center, scale = whitened_guide(model, guide, args, kwargs, structure)
-            nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
-        memory_check = self._memory_check(structure, latent_dim)
-        run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
-        # Draws run the model again at the nodes they pick, with the structure read here.
-        run_at = functools.partial(run_at_points, model, args, kwargs, structure)
-        # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
-        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check)
+        return (*grid, self._memory_check(structure, latent_dim))
 
     def _memory_check(self, structure, latent_dim):
         """A check, ``check(num_nodes, dtype)``, that raises before a run evaluates the
