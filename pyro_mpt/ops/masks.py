@@ -318,10 +318,10 @@ def _masks_below_threshold(sizes, num_features, dtype, generator=None):
     :func:`sort_rows`)."""
     shape = sizes.shape + (num_features,)
     if dtype.is_floating_point:
-        keys = torch.rand(shape, dtype=dtype, generator=generator)
+        keys = torch.rand(shape, dtype=dtype, device="cpu", generator=generator)
     else:
         size = math.prod(shape)
-        bits = torch.empty(-(-size // 4), dtype=torch.int64)
+        bits = torch.empty(-(-size // 4), dtype=torch.int64, device="cpu")
         bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
         keys = bits.view(torch.int16)[:size].reshape(shape)
     sorted_keys = torch.from_numpy(np.sort(keys.numpy(), axis=-1))
@@ -456,7 +456,4 @@ def mpt_estimate(log_conditionals, masks, num_features=None, sizes=None):
     """
     if num_features is None:
         num_features = log_conditionals.shape[-1]
-    if sizes is None:
-        sizes = masks.expand(log_conditionals.shape).sum(-1)
-    scores = masked_sum(log_conditionals, masks) / sizes.to(log_conditionals.dtype).clamp(min=1)
-    return num_features * scores.mean(0)
+    return num_features * mask_scores(log_conditionals, masks, sizes).mean(0)
