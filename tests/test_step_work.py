@@ -212,3 +212,37 @@ def test_a_steady_step_calls_autos_choice_with_the_structure_the_loss_holds(mode
     assert auto.search.calls == 0
     assert auto.chosen._structure.get.calls == 0
     assert auto.chosen.prepare_with.calls == 2
+
+
+def test_a_steady_step_computes_in_the_dtype_its_run_gives_the_parameters():
+    # Float64 data near 1e4 with a noise scale of 1e-3: rounded to float32 (spacing 1e-3
+    # there) they would be off by nats. The parameters are made float64 after the first call
+    # of the same shapes; the steady step must score the data in float64, as a fresh loss
+    # does, and give the closed-form log-density.
+    dtype = [torch.float32]
+
+    def model(x):
+        weight = pyro.param("weight", lambda: torch.ones(x.shape[-1], 2, dtype=dtype[0]))
+        loc = pyro.param("loc", lambda: torch.full((x.shape[-1],), 1e4, dtype=dtype[0]))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=dtype[0]), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T + loc, 1e-3).to_event(1), obs=x)
+
+    def batch(seed):
+        generator = torch.Generator().manual_seed(seed)
+        z = torch.randn(40, 2, generator=generator, dtype=torch.float64)
+        noise = 1e-3 * torch.randn(40, 5, generator=generator, dtype=torch.float64)
+        return z @ torch.ones(5, 2, dtype=torch.float64).T + 1e4 + noise
+
+    pyro.clear_param_store()
+    loss = MPTLoss(num_masks="all")
+    loss.differentiable_loss(model, _no_guide, batch(0))
+    pyro.clear_param_store()
+    dtype[0] = torch.float64
+    x = batch(1)
+    got = loss.differentiable_loss(model, _no_guide, x)
+    covariance = torch.ones(5, 5, dtype=torch.float64) * 2 + 1e-6 * torch.eye(5, dtype=torch.float64)
+    marginal = dist.MultivariateNormal(torch.full((5,), 1e4, dtype=torch.float64), covariance)
+    expected = -marginal.log_prob(x).sum()
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.detach(), expected, rtol=1e-9, atol=1e-6)

@@ -296,11 +296,7 @@ def _with_arguments(guided, args, kwargs):
     site = local.trace.nodes[local.observed.name]
     first = local.observed
     observed = read_observed_site(
-        dict(site, value=args[0]),
-        first.full_shape,
-        len(first.batch_shape),
-        checked=True,
-        dtype=first.value.dtype,
+        dict(site, value=args[0]), first.full_shape, len(first.batch_shape), checked=True
     )
     return guided._replace(
         args=tuple(args), kwargs=dict(kwargs), local=local._replace(observed=observed)

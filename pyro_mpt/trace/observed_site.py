@@ -93,21 +93,21 @@ def _check_dtype(name, value, fn):
         )
 
 
-def read_observed_site(site, full_shape, num_batch, checked=False, dtype=None):
+def read_observed_site(site, full_shape, num_batch, checked=False):
     """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
     shape ``full_shape`` (after any leading dims of points or samples), of which the first
     ``num_batch`` index observations. With ``checked`` (a later run of a model whose
     structure was read from data of the same shape and dtype), the dtype and shape are
-    checked again only while Pyro's validation is enabled; ``dtype``, where the caller has
-    it from that read, is the one floating data are computed in (else the parameters')."""
+    checked again only while Pyro's validation is enabled. Floating data are computed in
+    the dtype of the distribution's parameters in this run: a model whose parameters were
+    made float64 since the first read computes in float64."""
     name, fn = site["name"], site["fn"]
     validate = is_validation_enabled()
     if validate or not checked:
         _check_value(name, site["value"], fn, full_shape)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
     value = given = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
-    if dtype is None:
-        dtype = _parameter_dtype(fn)
+    dtype = _parameter_dtype(fn)
     if value.is_floating_point() and dtype is not None and dtype != value.dtype:
         # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
         # are computed in the model's dtype.
@@ -255,8 +255,7 @@ def observed_in_run(structure, trace):
             f"MPTLoss needs the same sites on every run of the model."
         )
     first = structure.observed
-    full_shape, num_batch, dtype = first.full_shape, len(first.batch_shape), first.value.dtype
-    observed = read_observed_site(site, full_shape, num_batch, checked=True, dtype=dtype)
+    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
     scale = site["scale"]  # a number, unless poutine.scale was given a tensor
     if torch.is_tensor(scale):
         scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
