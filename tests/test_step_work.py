@@ -241,7 +241,8 @@ def test_a_steady_step_computes_in_the_dtype_its_run_gives_the_parameters():
     dtype[0] = torch.float64
     x = batch(1)
     got = loss.differentiable_loss(model, _no_guide, x)
-    covariance = torch.ones(5, 5, dtype=torch.float64) * 2 + 1e-6 * torch.eye(5, dtype=torch.float64)
+    # W W^T + s^2 I with W all ones (K = 2) and s = 1e-3.
+    covariance = torch.full((5, 5), 2.0, dtype=torch.float64) + 1e-6 * torch.eye(5)
     marginal = dist.MultivariateNormal(torch.full((5,), 1e4, dtype=torch.float64), covariance)
     expected = -marginal.log_prob(x).sum()
     assert got.dtype == torch.float64
