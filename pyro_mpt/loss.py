@@ -1,5 +1,6 @@
 """``MPTLoss``: masked pre-training as a Pyro objective, beside ``Trace_ELBO``."""
 
+import contextlib
 import logging
 import math
 import warnings
@@ -18,6 +19,7 @@ from pyro_mpt.conditionals.auto import (
     prepare_call,
 )
 from pyro_mpt.conditionals.base import gap_sentence
+from pyro_mpt.conditionals.exact import verify_every_call
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import (
     NotApplicableError,
@@ -236,7 +238,7 @@ class MPTLoss(ELBO):
         call like the last successful one (the next mini-batch) takes the steady route."""
         key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
         self._num_calls += 1
-        steady = key == self._last_call
+        steady, verify = key == self._last_call, contextlib.nullcontext()
         if steady:
             # A later call like the last one that succeeded (the next mini-batch): the
             # plate nesting is known, the guide's sites were compared, parameters exist, and
@@ -251,20 +253,26 @@ class MPTLoss(ELBO):
                     self._last_call = None
                     raise
                 # A kept structure that the model outgrew (e.g. a site that obs_mask added):
-                # read afresh below, where a genuine error repeats.
-                steady = False
+                # read afresh below, where a genuine error repeats (a linear-Gaussian form
+                # that no longer holds is verified again there, validation on or off).
+                steady, verify = False, verify_every_call()
             except BaseException:
                 self._last_call = None
                 raise
         if not steady:
             self._last_call = None
             self._accuracy_counts = [0, 0]
-            try:
-                prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
-            except StaleStructureError:
-                # A strategy shared with another loss kept a read that the model outgrew; it
-                # forgot it on the way out, so this reads the model afresh.
-                prepared, estimates = self._first_prepare_and_estimate(model, guide, args, kwargs)
+            with verify:
+                try:
+                    prepared, estimates = self._first_prepare_and_estimate(
+                        model, guide, args, kwargs
+                    )
+                except StaleStructureError:
+                    # A strategy shared with another loss kept a read that the model outgrew;
+                    # it forgot it on the way out, so this reads the model afresh.
+                    prepared, estimates = self._first_prepare_and_estimate(
+                        model, guide, args, kwargs
+                    )
             # The key holds ids: the objects behind them stay alive while it is kept.
             others = tuple(v for v in (*args, *kwargs.values()) if not torch.is_tensor(v))
             self._kept = (model, guide, others)
@@ -290,21 +298,25 @@ class MPTLoss(ELBO):
         if check:
             self._next_check = max(4 * self._next_check, _FIRST_CHECK)
         before = RandomState() if check else None
-        try:
-            nesting = self.max_plate_nesting
-            if structure is not None:
-                prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
-            else:
-                call = (model, guide, args, kwargs, nesting, self._signature)
-                prepared = prepare_call(strategy, *call)
-            if check:
-                call = (model, guide, args, kwargs)
-                prepared = self._check_accuracy(strategy, structure, prepared, call, before)
-        except NotApplicableError:
-            if strategy is self.conditionals:
-                raise
-            # Auto's choice no longer applies (the model changed): auto searches again.
-            prepared = self._search_again(model, guide, args, kwargs)
+        # On those calls a linear-Gaussian form is verified again, validation on or off (and
+        # by auto's search, if it searches again): parameters trained since the first call
+        # may have made the model nonlinear.
+        with verify_every_call() if check else contextlib.nullcontext():
+            try:
+                nesting = self.max_plate_nesting
+                if structure is not None:
+                    prepared = strategy.prepare_with(structure, model, guide, args, kwargs)
+                else:
+                    call = (model, guide, args, kwargs, nesting, self._signature)
+                    prepared = prepare_call(strategy, *call)
+                if check:
+                    call = (model, guide, args, kwargs)
+                    prepared = self._check_accuracy(strategy, structure, prepared, call, before)
+            except NotApplicableError:
+                if strategy is self.conditionals:
+                    raise
+                # Auto's choice no longer applies (the model changed): auto searches again.
+                prepared = self._search_again(model, guide, args, kwargs)
         return prepared, self._estimate(prepared)
 
     def _search_again(self, model, guide, args, kwargs):

@@ -1,0 +1,73 @@
+"""A linear-Gaussian form found at the first step is verified again as training goes on,
+with Pyro's validation off too: a parameter may make the model nonlinear after the first
+step. The reference is a brute-force grid over the one latent dimension."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_mpt import MPTLoss
+from pyro_mpt.conditionals import Exact, Quadrature
+from pyro_mpt.conditionals.exact import NotGaussianError
+
+WEIGHT = torch.tensor([[1.0], [-0.5], [0.8]])
+
+
+def _model(x):
+    # Linear in z while ``bend`` is 0; bent by tanh(3 z) once it is not.
+    bend = pyro.param("bend", lambda: torch.zeros(3))
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+        loc = z @ WEIGHT.T + bend * torch.tanh(3 * z)
+        pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
+
+
+def _no_guide(x):
+    pass
+
+
+def _grid_log_marginal(x, bend):
+    """log p(x) of every row by a Riemann sum on 20001 points of [-8, 8]."""
+    z = torch.linspace(-8, 8, 20001, dtype=torch.float64)[:, None]
+    loc = z @ WEIGHT.T.double() + bend.double() * torch.tanh(3 * z)
+    log_joint = dist.Normal(loc[:, None], 0.5).log_prob(x.double()).sum(-1)
+    log_joint = log_joint + dist.Normal(0.0, 1.0).log_prob(z)
+    return torch.logsumexp(log_joint, 0) + math.log(16 / 20000)
+
+
+def _bend(value):
+    with torch.no_grad():
+        pyro.param("bend").fill_(value)
+
+
+def test_a_form_given_by_the_user_is_verified_again_on_the_second_step():
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x = torch.randn(32, 3)
+    loss = MPTLoss(num_masks="all", conditionals=Exact())
+    with pyro.validation_enabled(False):
+        loss.differentiable_loss(_model, _no_guide, x)
+        _bend(1.0)
+        with pytest.raises(NotGaussianError, match="not affine"):
+            loss.differentiable_loss(_model, _no_guide, x)
+
+
+def test_auto_leaves_a_form_that_no_longer_holds_at_its_next_check():
+    # Auto checks its choice on the 16th call: the model bent after the first is then
+    # integrated by quadrature, within auto's accuracy of the grid.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x = torch.randn(32, 3)
+    loss = MPTLoss(num_masks="all", conditionals="auto")
+    with pyro.validation_enabled(False):
+        loss.differentiable_loss(_model, _no_guide, x)
+        assert isinstance(loss.conditionals.in_use, Exact)
+        _bend(1.0)
+        for _ in range(15):
+            value = loss.differentiable_loss(_model, _no_guide, x)
+    assert isinstance(loss.conditionals.in_use, Quadrature)
+    expected = -_grid_log_marginal(x, pyro.param("bend").detach()).sum()
+    assert abs(float(value) - float(expected)) < 0.05 * x.shape[0]
