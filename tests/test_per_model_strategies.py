@@ -341,3 +341,56 @@ def test_obs_mask_added_to_a_kept_exact_model_is_read_afresh():
 
 def _no_guide(x):
     pass
+
+
+class _SecondLatent:
+    """A linear-Gaussian model that samples a second latent ``z2`` once ``extra`` is set (a
+    change its argument shapes do not show), with the exact joint posterior as its guide:
+    every importance weight is ``p(x)``."""
+
+    loadings = torch.tensor([[0.8, 0.4], [-0.5, 0.9], [0.3, -0.6], [1.1, 0.2], [0.2, 0.7]])
+    extra = False
+
+    def _columns(self):
+        return self.loadings if self.extra else self.loadings[:, :1]
+
+    def model(self, x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+            loc = z * self.loadings[:, 0]
+            if self.extra:
+                z2 = pyro.sample("z2", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+                loc = loc + z2 * self.loadings[:, 1]
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
+
+    def guide(self, x):
+        # p(z, z2 | x) = N(m, C): z from its marginal, z2 from its conditional given z.
+        a = self._columns()
+        covariance = torch.linalg.inv(torch.eye(a.shape[1]) + a.T @ a / 0.25)
+        mean = x @ a / 0.25 @ covariance
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(mean[..., :1], covariance[0, 0].sqrt()).to_event(1))
+            if self.extra:
+                slope = covariance[1, 0] / covariance[0, 0]
+                spread = (covariance[1, 1] - slope * covariance[1, 0]).sqrt()
+                loc = mean[..., 1:] + slope * (z - mean[..., :1])
+                pyro.sample("z2", dist.Normal(loc, spread).to_event(1))
+
+    def log_marginal(self, x):
+        a = self._columns()
+        covariance = a @ a.T + 0.25 * torch.eye(5)
+        return dist.MultivariateNormal(torch.zeros(5), covariance).log_prob(x)
+
+
+@pytest.mark.parametrize("added", [True, False])
+def test_a_latent_that_came_or_went_on_a_kept_importance_model_is_scored(added):
+    # A latent the kept read does not have would be left out of the importance weights
+    # (off by nats from p(x)); one it has that the model no longer samples would be missed.
+    switchable = _SecondLatent()
+    switchable.extra = not added
+    x = torch.randn(12, 5)
+    log_marginal(switchable.model, x, guide=switchable.guide, conditionals="importance")
+    switchable.extra = added
+    for _ in range(2):  # the call that reads the model again, and the one after
+        got = log_marginal(switchable.model, x, guide=switchable.guide, conditionals="importance")
+        torch.testing.assert_close(got, switchable.log_marginal(x))

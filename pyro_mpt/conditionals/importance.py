@@ -102,11 +102,11 @@ class ImportanceSelfPredictive(SelfPredictive):
         ``(S, P) + batch + (D,)``. Keeps the guide trace for :meth:`proposal_loss`."""
         guided, num_samples = self.guided, self.num_samples
         guide_trace, model_trace = run_guided(guided, filled, num_samples, hidden=hidden)
+        site, self.scale = observed_site_of_run(guided, model_trace)
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (num_samples, filled.shape[0])
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
         log_q = proposal_log_density(guide_trace, guided, lead)
-        site, self.scale = observed_site_of_run(guided, model_trace)
         ll = observed_log_prob(unwrap_independent(site["fn"]), site["value"])
         self._proposal_terms = (guide_trace, lead)
         return log_p - log_q, observed_tensor(ll, guided, lead)
@@ -172,10 +172,10 @@ class ImportanceSelfPredictive(SelfPredictive):
         _, model_trace = run_guided(
             guided, filled[:1], pooled_size, hidden=hidden[:1], guide_trace=pooled
         )
+        site, self.scale = observed_site_of_run(guided, model_trace)
         check_factors(guided.local, model_trace, "importance sampling")
         lead = (pooled_size, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
-        site, self.scale = observed_site_of_run(guided, model_trace)
         fn = unwrap_independent(site["fn"])
         ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)
         self._proposal_terms = (scored, (pooled_size, num_masks))

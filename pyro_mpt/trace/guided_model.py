@@ -23,7 +23,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
 from pyro_mpt.trace.guide_densities import joint_auto_latent
-from pyro_mpt.trace.model_structure import read_structure
+from pyro_mpt.trace.model_structure import latent_names_in, read_structure
 from pyro_mpt.trace.observed_site import check_run_matches, read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import (
@@ -268,8 +268,10 @@ def observed_site_of_run(guided, model_trace):
     observed site had no mask and it had no ``pyro.factor`` then; a run with either means the
     model changed under the same argument shapes: the read is forgotten and
     :class:`~pyro_mpt.errors.StaleStructureError` raised, so that the caller reads the
-    model afresh. Its latents must still be scaled like the observation (a tempered
-    likelihood is refused, as on the first read).
+    model afresh. So does a run whose latent sites are not those of the read (a latent that
+    came or went would be left out of the weights, or missed). Its latents must still be
+    scaled like the observation (a tempered likelihood is refused, as on the first read).
+    Callers read the site before the latents' densities.
     """
     local = guided.local
     site = model_trace.nodes[local.observed.name]
@@ -281,6 +283,13 @@ def observed_site_of_run(guided, model_trace):
             raise StaleStructureError(
                 f"Observed site {site['name']!r} has a mask on this call that it had not on "
                 f"the first call with these argument shapes: the model is read again."
+            )
+        latents = latent_names_in(model_trace)
+        if latents != list(local.latent_names):
+            raise StaleStructureError(
+                f"The model's latent sites are {latents} on this call and were "
+                f"{list(local.latent_names)} on the first call with these argument shapes: "
+                f"the model is read again."
             )
         check_run_matches(local, model_trace, scale)
     except StaleStructureError:
