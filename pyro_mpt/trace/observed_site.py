@@ -256,10 +256,7 @@ def observed_in_run(structure, trace):
         )
     first = structure.observed
     observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    scale = site["scale"]  # a number, unless poutine.scale was given a tensor
-    if torch.is_tensor(scale):
-        scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
-    return observed, scale if torch.is_tensor(scale) else float(scale)
+    return observed, site_scale(site, observed.batch_shape, observed.num_feature_dims)
 
 
 def check_run_matches(structure, trace, scale):
