@@ -107,7 +107,11 @@ class MPTLoss(ELBO):
         suits the strategy: ``"wake"`` for importance sampling, ``"elbo"`` for quadrature
         nodes centred at the guide, else ``None`` (exact and prior-centred quadrature
         conditionals do not reach the guide; a one-time warning says so when the guide has
-        parameters, and ``"elbo"`` trains it).
+        parameters, and ``"elbo"`` trains it). Under ``"wake"`` and ``"elbo"`` the
+        parameters of the model and of the guide are told apart once per call shape, and
+        again when Pyro's param store changes; with ``module_local_params``, when a module
+        that the model or guide is (or is a method of) changes, and on every call if the
+        model or guide is a plain function.
     :param bool retain_graph: as for ``Trace_ELBO``.
 
     Example::
@@ -530,17 +534,18 @@ class MPTLoss(ELBO):
         """The unconstrained parameters of the model, and those of the guide only.
 
         Found by tracing the guide and the model, once per model, guide and argument shapes
-        while Pyro's param store holds the same tensors: a later step of the same call takes
-        the lists found then (the parameters that still need a gradient).
+        while the parameters they rest on are the same tensors (:func:`_parameter_snapshot`):
+        a later step of the same call takes the lists found then (the parameters that still
+        need a gradient).
 
         :param key: the call's :meth:`_call_key` when the caller has it already.
         """
-        store = tuple(pyro.get_param_store().named_parameters())
+        store = _parameter_snapshot(model, guide)
         if key is None:
             key = self._call_key(model, guide, args, kwargs)
         found = self._params_found
         guessed, self._guess_traces = self._guess_traces, None
-        if found is None or found[0] != key or not _same_store(found[1], store):
+        if found is None or found[0] != key or store is None or not _same_store(found[1], store):
             if guessed is not None and guessed[0] == key and guide is not None:
                 guide_trace, model_trace = guessed[1]
             else:
@@ -592,6 +597,26 @@ _EVERY_MASK_ADVICE = (
 
 #: The call from which ``MPTLoss`` first checks a strategy's accuracy (then 4 times later).
 _FIRST_CHECK = 16
+
+
+def _parameter_snapshot(model, guide):
+    """The ``(name, tensor)`` pairs that the parameter lists of a call rest on: Pyro's param
+    store's and, under ``pyro.settings.set(module_local_params=True)``, where parameters live
+    in their modules rather than the store, those of the modules that the model and the guide
+    are (or are methods of): a module replaced between steps is found. ``None`` when in that
+    mode the model or the guide is not such a module (its parameters cannot be seen): the
+    lists are found again on every call."""
+    store = tuple(pyro.get_param_store().named_parameters())
+    if not pyro.settings.get("module_local_params"):
+        return store
+    modules = []
+    for fn in (model, guide):
+        owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        if not isinstance(owner, torch.nn.Module):
+            return None
+        if all(owner is not module for module in modules):
+            modules.append(owner)
+    return store + tuple(pair for module in modules for pair in module.named_parameters())
 
 
 def _same_store(before, now):

@@ -8,6 +8,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
 
 from pyro_mpt import MPTLoss, log_marginal
 from pyro_mpt.models import PPCA, FactorAnalysis
@@ -256,3 +258,36 @@ def test_per_observation_structure_is_probed_correctly(kind):
     x = mean + torch.randn(num_obs, 4) @ torch.linalg.cholesky(cov).T
     expected = torch.distributions.MultivariateNormal(mean, cov).log_prob(x)
     torch.testing.assert_close(log_marginal(model, x), expected)
+
+
+def test_a_module_replaced_between_steps_with_module_local_params_gets_its_gradient():
+    # With module_local_params the parameters live in the modules, not in Pyro's param
+    # store. Under guide_loss="elbo" the model's parameters follow the MPT gradient: a
+    # decoder replaced after the first step must get it on the next one, here the gradient
+    # of the closed-form -log p(x) (every mask, exact conditionals, unit prior).
+    class Model(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.decoder = torch.nn.Linear(2, 4)
+
+        def forward(self, x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+                pyro.sample("x", dist.Normal(self.decoder(z), 0.5).to_event(1), obs=x)
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with pyro.settings.context(module_local_params=True):
+        torch.manual_seed(0)
+        model = Model()
+        guide = AutoNormal(model)
+        loss = MPTLoss(conditionals="exact", num_masks="all", guide_loss="elbo")
+        loss.loss_and_grads(model, guide, x)
+        model.decoder = torch.nn.Linear(2, 4)
+        loss.loss_and_grads(model, guide, x)
+    weight, bias = model.decoder.weight, model.decoder.bias
+    covariance = weight @ weight.T + 0.25 * torch.eye(4)
+    closed_form = -dist.MultivariateNormal(bias, covariance).log_prob(x).sum()
+    expected = torch.autograd.grad(closed_form, [weight, bias])
+    assert weight.grad is not None and bias.grad is not None
+    torch.testing.assert_close(weight.grad, expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bias.grad, expected[1], rtol=1e-4, atol=1e-4)

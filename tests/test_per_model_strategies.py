@@ -12,6 +12,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
+from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
 
 from pyro_mpt import MPTLoss, impute, log_marginal, mpt_curve
@@ -265,10 +266,11 @@ def test_a_model_fixed_after_a_refusal_is_read_again():
 
 class _WithFactor:
     """A linear-Gaussian model that may add a constant ``pyro.factor`` (a penalty switched on
-    after a warm-up) or scale its latent alone (a tempered likelihood)."""
+    after a warm-up) or scale its latent or its observation alone (a tempered likelihood)."""
 
     penalty = 0.0
     latent_scale = 1.0
+    observed_scale = 1.0
 
     def model(self, x):
         if self.penalty:
@@ -276,7 +278,8 @@ class _WithFactor:
         with pyro.plate("data", x.shape[-2]):
             with poutine.scale(scale=self.latent_scale):
                 z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ WEIGHT.T, NOISE).to_event(1), obs=x)
+            with poutine.scale(scale=self.observed_scale):
+                pyro.sample("x", dist.Normal(z @ WEIGHT.T, NOISE).to_event(1), obs=x)
 
     def guide(self, x):
         pass
@@ -311,6 +314,24 @@ def test_a_latent_scaled_alone_is_refused_on_a_kept_read(conditionals):
             loss.loss(with_factor.model, with_factor.guide, x)
         with pytest.raises(ValueError, match="different scales"):
             log_marginal(with_factor.model, x, conditionals=conditionals)
+
+
+@pytest.mark.parametrize("conditionals", ["exact", "quadrature", "importance"])
+def test_an_observation_scaled_alone_by_a_tensor_is_refused_on_a_kept_read(conditionals):
+    # With validation off, tensor scales are not compared by value on a kept read (that
+    # reads the device); a scale that became a tensor around one site since the read is
+    # still caught: the model is read again, and the read refuses the tempered likelihood.
+    with_factor = _WithFactor()
+    x = torch.randn(10, 4)
+    guide = AutoNormal(with_factor.model) if conditionals == "importance" else with_factor.guide
+    loss = MPTLoss(conditionals=conditionals)
+    with pyro.validation_enabled(False):
+        loss.loss(with_factor.model, guide, x)
+        with_factor.observed_scale = torch.full((10,), 0.1)
+        with pytest.raises(ValueError, match="different scales"):
+            loss.loss(with_factor.model, guide, x)
+        with_factor.observed_scale = 1.0
+        assert math.isfinite(loss.loss(with_factor.model, guide, x))
 
 
 def test_obs_mask_added_to_a_kept_exact_model_is_read_afresh():

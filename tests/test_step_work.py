@@ -247,3 +247,31 @@ def test_a_steady_step_computes_in_the_dtype_its_run_gives_the_parameters():
     expected = -marginal.log_prob(x).sum()
     assert got.dtype == torch.float64
     torch.testing.assert_close(got.detach(), expected, rtol=1e-9, atol=1e-6)
+
+
+@pytest.mark.parametrize("conditionals", ["exact", "quadrature"])
+def test_a_steady_step_fits_points_to_parameters_made_float32_since_the_first_call(conditionals):
+    # The first call reads the model in float64 and makes its points in float64; the
+    # parameters are then made float32 under the same call shapes. The latents at those
+    # points take their prior's dtype, as a draw would, so the steady step runs (it raised a
+    # dtype error inside the model) and gives the closed-form log-density.
+    dtype = [torch.float64]
+
+    def model(x):
+        weight = pyro.param("weight", lambda: torch.full((x.shape[-1], 1), 0.8, dtype=dtype[0]))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=dtype[0]), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 1.0).to_event(1), obs=x)
+
+    x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    pyro.clear_param_store()
+    loss = MPTLoss(num_masks="all", conditionals=conditionals)
+    loss.differentiable_loss(model, _no_guide, x.double())
+    pyro.clear_param_store()
+    dtype[0] = torch.float32
+    got = loss.differentiable_loss(model, _no_guide, x.double())
+    covariance = torch.full((3, 3), 0.64) + torch.eye(3)
+    expected = -dist.MultivariateNormal(torch.zeros(3), covariance).log_prob(x).sum()
+    # Quadrature's 20 nodes per dimension integrate this one-dimensional latent to within
+    # 1e-5 nats in all; float32 arithmetic over 12 rows adds about as much.
+    torch.testing.assert_close(got.detach().double(), expected.double(), rtol=0, atol=1e-3)

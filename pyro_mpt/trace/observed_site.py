@@ -268,7 +268,10 @@ def check_run_matches(structure, trace, scale):
       caller reads it afresh);
     * every latent is scaled like the observation (annealing may change both, not one
       alone): ``ValueError`` as on the first read. Tensor scales are compared by value, a
-      read of the device, while Pyro's validation is enabled.
+      read of the device, while Pyro's validation is enabled; with it off, a scale that
+      became a tensor or a number since the read (``poutine.scale`` added or removed around
+      one site) is a :class:`~pyro_mpt.errors.StaleStructureError`, so the read afresh
+      compares the scales by value.
     """
     factors = []
     for name, site in trace.nodes.items():
@@ -280,6 +283,7 @@ def check_run_matches(structure, trace, scale):
             f"{list(structure.factor_names)} when it was read: the model is read again."
         )
     validate = is_validation_enabled()
+    read = structure.trace.nodes
     for name in structure.latent_names:
         latent_scale = trace.nodes[name]["scale"]
         if not torch.is_tensor(latent_scale) and not torch.is_tensor(scale):
@@ -289,6 +293,13 @@ def check_run_matches(structure, trace, scale):
             if latent_scale.dim() and scale_now.dim() and latent_scale.shape != scale_now.shape:
                 continue  # laid out differently: the first read compared them per observation
             same = bool((latent_scale == scale_now).all())
+        elif torch.is_tensor(latent_scale) != torch.is_tensor(read[name]["scale"]) or (
+            torch.is_tensor(scale) != torch.is_tensor(structure.scale)
+        ):
+            raise StaleStructureError(
+                f"The scales of sites {name!r} and {structure.observed.name!r} changed kind "
+                f"(a number or a tensor) since the model was read: the model is read again."
+            )
         else:
             continue
         if not same:

@@ -94,7 +94,9 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
     :param fn: the site's distribution (``Normal``, ``MultivariateNormal``,
         ``LowRankMultivariateNormal``, a transformed one of these such as ``LogNormal``, any
         of them made an event with ``.to_event``).
-    :param torch.Tensor u: noise broadcastable to the site's value shape.
+    :param torch.Tensor u: noise broadcastable to the site's value shape. The value is in
+        the prior's dtype, as a draw from it would be, whatever the dtype of ``u``: points
+        made for a model whose parameters have since changed dtype still fit it.
     :param narrow: applied to each parameter tensor of the prior before it maps ``u``; the
         default narrows broadcast dims, so a prior shared by every observation stays one
         copy.
@@ -107,7 +109,7 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
         loc, scale = narrow(base.loc), narrow(base.scale)
         if check_shape is not None:
             check_shape(torch.broadcast_shapes(loc.shape, scale.shape, u.shape), loc.dtype)
-        return loc + scale * u
+        return loc + scale * u.to(loc.dtype)
     if isinstance(
         base,
         (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal),
@@ -116,7 +118,7 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
         if check_shape is not None:
             shape = torch.broadcast_shapes(loc.shape, tril.shape[:-1], u.shape)
             check_shape(shape, loc.dtype)
-        return loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
+        return loc + (tril @ u.to(loc.dtype).unsqueeze(-1)).squeeze(-1)
     if isinstance(base, torch.distributions.TransformedDistribution):
         inner = base.base_dist
         if inner.batch_shape + inner.event_shape != base.batch_shape + base.event_shape:
