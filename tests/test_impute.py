@@ -5,14 +5,17 @@ encode-decode), each against its own reference, and the errors.
 """
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
 
-from pyro_mpt import impute
+from pyro_mpt import gibbs, impute
 from pyro_mpt.conditionals import EncodeDecode, ImportanceSampling, Quadrature
+from pyro_mpt.errors import ImportanceAccuracyWarning, QuadratureAccuracyWarning
 from pyro_mpt.models import PPCA, LinearVAE
 
 NUM_SE = 4.5
@@ -159,22 +162,124 @@ def test_quadrature_joint_of_two_features_matches_grid(model, likelihood, x, val
             assert abs(both - product) > 3 * NUM_SE * math.sqrt(0.25 / n)
 
 
-def test_quadrature_at_the_guide_matches_prior_rule():
+def _narrow_posterior_model(x):
+    # Eight features with noise 0.1: p(z | x_R) is far narrower than the prior.
+    weight = torch.tensor([1.5, -2.0, 0.7, 3.0, 1.0, 2.0, -1.0, 0.5], dtype=x.dtype)
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+        pyro.sample("x", dist.Normal(z[..., None] * weight, 0.1).to_event(1), obs=x)
+
+
+def test_a_coarse_quadrature_rule_warns_where_its_draws_are_off():
+    # Twenty nodes under the prior miss p(z | x_R): the draws of x_0 are off by many
+    # standard errors, and impute and gibbs say so, as log_marginal does (they used not to).
+    weight = torch.tensor([1.5, -2.0, 0.7, 3.0, 1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    cov = torch.outer(weight, weight) + 0.01 * torch.eye(8, dtype=torch.float64)
+    x = torch.distributions.MultivariateNormal(torch.zeros(8, dtype=torch.float64), cov).sample(
+        (2,)
+    )
+    missing = torch.zeros(2, 8, dtype=torch.bool)
+    missing[:, 0] = True
+    n = 4000
+    with pytest.warns(QuadratureAccuracyWarning, match="impute"):
+        draws = impute(
+            _narrow_posterior_model, x, missing=missing, num_samples=n, conditionals="quadrature"
+        )
+    off = 0
+    for i in range(2):
+        mean, block = _gaussian_conditional(
+            cov, torch.zeros(8, dtype=torch.float64), x[i], missing[i]
+        )
+        off = max(off, ((draws[:, i, 0].mean() - mean[0]).abs() / (block[0, 0] / n).sqrt()).item())
+    assert off > NUM_SE  # the warning is warranted
+    with pytest.warns(QuadratureAccuracyWarning, match="gibbs"):
+        gibbs(
+            _narrow_posterior_model,
+            x,
+            block_size=1,
+            num_steps=1,
+            conditionals="quadrature",
+            progress=False,
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuadratureAccuracyWarning)
+        impute(
+            _narrow_posterior_model,
+            x,
+            missing=missing,
+            conditionals="quadrature",
+            check_rule=False,
+        )
+
+
+@pytest.mark.parametrize("function", ["impute", "gibbs"])
+def test_quadrature_at_the_guide_is_refused_for_draws(function):
+    # The guide reads the whole data, the entries to draw too: nodes at its q(z | x) would
+    # make the draws depend on values impute and gibbs ignore.
     vae = LinearVAE(5, 1)
     x = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0, 1.0]])
-    missing = torch.tensor([1, 1, 0, 0, 0], dtype=torch.bool)
-    n = 20000
-    prior = impute(vae.model, x, missing=missing, num_samples=n, conditionals=Quadrature(40))
-    guided = impute(
-        vae.model,
-        x,
-        missing=missing,
-        num_samples=n,
-        conditionals=Quadrature(40, center="guide"),
-        guide=vae.guide,
-    )
-    p, q = prior[:, :, :2].mean(0), guided[:, :, :2].mean(0)
-    assert ((p - q).abs() <= NUM_SE * (2 * 0.25 / n) ** 0.5).all()
+    rule = Quadrature(40, center="guide")
+    with pytest.raises(ValueError, match=r"center='guide'.*Quadrature\(num_points=...\)"):
+        if function == "impute":
+            missing = torch.tensor([1, 1, 0, 0, 0], dtype=torch.bool)
+            impute(vae.model, x, missing=missing, conditionals=rule, guide=vae.guide)
+        else:
+            gibbs(
+                vae.model,
+                x,
+                block_size=1,
+                num_steps=1,
+                conditionals=rule,
+                guide=vae.guide,
+                progress=False,
+            )
+
+
+@pytest.mark.parametrize("autoguide", [AutoDiagonalNormal, AutoMultivariateNormal])
+def test_importance_draws_weigh_each_observation_by_its_block_of_a_joint_autoguide(autoguide):
+    # An AutoContinuous guide draws every observation's latents as one vector; each
+    # observation's weight takes its own block's density (the joint one made the weights
+    # heavy-tailed: a warning on every call and draws off by ~5 standard errors).
+    weight, noise = torch.tensor([1.0, -0.8, 0.6, 1.2], dtype=torch.float64), 0.5
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            pyro.sample("x", dist.Normal(z[..., None] * weight, noise).to_event(1), obs=x)
+
+    generator = torch.Generator().manual_seed(0)
+    z = torch.randn(12, 1, generator=generator, dtype=torch.float64)
+    x = z * weight + noise * torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    missing = torch.zeros(12, 4, dtype=torch.bool)
+    missing[:, 0] = True
+    # The guide at the exact posterior of z given the whole x: a proposal for p(z | x_R).
+    precision = 1 + (weight**2).sum() / noise**2
+    pyro.clear_param_store()
+    guide = autoguide(model)
+    guide(x)
+    with torch.no_grad():
+        guide.loc.copy_((x @ weight) / noise**2 / precision)
+        guide.scale = torch.full((12,), precision.rsqrt().item(), dtype=torch.float64)
+    n = 4000
+    pyro.set_rng_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ImportanceAccuracyWarning)
+        draws = impute(
+            model,
+            x,
+            missing=missing,
+            num_samples=n,
+            conditionals=ImportanceSampling(256),
+            guide=guide,
+        )
+    cov = torch.outer(weight, weight) + noise**2 * torch.eye(4, dtype=torch.float64)
+    for i in range(12):
+        mean, block = _gaussian_conditional(
+            cov, torch.zeros(4, dtype=torch.float64), x[i], missing[i]
+        )
+        # Resampling 256 proposals: an effective sample size of at least 64 is assumed.
+        se = (block[0, 0] / 64).sqrt()
+        assert (draws[:, i, 0].mean() - mean[0]).abs() <= NUM_SE * se
 
 
 def test_importance_resampling_converges_to_exact():

@@ -284,7 +284,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         check_factors(guided.local, model_trace, "importance resampling")
         lead = (num_proposals, 1)
         log_p = sites_log_density(model_trace, guided.local.latent_names, guided, lead)
-        log_q = sites_log_density(guide_trace, latent_sites(guide_trace), guided, lead)
+        log_q = proposal_log_density(guide_trace, guided, lead)
         site, _ = observed_site_of_run(guided, model_trace)
         fn = unwrap_independent(site["fn"])
         ll = observed_tensor(observed_log_prob(fn, site["value"]), guided, lead)

@@ -64,7 +64,8 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         or ``(G,) + batch + (K,)`` placed per observation.
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
         ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
-        draws the observations there.
+        draws the observations there; ``None`` for nodes that cannot serve draws (see
+        :meth:`sample`).
     """
 
     def __init__(self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at):
@@ -124,7 +125,21 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         """Draws exact for the rule: a node ``g`` with probability ``pi_g(x_R)``
         (:meth:`node_log_posterior`), then the hidden features from the model's own
         likelihood at it; one node per draw (``joint=True``), or per draw and feature. See
-        :meth:`SelfPredictive.sample`."""
+        :meth:`SelfPredictive.sample`.
+
+        :raises ValueError: for nodes placed at the guide (``Quadrature(center="guide")``):
+            the guide read the whole data, the hidden entries too, so the draws would depend
+            on values that the callers promise to ignore.
+        """
+        if self.run_at is None:
+            raise ValueError(
+                "Quadrature(center='guide') places its nodes at the guide's q(z | x) on the "
+                "whole data, the entries to draw included, so the draws would depend on the "
+                "values given there, which impute and gibbs ignore. Use a rule centred at the "
+                "prior (Quadrature(num_points=...)), conditionals='auto', or "
+                "ImportanceSampling with a guide that takes a 'hidden' argument (see 'Guides "
+                "for masked inputs')."
+            )
         observed, nodes = self.observed, self.nodes
         log_posterior = self.node_log_posterior(self.context(hidden))  # (G,) + batch
         if joint:
@@ -382,8 +397,10 @@ class Quadrature(Conditionals):
         prior): far more accurate for ``log p(x)`` when the posterior is much narrower than
         the prior, as for images with hundreds of pixels. The nodes are placed for the full
         data, so the conditionals of heavily masked inputs, whose posterior is broader, can
-        fall outside them: ``conditionals="auto"`` never picks this rule. Needs ``Normal``
-        priors and a guide with ``Normal`` latents; no gradient flows into the guide.
+        fall outside them: ``conditionals="auto"`` never picks this rule, and
+        :func:`~pyro_mpt.impute` and :func:`~pyro_mpt.gibbs` refuse it (the guide would read
+        the entries they draw). Needs ``Normal`` priors and a guide with ``Normal`` latents;
+        no gradient flows into the guide.
     :param float max_memory_gb: the most memory, in GB (``1e9`` bytes), that a run evaluating
         the likelihood of every observation at every node may need by the estimate; ``None``
         (the default): :data:`MEMORY_FRACTION` of the memory available on the data's device
@@ -500,8 +517,11 @@ class Quadrature(Conditionals):
             center, scale = whitened_guide(model, guide, args, kwargs, structure)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
-        # Draws run the model again at the nodes they pick, with the structure read here.
-        run_at = functools.partial(run_at_points, model, args, kwargs, structure)
+        # Draws run the model again at the nodes they pick, with the structure read here;
+        # nodes placed by a guide that read the entries to draw serve none.
+        run_at = None
+        if self.center == "prior":
+            run_at = functools.partial(run_at_points, model, args, kwargs, structure)
         # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
         return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check)
 

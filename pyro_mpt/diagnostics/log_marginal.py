@@ -4,7 +4,7 @@ import math
 
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
-from pyro_mpt.diagnostics.rule_check import prepare_checked
+from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]

@@ -6,8 +6,8 @@ import math
 import torch
 
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
+from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
-from pyro_mpt.diagnostics.rule_check import prepare_checked
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.trace.trace_utils import param_store_rollback

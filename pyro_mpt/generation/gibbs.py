@@ -5,6 +5,7 @@ import math
 import torch
 
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
+from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
@@ -25,6 +26,7 @@ def gibbs(
     guide=None,
     progress=True,
     max_plate_nesting=math.inf,
+    check_rule=True,
     **kwargs,
 ):
     """Runs a block Gibbs chain from each observation of the data.
@@ -53,6 +55,10 @@ def gibbs(
     :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`.
     :param callable guide: the guide, for ``"importance"`` and ``"encode-decode"``.
     :param bool progress: show a progress bar over steps.
+    :param bool check_rule: whether a quadrature rule given here measures its own error on
+        the data before drawing, as in :func:`~pyro_mpt.log_marginal` (one more run of the
+        model; a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when
+        it is large). Checked once, on the data the chain starts from.
     :param kwargs: the model's keyword arguments.
     :returns: the chain, ``(num_steps + 1,) + x.shape``; its first entry is the data.
 
@@ -84,7 +90,8 @@ def gibbs(
     # The param store is left as it was found (a guide sized by this x creates parameters).
     with param_store_rollback(always=True):
         # Prepared with gradients on: some strategies check their guide by differentiating it.
-        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        call = (model, guide, args, kwargs, max_plate_nesting)
+        prepared = prepare_checked(strategy, *call, check_rule, "gibbs")
         observed = prepared.observed
         _check_state(data, observed)
         num_features = observed.num_features

@@ -5,6 +5,7 @@ import math
 import torch
 
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
+from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
@@ -22,6 +23,7 @@ def impute(
     conditionals="auto",
     guide=None,
     max_plate_nesting=math.inf,
+    check_rule=True,
     **kwargs,
 ):
     """Draws the missing entries of each observation jointly from
@@ -51,6 +53,10 @@ def impute(
     :param conditionals: a strategy name or :class:`~pyro_mpt.conditionals.Conditionals`,
         as in :class:`~pyro_mpt.MPTLoss`.
     :param callable guide: the guide, for ``"importance"`` and ``"encode-decode"``.
+    :param bool check_rule: whether a quadrature rule given here measures its own error on
+        the data before drawing, as in :func:`~pyro_mpt.log_marginal` (one more run of the
+        model; a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when
+        it is large).
     :param kwargs: the model's keyword arguments.
     :returns: a tensor ``(num_samples,) + x.shape``: ``x`` with its missing entries drawn.
     :raises TypeError: if ``missing`` is not a boolean tensor.
@@ -80,7 +86,8 @@ def impute(
     # The param store is left as it was found (a guide sized by this x creates parameters).
     with param_store_rollback(always=True):
         # Prepared with gradients on: some strategies check their guide by differentiating it.
-        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        call = (model, guide, args, kwargs, max_plate_nesting)
+        prepared = prepare_checked(strategy, *call, check_rule, "impute")
         observed = prepared.observed
         hidden = flat_missing(missing.to(observed.value.device), observed)
         with torch.no_grad():

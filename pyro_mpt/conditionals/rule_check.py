@@ -1,6 +1,7 @@
 """The check a quadrature rule given by the user makes of itself on the data, for the
-package's functions (:func:`~pyro_mpt.log_marginal`, :func:`~pyro_mpt.mpt_curve`): one
-more run of the model with a finer rule, and a
+package's functions (:func:`~pyro_mpt.log_marginal`, :func:`~pyro_mpt.mpt_curve`,
+:func:`~pyro_mpt.impute`, :func:`~pyro_mpt.gibbs`): one more run of the model with a finer
+rule, and a
 :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` with the figure when the two differ by
 more than :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL` nats of ``log p(x)`` per
 observation. ``MPTLoss`` checks its rules on its own schedule (``MPTLoss.rule_check``)."""
@@ -15,6 +16,16 @@ from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState
 
 __all__ = ["prepare_checked"]
+
+_FIX = (
+    "more nodes, center='guide' with a guide fitted to the posterior, or "
+    "conditionals='importance' with such a guide and many samples."
+)
+# Draws refuse nodes at the guide, which reads the entries to draw.
+_DRAWS_FIX = (
+    "more nodes (Quadrature(num_points=...)), conditionals='auto', or "
+    "conditionals='importance' with a guide that takes a 'hidden' argument and many samples."
+)
 
 
 def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, check_rule, caller):
@@ -62,9 +73,8 @@ def _check_rule(strategy, prepared, call, structure, before, caller):
     warnings.warn(
         f"{caller} with {gap_sentence(strategy, gap, compared_with)} (mean; above "
         f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
-        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: more "
-        f"nodes, center='guide' with a guide fitted to the posterior, or "
-        f"conditionals='importance' with such a guide and many samples.",
+        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: "
+        f"{_DRAWS_FIX if caller in ('impute', 'gibbs') else _FIX}",
         QuadratureAccuracyWarning,
         stacklevel=5,  # the caller of the package's function, through package_function
     )
