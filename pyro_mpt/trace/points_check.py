@@ -79,7 +79,10 @@ def check_model_at_points(model, args, kwargs, structure, run):
             return _observed_log_prob(run_at(points, compact, same_state, first_rows))
 
         try:
-            wide_run = run_at(points, False, same_state=subsamples, watch_rows=True)
+            # The check points shared by every observation, then the same points handed
+            # round: observation n at slice q holds point (q + n) mod Q (see _check_local).
+            spread = torch.cat([_shared(points, structure), _handed_round(points, structure)])
+            wide_run = run_at(spread, False, same_state=subsamples, watch_rows=True)
         except (RuntimeError, IndexError) as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ValueError(
@@ -99,6 +102,7 @@ def check_model_at_points(model, args, kwargs, structure, run):
     except ValueError:
         _explain_disagreement(structure, log_prob_at, points, subsamples)
         raise
+    _check_local(structure, _observed_log_prob(wide_run), len(points))
     with torch.no_grad(), same_random_state():
         # Every prior narrowed to its first row, so the compact run's latents have the
         # observations' dims of size one, as later runs give them wherever the prior's rows
@@ -113,6 +117,54 @@ def check_model_at_points(model, args, kwargs, structure, run):
         except (RuntimeError, IndexError):  # shape errors of per-observation indexing
             compact = None
     return compact is not None and _same(compact.expand_as(at_first_rows), at_first_rows)
+
+
+def _shared(points, structure):
+    """``points`` ``(Q, K)`` given to every observation: ``(Q,) + batch + (K,)``."""
+    batch = structure.observed.batch_shape
+    return points.reshape(points.shape[:1] + (1,) * len(batch) + points.shape[1:]).expand(
+        points.shape[:1] + batch + points.shape[1:]
+    )
+
+
+def _handed_round(points, structure):
+    """``points`` ``(Q, K)`` handed round the observations: observation ``n`` (in the
+    order of the flattened batch) at slice ``q`` holds point ``(q + n) mod Q``, so within a
+    slice the observations hold different values."""
+    batch = structure.observed.batch_shape
+    num_points, count = points.shape[0], batch.numel()
+    index = (torch.arange(num_points)[:, None] + torch.arange(count)[None, :]) % num_points
+    return points[index.to(points.device)].reshape(points.shape[:1] + batch + points.shape[1:])
+
+
+def _check_local(structure, log_prob, num_points):
+    """Raises the :class:`ValueError` for a model that mixes values across its batch when
+    an observation's likelihood at a point depends on the points the other observations
+    hold: ``log_prob`` ``(2 Q,) + full shape`` is that of the shared points then of the
+    same points handed round (:func:`_handed_round`). At shared points a batch statistic of
+    the latents (a mean over the data plate, batch normalization in a decoder) is the value
+    itself, so only the handed-round slices show it."""
+    observed = structure.observed
+    count = observed.batch_shape.numel()
+    if count < 2:
+        return
+    flat = log_prob.reshape((log_prob.shape[0], count, -1))
+    shared, handed = flat[:num_points], flat[num_points:]
+    index = (torch.arange(num_points)[:, None] + torch.arange(count)[None, :]) % num_points
+    index = index.to(flat.device)[..., None].expand(handed.shape)
+    if not _same(handed, shared.gather(0, index)):
+        raise ValueError(_mixing_message(observed.name))
+
+
+def _mixing_message(observed):
+    return (
+        f"The likelihood of observed site {observed!r} at one latent value changes when "
+        f"the model runs at other values too: the model mixes values across its batch "
+        f"(batch normalization in training mode, or latents centred over the batch?). "
+        f"MPTLoss needs p(x_i | z_i) of each observation and latent value alone: call "
+        f".eval() on BatchNorm modules, or use a normalization without batch statistics "
+        f"(LayerNorm), and compute nothing across the data plate from the latents."
+    )
 
 
 def _advance_random_state(device):
@@ -143,13 +195,7 @@ def _explain_disagreement(structure, log_prob_at, points, subsamples):
             f"site."
         )
     if not _same(among, full):
-        raise ValueError(
-            f"The likelihood of observed site {observed!r} at one latent value changes when "
-            f"the model runs at other values too: the model mixes values across its batch "
-            f"(batch normalization in training mode?). MPTLoss needs p(x_i | z_i) of each "
-            f"observation and latent value alone: call .eval() on BatchNorm modules, or use a "
-            f"normalization without batch statistics (LayerNorm)."
-        )
+        raise ValueError(_mixing_message(observed))
 
 
 def _subsamples(structure):
