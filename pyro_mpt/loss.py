@@ -132,8 +132,9 @@ class MPTLoss(ELBO):
     :ivar diagnostics: the accuracy figures of the last step's importance-sampled
         conditionals (None for other strategies).
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
-        16th, 64th, 256th, ... call, and for a rule given by the user also on the 2nd (or
-        the next steady one, when the batch shape has just changed):
+        2nd, the 16th, then every 64th call (the next call, when one falls between),
+        whatever the argument shapes for a rule given by the user, and on calls like the
+        last for ``auto``'s choice (its search measures the rule it chooses):
         ``dict(step, strategy, mean_gap, compared_with)``, the gap in nats of ``log p(x)``
         per observation against the ``"finer"`` rule (1.5 times the nodes per dimension).
         Where no finer rule fits (more than 200 nodes per dimension, or more memory than is
@@ -201,11 +202,9 @@ class MPTLoss(ELBO):
         self._kept = None
         self._guess_traces = None
         self._params_found = None
-        # Calls so far, and the first at which a steady step checks its strategy's accuracy:
-        # a strategy given by the user checks itself on its first steady call too (auto
-        # measured its choice while choosing it).
-        first_check = _FIRST_CHECK if self.conditionals.name == "auto" else 2
-        self._num_calls, self._next_check = 0, first_check
+        # Calls so far, and the next at which the strategy checks its accuracy (see
+        # _due_check): from the 2nd call, whose batch is not the one auto chose on.
+        self._num_calls, self._next_check = 0, 2
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
@@ -293,14 +292,20 @@ class MPTLoss(ELBO):
             warn_if_nan(loss, "loss")
         return loss, prepared, estimates
 
+    def _due_check(self):
+        """Whether this call is one on which the strategy measures its own error on the
+        call's data: the 2nd, the 16th, then every 64th (64, 128, ...; the first call from
+        each on, should it have other argument shapes). Every batch is new data and training
+        moves the parameters, so a rule that was accurate can stop being so at any step."""
+        if self._num_calls < self._next_check:
+            return False
+        calls = self._num_calls
+        self._next_check = _FIRST_CHECK if calls < _FIRST_CHECK else (calls // 64 + 1) * 64
+        return True
+
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
         strategy, structure, _ = self._steady
-        # Now and then (the first steady call from the 16th, 64th, 256th, ... on, and from the
-        # 2nd for a strategy given by the user) the strategy measures its own error on the
-        # step's data.
-        check = self._num_calls >= self._next_check
-        if check:
-            self._next_check = max(4 * self._next_check, _FIRST_CHECK)
+        check = self._due_check()
         before = RandomState() if check else None
         # On those calls a linear-Gaussian form is verified again, validation on or off (and
         # by auto's search, if it searches again): parameters trained since the first call
@@ -363,8 +368,7 @@ class MPTLoss(ELBO):
         if measured is None or measured <= ACCURACY_TOL:
             return prepared
         figure = (
-            f"{gap_sentence(strategy, gap, compared_with)} (step {step}, above "
-            f"{ACCURACY_TOL:g})"
+            f"{gap_sentence(strategy, gap, compared_with)} (step {step}, above {ACCURACY_TOL:g})"
         )
         if strategy is not self.conditionals:
             _logger.info("conditionals='auto' searches again: %s.", figure)
@@ -434,7 +438,19 @@ class MPTLoss(ELBO):
             check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
             conditionals, nesting = self.conditionals, self.max_plate_nesting
             signature = self._signature = call_signature(model, args, kwargs, nesting)
-            prepared = prepare_call(conditionals, model, guide, args, kwargs, nesting, signature)
+            # A rule given by the user measures itself when due on such calls too (auto
+            # measures its choice while it searches): with argument shapes that change from
+            # call to call (ragged batches), every call is one.
+            check = conditionals.name != "auto" and self._due_check()
+            before = RandomState() if check else None
+            with verify_every_call() if check else contextlib.nullcontext():
+                prepared = prepare_call(
+                    conditionals, model, guide, args, kwargs, nesting, signature
+                )
+                if check:
+                    strategy, structure, _ = self._steady_route(signature)
+                    call = (model, guide, args, kwargs)
+                    prepared = self._check_accuracy(strategy, structure, prepared, call, before)
             estimates = self._estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates
@@ -595,7 +611,8 @@ _EVERY_MASK_ADVICE = (
     "departs from the importance-weighted bound is known exactly."
 )
 
-#: The call from which ``MPTLoss`` first checks a strategy's accuracy (then 4 times later).
+#: The call from which ``MPTLoss`` checks a strategy's accuracy for the second time (then
+#: every 64th).
 _FIRST_CHECK = 16
 
 
