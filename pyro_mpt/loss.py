@@ -208,6 +208,7 @@ class MPTLoss(ELBO):
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
+        self._pending_check = None
         self.rule_check = None
 
     def __repr__(self):
@@ -281,6 +282,7 @@ class MPTLoss(ELBO):
             self._kept = (model, guide, others)
             self._last_call = (self._call_key(model, guide, args, kwargs), key[1])
         self.diagnostics = prepared.diagnostics
+        self._pending_check = prepared.pending_check
         if prepared.diagnostics is not None:
             what, counts = "MPTLoss's conditionals", self._accuracy_counts
             advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
@@ -527,7 +529,12 @@ class MPTLoss(ELBO):
     def loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a float (no gradients are computed)."""
         with torch.no_grad():
-            return self._mpt_loss(model, guide, args, kwargs)[0].item()
+            loss = self._mpt_loss(model, guide, args, kwargs)[0]
+            value = self._read(loss)
+            if value is None:
+                with verify_every_call():
+                    value = self._mpt_loss(model, guide, args, kwargs)[0].item()
+        return value
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """Computes the loss and back-propagates it into every parameter it depends on
@@ -537,6 +544,11 @@ class MPTLoss(ELBO):
         :returns: the loss as a float.
         """
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        value = self._read(loss)
+        if value is None:
+            with verify_every_call():
+                loss = self.differentiable_loss(model, guide, *args, **kwargs)
+            value = loss.item()
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
         else:
@@ -544,7 +556,22 @@ class MPTLoss(ELBO):
                 "MPTLoss does not depend on any trainable parameter; no gradients were computed.",
                 stacklevel=2,
             )
-        return loss.item()
+        return value
+
+    def _read(self, loss):
+        """The loss as a float, read from the device in one synchronisation with the check
+        that the call's conditionals left unread (with validation off, whether a
+        linear-Gaussian form still holds: :attr:`SelfPredictive.pending_check`); ``None``
+        when that check failed, after which the call is made afresh and verified (the
+        loss's value is then not used, and nothing has been back-propagated)."""
+        pending = self._pending_check
+        if pending is None:
+            return loss.item()
+        value, failed = torch.stack([loss.detach().double(), pending.double()]).tolist()
+        if failed:
+            self._last_call = None
+            return None
+        return value
 
     def _split_params(self, model, guide, args, kwargs, key=None):
         """The unconstrained parameters of the model, and those of the guide only.

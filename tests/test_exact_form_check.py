@@ -56,8 +56,9 @@ def test_a_form_given_by_the_user_is_verified_again_on_the_second_step():
 
 
 def test_auto_leaves_a_form_that_no_longer_holds_at_its_next_check():
-    # Auto checks its choice on the 16th call: the model bent after the first is then
-    # integrated by quadrature, within auto's accuracy of the grid.
+    # differentiable_loss reads nothing: auto checks its choice on the 2nd call, and the
+    # model bent after the first is then integrated by quadrature, within auto's accuracy of
+    # the grid.
     pyro.clear_param_store()
     torch.manual_seed(0)
     x = torch.randn(32, 3)
@@ -71,3 +72,29 @@ def test_auto_leaves_a_form_that_no_longer_holds_at_its_next_check():
     assert isinstance(loss.conditionals.in_use, Quadrature)
     expected = -_grid_log_marginal(x, pyro.param("bend").detach()).sum()
     assert abs(float(value) - float(expected)) < 0.05 * x.shape[0]
+
+
+@pytest.mark.parametrize("conditionals", ["auto", "exact"])
+def test_a_form_that_stops_holding_between_checks_is_caught_on_that_step(conditionals):
+    # The model bends on the 5th call, between the checks of the 2nd and the 16th. The
+    # form's check, left on the device with validation off, is read with the loss (one
+    # synchronisation, as before): auto integrates that very step by quadrature, and
+    # exact conditionals raise before any gradient is computed.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x = torch.randn(32, 3)
+    loss = MPTLoss(num_masks="all", conditionals=conditionals)
+    with pyro.validation_enabled(False):
+        for _ in range(4):
+            loss.loss_and_grads(_model, _no_guide, x)
+        pyro.param("bend").unconstrained().grad = None
+        _bend(1.0)
+        if conditionals == "exact":
+            with pytest.raises(NotGaussianError, match="not affine"):
+                loss.loss_and_grads(_model, _no_guide, x)
+            assert pyro.param("bend").unconstrained().grad is None
+            return
+        value = loss.loss_and_grads(_model, _no_guide, x)
+    assert isinstance(loss.conditionals.in_use, Quadrature)
+    expected = -_grid_log_marginal(x, pyro.param("bend").detach()).sum()
+    assert abs(value - float(expected)) < 0.05 * x.shape[0]

@@ -24,9 +24,15 @@ class SelfPredictive(ABC):
         :meth:`log_marginal` call of an approximate strategy (e.g.
         :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics`); None for
         strategies whose conditionals are exact for their rule.
+    :ivar pending_check: ``None``, or a boolean scalar tensor that is ``True`` when a check of
+        the conditionals' assumptions made on this call failed (e.g. a linear-Gaussian form
+        that no longer holds), left on the device to spare a synchronisation while Pyro's
+        validation is off. :class:`~pyro_mpt.MPTLoss` reads it with the loss, in the same
+        synchronisation, and makes the call afresh, verified, when it is ``True``.
     """
 
     diagnostics = None
+    pending_check = None
 
     def __init__(self, observed, scale, extra_log_prob=0.0):
         self.observed = observed

@@ -79,6 +79,10 @@ class GaussianForm(NamedTuple):
     :ivar torch.Tensor noise_var: ``batch + (D,)`` or None.
     :ivar torch.Tensor covariance: ``batch + (D, D)`` (broadcastable) or None.
     :ivar tuple latent_names: the latent sites integrated out.
+    :ivar pending_check: with Pyro's validation off, a boolean scalar tensor, ``True`` when
+        the model failed this call's check of the form (:func:`_form_failures`), left on
+        the device to spare a synchronisation; ``None`` when the check was read (or made no
+        sense: no latents).
     """
 
     observed: ObservedSite
@@ -88,6 +92,7 @@ class GaussianForm(NamedTuple):
     noise_var: torch.Tensor | None = None
     covariance: torch.Tensor | None = None
     latent_names: tuple = ()
+    pending_check: torch.Tensor | None = None
 
 
 #: Check points beyond the fitting points: three draws of the prior and two far points.
@@ -201,13 +206,18 @@ def extract_gaussian_form(model, args, kwargs, structure):
     noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
     latents = tuple(structure.latent_names)
     form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, latents)
-    # Verified on every call while Pyro's validation is enabled, else once per structure
-    # (the check reads the device).
+    checks = points[num_latent + 1 :]
+    # Verified on every call while Pyro's validation is enabled, else read once per
+    # structure (the check reads the device); on later calls its outcome stays on the
+    # device, for MPTLoss to read with the loss (GaussianSelfPredictive.pending_check).
     once = not is_validation_enabled() and not _EVERY_CALL.get()
     if layout is None or layout not in _VERIFIED or not once:
-        _verify_affine(form, locs, scales, points[num_latent + 1 :])
+        _verify_affine(form, locs, scales, checks)
         if layout is not None:
             _VERIFIED.add(layout)
+    else:
+        not_affine, scale_varies = _form_failures(form, locs, scales, checks)
+        form = form._replace(pending_check=not_affine | scale_varies)
     return form, run.extra_log_prob
 
 
@@ -250,11 +260,10 @@ def verify_every_call():
         _EVERY_CALL.reset(token)
 
 
-def _verify_affine(form, locs, scales, checks):
-    """Raises :class:`NotGaussianError` unless the likelihood's ``locs`` at the ``checks``
-    points (those of :func:`_probe_points` past the origin and the unit vectors) are those
-    the affine ``form`` predicts, and its ``scales`` are the same at every point."""
-    observed, latents = form.observed, list(form.latent_names)
+def _form_failures(form, locs, scales, checks):
+    """Whether the likelihood's ``locs`` at the ``checks`` points depart from those the
+    affine ``form`` predicts, and whether its ``scales`` differ between points: two boolean
+    scalar tensors, not read."""
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
     num_fitted = locs.shape[0] - checks.shape[0]
@@ -264,19 +273,27 @@ def _verify_affine(form, locs, scales, checks):
         predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks)
         actual = locs[num_fitted:].double()
         size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks.abs())
-        affine = bool(((predicted - actual).abs() <= tol * (size + 1)).all())
+        # Written as "not within", so that NaN fails.
+        not_affine = ~((predicted - actual).abs() <= tol * (size + 1)).all()
         scales64 = scales.double()
-        constant_scale = torch.allclose(
-            scales64, scales64[:1].expand_as(scales64), rtol=tol, atol=0
-        )
-    if not affine:
+        scale_varies = ~((scales64 - scales64[:1]).abs() <= tol * scales64[:1].abs()).all()
+    return not_affine, scale_varies
+
+
+def _verify_affine(form, locs, scales, checks):
+    """Raises :class:`NotGaussianError` unless the likelihood's ``locs`` at the ``checks``
+    points (those of :func:`_probe_points` past the origin and the unit vectors) are those
+    the affine ``form`` predicts, and its ``scales`` are the same at every point."""
+    observed, latents = form.observed, list(form.latent_names)
+    not_affine, scale_varies = _form_failures(form, locs, scales, checks)
+    if bool(not_affine):
         raise NotGaussianError(
             f"The loc of observed site {observed.name!r} is not affine in the latent sites "
             f"{latents} (checked at random points and at {_FAR_RADIUS:g} prior standard "
             f"deviations); exact conditionals need a linear-Gaussian model. Use "
             f"conditionals='quadrature' or 'importance'."
         )
-    if not constant_scale:
+    if bool(scale_varies):
         raise NotGaussianError(
             f"The scale of observed site {observed.name!r} depends on the latent sites "
             f"{latents}; exact conditionals need a noise scale that does not. Use "
@@ -290,6 +307,7 @@ class GaussianSelfPredictive(SelfPredictive):
     def __init__(self, form, extra_log_prob=0.0):
         super().__init__(form.observed, form.scale, extra_log_prob)
         self.form = form
+        self.pending_check = form.pending_check
 
     def log_prob(self, masks):
         form = self.form
