@@ -196,3 +196,21 @@ def test_a_latent_scale_that_changes_after_the_first_call_is_refused():
     beta["value"] = 0.5  # annealing the latent's term only: a tempered model
     with pytest.raises(ValueError, match="Latent site 'z' and observed site 'x' have different"):
         loss.loss(model, None, x)
+
+
+def test_a_latent_per_feature_over_an_inner_data_plate_is_named_as_global_too():
+    # Read from its latents, 'feat' is the plate over observations and 'data' a feature
+    # plate in the wrong place; read as the user wrote it, 'mu' is global. The error says
+    # both, each with its fix.
+    def model(x):
+        with pyro.plate("feat", 3, dim=-1):
+            mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+            with pyro.plate("data", x.shape[0], dim=-2):
+                pyro.sample("x", dist.Normal(mu, 0.5), obs=x)
+
+    with pytest.raises(ValueError) as caught:
+        MPTLoss(conditionals="exact").loss(model, None, torch.randn(4, 3))
+    message = str(caught.value)
+    assert "Plate 'data' (dim -2)" in message and "sits left of the data plate" in message
+    assert "If 'data' is the plate over observations" in message
+    assert "global latents" in message and "pyro.param" in message

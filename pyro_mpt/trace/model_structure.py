@@ -245,7 +245,9 @@ def _check_feature_plates(trace, obs_name, data_dims):
                 f"reads the dims from the data plate leftwards as indexing observations, so a "
                 f"plate over features must sit right of it: give the data plate a dim left of "
                 f"{name!r}'s (e.g. dim=-2 and dim=-1), or make the features an event with "
-                f".to_event(1)."
+                f".to_event(1). If {name!r} is the plate over observations, the latents in "
+                f"{data} only are shared by all of them: global latents, which MPTLoss "
+                f"cannot integrate out; make them parameters (pyro.param / PyroParam)."
             )
 
 
