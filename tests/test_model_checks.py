@@ -13,6 +13,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
 from experiments.zoo.references import grid_log_marginal_1d, mvn_log_prob, standard_normal_log_prob
 from pyro_mpt import MPTLoss, log_marginal
@@ -71,22 +72,31 @@ def test_batch_norm_in_training_mode_is_refused():
         )
 
 
-@pytest.mark.parametrize("statistic", ["centred latent", "hand-written batch norm"])
+@pytest.mark.parametrize(
+    "statistic", ["centred latent", "hand-written batch norm", "fifth neighbour", "per slot"]
+)
 def test_latents_mixed_across_the_batch_by_hand_are_refused(statistic):
-    """A latent centred over the data plate, or a decoder normalised by batch statistics
-    written by hand: at points shared by every observation the statistic is the point
-    itself, so a check at such points alone saw a constant mean and scored log p(x | z = 0)
-    (-6.44 against the true joint -7.49 on two observations)."""
+    """A latent centred over the data plate, a decoder normalised by batch statistics
+    written by hand, a likelihood that reads the latent five observations back, or latents
+    centred over the observations of equal index mod 5: at points shared by every
+    observation the first two statistics are the point itself, so a check at such points
+    alone saw a constant mean and scored log p(x | z = 0) (-6.44 against the true joint
+    -7.49 on two observations); values handed round with period 5 missed the last two."""
     torch.manual_seed(0)
     weight = torch.tensor([1.0, -0.5, 0.8])
     linear = torch.nn.Linear(1, 3)
-    x = torch.randn(4, 3)
+    x = torch.randn(10, 3)
 
     def model(x):
         with pyro.plate("data", x.shape[-2]):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
             if statistic == "centred latent":
                 loc = (z - z.mean(-2, keepdim=True)) * weight
+            elif statistic == "fifth neighbour":
+                loc = (z + 0.5 * z.roll(5, dims=-2)) * weight
+            elif statistic == "per slot":
+                slots = z.reshape(z.shape[:-2] + (2, 5, 1))
+                loc = (slots - slots.mean(-3, keepdim=True)).reshape(z.shape) * weight
             else:
                 h = linear(z)
                 loc = (h - h.mean(-2, keepdim=True)) / (h.std(-2, keepdim=True) + 1e-3)
@@ -97,6 +107,11 @@ def test_latents_mixed_across_the_batch_by_hand_are_refused(statistic):
             log_marginal(model, x, conditionals=conditionals)
         with pytest.raises(ValueError, match=r"mixes values across its batch"):
             MPTLoss(num_masks="all", conditionals=conditionals).loss(model, None, x)
+    # Drawn from a guide, each observation's latents differ: the check swaps two draws at
+    # every other observation and replays the model.
+    for guide in (AutoNormal(model), AutoDiagonalNormal(model)):
+        with pytest.raises(ValueError, match=r"mixes values across its batch"):
+            MPTLoss(num_masks=2, conditionals=ImportanceSampling(8)).loss(model, guide, x)
 
 
 def test_dropout_in_training_mode_is_refused():

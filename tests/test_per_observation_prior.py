@@ -204,8 +204,9 @@ def test_memory_estimate_refuses_a_per_observation_run_and_keeps_the_param_store
     assert "0.0384 GB" in message and "max_memory_gb=0.001" in message
     assert "num_points=32 fits" in message  # 32**2 * 960 bytes <= 1e6 < 33**2 * 960
     assert "smaller batch" in message and "conditionals='importance'" in message
-    # The checks run at 10 points (5 shared, 5 handed round); the 40000 nodes never ran.
-    assert all(batch[0] <= 10 for batch in DECODER_BATCHES)
+    # The checks run at 11 slices (5 shared points, 6 that tell the 5 observations apart);
+    # the 40000 nodes never ran.
+    assert all(batch[0] <= 11 for batch in DECODER_BATCHES)
     store = pyro.get_param_store()
     assert list(store.keys()) == ["kept"]
     assert store.get_param("kept").unconstrained() is unconstrained

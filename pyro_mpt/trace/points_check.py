@@ -12,7 +12,12 @@ from pyro_mpt.trace.trace_utils import (
     same_random_state,
     unwrap_independent,
 )
-from pyro_mpt.trace.vectorized_run_check import batch_norm_hint, check_run_at_points
+from pyro_mpt.trace.vectorized_run_check import (
+    batch_norm_hint,
+    check_run_at_points,
+    kept_patterns,
+    mixing_message,
+)
 
 __all__ = ["check_model_at_points"]
 
@@ -79,9 +84,9 @@ def check_model_at_points(model, args, kwargs, structure, run):
             return _observed_log_prob(run_at(points, compact, same_state, first_rows))
 
         try:
-            # The check points shared by every observation, then the same points handed
-            # round: observation n at slice q holds point (q + n) mod Q (see _check_local).
-            spread = torch.cat([_shared(points, structure), _handed_round(points, structure)])
+            # The check points shared by every observation, then slices in which some
+            # observations keep the first point and the others hold the third (_check_local).
+            spread = torch.cat([_shared(points, structure), _kept_or_moved(points, structure)])
             wide_run = run_at(spread, False, same_state=subsamples, watch_rows=True)
         except (RuntimeError, IndexError) as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -127,44 +132,31 @@ def _shared(points, structure):
     )
 
 
-def _handed_round(points, structure):
-    """``points`` ``(Q, K)`` handed round the observations: observation ``n`` (in the
-    order of the flattened batch) at slice ``q`` holds point ``(q + n) mod Q``, so within a
-    slice the observations hold different values."""
+def _kept_or_moved(points, structure):
+    """One slice per row of :func:`~pyro_mpt.trace.vectorized_run_check.kept_patterns`:
+    the observations the row keeps hold the first of ``points`` ``(Q, K)``, the others the
+    third; ``(2 B,) + batch + (K,)``."""
     batch = structure.observed.batch_shape
-    num_points, count = points.shape[0], batch.numel()
-    index = (torch.arange(num_points)[:, None] + torch.arange(count)[None, :]) % num_points
-    return points[index.to(points.device)].reshape(points.shape[:1] + batch + points.shape[1:])
+    kept = kept_patterns(batch.numel()).to(points.device)[..., None]  # (2 B, N, 1)
+    slices = torch.where(kept, points[0], points[2])
+    return slices.reshape(slices.shape[:1] + batch + points.shape[1:])
 
 
 def _check_local(structure, log_prob, num_points):
     """Raises the :class:`ValueError` for a model that mixes values across its batch when
     an observation's likelihood at a point depends on the points the other observations
-    hold: ``log_prob`` ``(2 Q,) + full shape`` is that of the shared points then of the
-    same points handed round (:func:`_handed_round`). At shared points a batch statistic of
-    the latents (a mean over the data plate, batch normalization in a decoder) is the value
-    itself, so only the handed-round slices show it."""
+    hold: ``log_prob`` ``(Q + 2 B,) + full shape`` is that of the ``Q`` shared points then of
+    :func:`_kept_or_moved`'s slices, where each observation a slice keeps must score as at
+    the first shared point. At shared points a batch statistic of the latents (a mean over
+    the data plate, batch normalization in a decoder) is the value itself, and any two
+    observations are told apart by some slice, so only these slices show it."""
     observed = structure.observed
     count = observed.batch_shape.numel()
-    if count < 2:
-        return
     flat = log_prob.reshape((log_prob.shape[0], count, -1))
-    shared, handed = flat[:num_points], flat[num_points:]
-    index = (torch.arange(num_points)[:, None] + torch.arange(count)[None, :]) % num_points
-    index = index.to(flat.device)[..., None].expand(handed.shape)
-    if not _same(handed, shared.gather(0, index)):
-        raise ValueError(_mixing_message(observed.name))
-
-
-def _mixing_message(observed):
-    return (
-        f"The likelihood of observed site {observed!r} at one latent value changes when "
-        f"the model runs at other values too: the model mixes values across its batch "
-        f"(batch normalization in training mode, or latents centred over the batch?). "
-        f"MPTLoss needs p(x_i | z_i) of each observation and latent value alone: call "
-        f".eval() on BatchNorm modules, or use a normalization without batch statistics "
-        f"(LayerNorm), and compute nothing across the data plate from the latents."
-    )
+    first, slices = flat[:1], flat[num_points:]
+    kept = kept_patterns(count).to(flat.device)[..., None].expand(slices.shape)
+    if not _same(torch.where(kept, slices, first), first.expand_as(slices)):
+        raise ValueError(mixing_message(observed.name))
 
 
 def _advance_random_state(device):
@@ -195,7 +187,7 @@ def _explain_disagreement(structure, log_prob_at, points, subsamples):
             f"site."
         )
     if not _same(among, full):
-        raise ValueError(_mixing_message(observed))
+        raise ValueError(mixing_message(observed))
 
 
 def _subsamples(structure):

@@ -17,8 +17,11 @@ the two check points that its first call per
 more. The guided path runs the guide and the model once at two
 samples of two copies of the data, and the model plainly once, at the second sample of the
 second copy (an operation over a leading dim mixes that point with the others, so one point
-shows it), on the first call for each model, guide and argument shapes; it remembers those
-by weak reference (:class:`_CheckedCalls`), so later steps only look them up.
+shows it); the other copies hold the first copy's draws with the two samples swapped at
+some observations (:func:`kept_patterns`), so the same run shows a likelihood that reads
+another observation's latent or a statistic of the batch's. This runs on the first call
+for each model, guide and argument shapes; it remembers those by weak reference
+(:class:`CheckedCalls`), so later steps only look them up.
 """
 
 import collections
@@ -42,6 +45,8 @@ __all__ = [
     "check_guided_run",
     "check_run_at_points",
     "compare_with_plain_runs",
+    "kept_patterns",
+    "mixing_message",
     "no_feature_dim_advice",
     "tolerance",
 ]
@@ -392,10 +397,17 @@ def check_guided_run(guided, what):
     )
     try:
         with torch.no_grad(), same_random_state():
-            _, trace = run_guided(guided, value.expand((2,) + value.shape), 2)
+            # Copies of the data: the first for the draws, one per row of kept_patterns.
+            num_copies = 1 + len(kept_patterns(local.observed.batch_shape.numel()))
+            filled = value.expand((num_copies,) + value.shape)
+            drawn, _ = run_guided(guided, filled, 2, replay_model=False)
+            swapped = _kept_copies(local, drawn)
+            _, trace = run_guided(guided, filled, 2, guide_trace=swapped or drawn)
         compare_with_plain_runs(
             guided.model, guided.args, guided.kwargs, local, trace, [(1, 1)], how
         )
+        if swapped is not None:
+            _check_local_draws(local, trace)
     except ValueError as error:
         _CHECKED.forget(*call)
         if local.observed.num_feature_dims or _FIX not in str(error):
@@ -406,6 +418,95 @@ def check_guided_run(guided, what):
     except BaseException:
         _CHECKED.forget(*call)
         raise
+
+
+def mixing_message(observed_name):
+    """The error for a model whose likelihood of an observation depends on the latent
+    values of the others."""
+    return (
+        f"The likelihood of observed site {observed_name!r} at one latent value changes when "
+        f"the model runs at other values too: the model mixes values across its batch "
+        f"(batch normalization in training mode, or latents centred over the batch?). "
+        f"MPTLoss needs p(x_i | z_i) of each observation and latent value alone: call "
+        f".eval() on BatchNorm modules, or use a normalization without batch statistics "
+        f"(LayerNorm), and compute nothing across the data plate from the latents."
+    )
+
+
+def kept_patterns(count):
+    """Which of ``count`` observations keep their latent value in each slice of the check
+    for mixing across the batch: booleans ``(2 B, count)`` with ``B = ceil(log2 count)``,
+    row ``2 b + v`` ``True`` where bit ``b`` of the observation's index is ``v``. Any two
+    observations differ in some bit, so in some row one keeps its value while the other's
+    changes: a likelihood that depends on another observation's latent moves there,
+    whichever observations they are."""
+    bits = max(1, (count - 1).bit_length())
+    index = torch.arange(count)
+    rows = [((index >> b) & 1) == v for b in range(bits) for v in (0, 1)]
+    return torch.stack(rows)
+
+
+def _observation_index(shape, data_dims, num_right):
+    """The index of each observation (over the data plates ``data_dims``, the leftmost
+    slowest) in a tensor of ``shape`` whose plate dims end ``num_right`` dims from the
+    right: a long tensor that broadcasts to it, right-aligned."""
+    index = torch.zeros((), dtype=torch.long)
+    for dim in sorted(data_dims):
+        position = dim - num_right
+        if -position > len(shape):
+            continue
+        size = shape[position]
+        index = index * size + torch.arange(size).reshape((size,) + (1,) * (-position - 1))
+    return index
+
+
+def _kept_at(patterns, shape, local, num_right):
+    """:func:`kept_patterns` laid out for a tensor of ``shape`` with two leading dims (samples
+    and copies) that the rows stand for the copies past the first of: ``(1, 2 B) + rest``."""
+    index = _observation_index(shape[2:], local.data_dims, num_right)
+    kept = patterns[:, index]  # (2 B,) + index.shape
+    return kept.reshape((1,) + kept.shape[:1] + (1,) * (len(shape) - 2 - index.dim()) + index.shape)
+
+
+def _kept_copies(local, drawn):
+    """The guide's trace ``drawn`` (two samples of ``1 + 2 B`` copies of the data) with every
+    copy but the first holding the first copy's draws, the two samples swapped at the
+    observations that the copy's row of :func:`kept_patterns` does not keep (each
+    observation keeps all its latents from one sample); ``None`` where a latent is not drawn
+    per sample and copy (nothing to compare)."""
+    patterns = kept_patterns(local.observed.batch_shape.numel())
+    swapped = drawn.copy()
+    for name in local.latent_names:
+        site = drawn.nodes.get(name)
+        lead = (2, 1 + len(patterns))
+        if site is None or site["value"].dim() < 2 or tuple(site["value"].shape[:2]) != lead:
+            return None
+        value, num_event = site["value"], len(site["fn"].event_shape)
+        kept = _kept_at(patterns, value.shape, local, num_event).to(value.device)
+        first = value[:, :1]
+        copies = torch.where(kept, first, first.flip(0))
+        swapped.nodes[name] = dict(site, value=torch.cat([first, copies], 1))
+    return swapped
+
+
+def _check_local_draws(local, trace):
+    """Raises the error of :func:`mixing_message` when an observation's densities in the
+    model's run at :func:`_kept_copies`'s latents are not those of the sample it holds: at
+    the observations a copy keeps, they must be the first copy's. A likelihood that reads
+    another observation's latent, or a statistic of the batch's (a mean over the data
+    plate, batch normalization), moves in the copy where that latent changes."""
+    patterns = kept_patterns(local.observed.batch_shape.numel())
+    for name in (local.observed.name,) + local.latent_names:
+        log_prob, num_right = _entry_log_prob(trace.nodes[name])
+        if log_prob.dim() < 2 or tuple(log_prob.shape[:2]) != (2, 1 + len(patterns)):
+            continue
+        kept = _kept_at(patterns, log_prob.shape, local, num_right).to(log_prob.device)
+        first, others = log_prob[:, :1], log_prob[:, 1:]
+        mask = _counted(trace.nodes[name], num_right)
+        mask = kept if mask is None else kept & mask.expand(log_prob.shape)[:, 1:]
+        error = _disagreement(others, first.expand_as(others), mask.expand_as(others))
+        if bool((error > tolerance(others.dtype)).any()):
+            raise ValueError(mixing_message(local.observed.name))
 
 
 def no_feature_dim_advice(observed):
