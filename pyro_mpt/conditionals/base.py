@@ -92,7 +92,18 @@ class SelfPredictive(ABC):
             :meth:`keep_given`).
         :raises NotImplementedError: for strategies that offer no draws.
         """
-        raise NotImplementedError(
+        raise self._no_draws()
+
+    def check_draws(self):
+        """Raises what :meth:`sample` would raise for any ``hidden``, before a caller spends
+        more runs of the model on these conditionals (:func:`~pyro_mpt.impute` checks a rule
+        first): ``NotImplementedError`` for strategies that offer no draws; a strategy whose
+        conditionals cannot serve draws for a reason of their own overrides it."""
+        if type(self).sample is SelfPredictive.sample:
+            raise self._no_draws()
+
+    def _no_draws(self):
+        return NotImplementedError(
             f"{type(self).__name__} does not implement sample(hidden, num_samples, joint), so "
             f"its conditionals cannot impute or run Gibbs chains; use conditionals='exact', "
             f"'quadrature', 'importance' or 'encode-decode', or implement sample."
@@ -174,23 +185,30 @@ class Conditionals(ABC):
         with (coarser below 1)."""
         return None
 
-    def checked_gap(self, prepared, model, guide, args, kwargs, structure=None, restore=None):
+    def checked_gap(
+        self, prepared, model, guide, args, kwargs, structure=None, restore=None, context=None
+    ):
         """:meth:`refinement_gap` against 1.5 times the nodes, or, for a rule that cannot be
         refined, against two thirds of them (a sign that the rule is still moving, not a
         measure of its own error): ``(gap, "finer" or "coarser")``; ``(None, None)`` for a
         strategy with no such measure. ``restore``, if given, is called before each rule is
-        prepared (to put back the random state ``prepared`` was made from)."""
+        prepared (to put back the random state ``prepared`` was made from). ``context``, if
+        given, restricts the ``log p`` compared to those entries (booleans ``batch + (D,)``;
+        passed on to :meth:`refinement_gap` only then)."""
         call = (prepared, model, guide, args, kwargs)
+        options = {"structure": structure}
+        if context is not None:
+            options["context"] = context
         if restore is not None:
             restore()
-        gap = self.refinement_gap(*call, structure=structure)
+        gap = self.refinement_gap(*call, **options)
         if gap is None:
             return None, None
         if not math.isnan(gap):
             return gap, "finer"
         if restore is not None:
             restore()
-        return self.refinement_gap(*call, structure=structure, factor=2 / 3), "coarser"
+        return self.refinement_gap(*call, **options, factor=2 / 3), "coarser"
 
     @abstractmethod
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):

@@ -121,16 +121,10 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         log_joint = restricted.node_log_joint()
         return log_joint - torch.logsumexp(log_joint, 0)
 
-    def sample(self, hidden, num_samples, joint=True):
-        """Draws exact for the rule: a node ``g`` with probability ``pi_g(x_R)``
-        (:meth:`node_log_posterior`), then the hidden features from the model's own
-        likelihood at it; one node per draw (``joint=True``), or per draw and feature. See
-        :meth:`SelfPredictive.sample`.
-
-        :raises ValueError: for nodes placed at the guide (``Quadrature(center="guide")``):
-            the guide read the whole data, the hidden entries too, so the draws would depend
-            on values that the callers promise to ignore.
-        """
+    def check_draws(self):
+        """Raises ``ValueError`` for nodes placed at the guide (``Quadrature(center="guide")``):
+        the guide read the whole data, the entries to draw too, so the draws would depend on
+        values that :func:`~pyro_mpt.impute` and :func:`~pyro_mpt.gibbs` ignore."""
         if self.run_at is None:
             raise ValueError(
                 "Quadrature(center='guide') places its nodes at the guide's q(z | x) on the "
@@ -140,6 +134,16 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
                 "ImportanceSampling with a guide that takes a 'hidden' argument (see 'Guides "
                 "for masked inputs')."
             )
+
+    def sample(self, hidden, num_samples, joint=True):
+        """Draws exact for the rule: a node ``g`` with probability ``pi_g(x_R)``
+        (:meth:`node_log_posterior`), then the hidden features from the model's own
+        likelihood at it; one node per draw (``joint=True``), or per draw and feature. See
+        :meth:`SelfPredictive.sample`.
+
+        :raises ValueError: as :meth:`check_draws`.
+        """
+        self.check_draws()
         observed, nodes = self.observed, self.nodes
         log_posterior = self.node_log_posterior(self.context(hidden))  # (G,) + batch
         if joint:
@@ -248,6 +252,15 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
         self.log_table = bernoulli_log_table(self.logits)
         self.indicators = _binary_indicators(self.observed.value.to(self.logits.dtype))
         return super().node_log_joint()
+
+
+def _log_marginal_of(prepared, context):
+    """``log p`` of the entries ``context`` marks by the rule of ``prepared`` (of every
+    observed entry for ``None``)."""
+    if context is not None:
+        prepared = copy.copy(prepared)
+        prepared.observed = prepared.observed._replace(entries=context.to(torch.bool))
+    return prepared.log_marginal()
 
 
 def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None):
@@ -467,7 +480,9 @@ class Quadrature(Conditionals):
         call = (model, guide, args, kwargs, max_plate_nesting, signature)
         return self._structure.prepared(self, *call)
 
-    def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None, factor=1.5):
+    def refinement_gap(
+        self, prepared, model, guide, args, kwargs, structure=None, factor=1.5, context=None
+    ):
         """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5
         times its nodes per dimension (the test ``conditionals="auto"`` chose it by), on the
         data of ``prepared``'s call; NaN when no finer rule fits (more than
@@ -475,7 +490,9 @@ class Quadrature(Conditionals):
         finer rule is prepared from the random state the caller leaves, so a subsampled model
         must be given the state ``prepared`` was made from. ``factor`` below 1 compares
         with a coarser rule instead (``factor`` times the nodes, at least one): for a rule
-        at the limit, a sign that it is still moving, not a measure of its own error."""
+        at the limit, a sign that it is still moving, not a measure of its own error.
+        ``context``, booleans ``batch + (D,)``: ``log p`` of those entries only (the ones a
+        draw rests on), rather than of every observed entry."""
         num_points = max(1, math.ceil(factor * self.num_points))
         if num_points > MAX_POINTS:
             return math.nan
@@ -491,7 +508,9 @@ class Quadrature(Conditionals):
                     finer_prepared = finer.prepare(model, guide, args, kwargs)
                 else:
                     finer_prepared = finer.prepare_with(structure, model, guide, args, kwargs)
-                change = finer_prepared.log_marginal() - prepared.log_marginal()
+                change = _log_marginal_of(finer_prepared, context) - _log_marginal_of(
+                    prepared, context
+                )
         except NotApplicableError:
             return math.nan
         return float(change.abs().mean())

@@ -28,7 +28,9 @@ _DRAWS_FIX = (
 )
 
 
-def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, check_rule, caller):
+def prepare_checked(
+    strategy, model, guide, args, kwargs, max_plate_nesting, check_rule, caller, scored=None
+):
     """``strategy.prepare(...)``, and with ``check_rule`` the rule's check of itself on the
     same data, from the same random state (the same subsample), leaving the caller's random
     state as the preparation alone leaves it. Strategies with no such measure (exact,
@@ -36,6 +38,10 @@ def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, che
     choosing it and warns itself.
 
     :param str caller: the function's name, for the warning.
+    :param scored: if given, called with the prepared conditionals before the check: it may
+        raise to refuse them (then no run is spent on the check), and returns the booleans
+        ``batch + (D,)`` of the entries the caller's use rests on, whose ``log p`` the check
+        compares (for :func:`~pyro_mpt.impute`, those not drawn), or ``None`` for all.
     """
     measures = type(strategy).refinement_gap is not Conditionals.refinement_gap
     check_rule = check_rule and measures and strategy.in_use is strategy
@@ -48,13 +54,14 @@ def prepare_checked(strategy, model, guide, args, kwargs, max_plate_nesting, che
         structure = strategy.structure_for(signature)
     else:
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+    context = None if scored is None else scored(prepared)
     if check_rule:
         call = (model, guide, args, kwargs)
-        _check_rule(strategy, prepared, call, structure, before, caller)
+        _check_rule(strategy, prepared, call, structure, before, caller, context)
     return prepared
 
 
-def _check_rule(strategy, prepared, call, structure, before, caller):
+def _check_rule(strategy, prepared, call, structure, before, caller, context=None):
     """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
     observation under a finer rule (under a coarser one for a rule that cannot be refined:
     :meth:`~pyro_mpt.conditionals.Conditionals.checked_gap`): its values are about that far
@@ -64,7 +71,7 @@ def _check_rule(strategy, prepared, call, structure, before, caller):
     after = RandomState()
     try:
         gap, compared_with = strategy.checked_gap(
-            prepared, *call, structure=structure, restore=before.restore
+            prepared, *call, structure=structure, restore=before.restore, context=context
         )
     finally:
         after.restore()

@@ -91,7 +91,9 @@ def gibbs(
     with param_store_rollback(always=True):
         # Prepared with gradients on: some strategies check their guide by differentiating it.
         call = (model, guide, args, kwargs, max_plate_nesting)
-        prepared = prepare_checked(strategy, *call, check_rule, "gibbs")
+        prepared = prepare_checked(
+            strategy, *call, check_rule, "gibbs", lambda prepared: prepared.check_draws()
+        )
         observed = prepared.observed
         _check_state(data, observed)
         num_features = observed.num_features
@@ -100,8 +102,7 @@ def gibbs(
             block_size,
             1,
             num_features,
-            f"It counts the features drawn per step, of the D={num_features} of one "
-            f"observation.",
+            f"It counts the features drawn per step, of the D={num_features} of one observation.",
         )
         sizes = torch.full(observed.batch_shape, block_size, device=data.device)
         chain = [data]

@@ -87,9 +87,22 @@ def impute(
     with param_store_rollback(always=True):
         # Prepared with gradients on: some strategies check their guide by differentiating it.
         call = (model, guide, args, kwargs, max_plate_nesting)
-        prepared = prepare_checked(strategy, *call, check_rule, "impute")
+        prepared = prepare_checked(strategy, *call, check_rule, "impute", _visible(missing))
         observed = prepared.observed
         hidden = flat_missing(missing.to(observed.value.device), observed)
         with torch.no_grad():
             draws = draw_hidden(prepared, hidden, num_samples, joint=True)
     return draws.reshape((num_samples,) + tuple(observed.full_shape))
+
+
+def _visible(missing):
+    """What the rule check of :func:`impute` scores: the entries the draws rest on, after
+    refusing conditionals that cannot serve draws (the values at the entries to draw are
+    ignored, so they must not move the check)."""
+
+    def scored(prepared):
+        prepared.check_draws()
+        observed = prepared.observed
+        return prepared.context(flat_missing(missing.to(observed.value.device), observed))
+
+    return scored
