@@ -638,7 +638,7 @@ _EVERY_MASK_ADVICE = (
     "departs from the importance-weighted bound is known exactly."
 )
 
-#: The call from which ``MPTLoss`` checks a strategy's accuracy for the second time (then
+#: The call on which ``MPTLoss`` checks a strategy's accuracy next after the 2nd (then
 #: every 64th).
 _FIRST_CHECK = 16
 

@@ -65,7 +65,7 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
         ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
         draws the observations there; ``None`` for nodes that cannot serve draws (see
-        :meth:`sample`).
+        :meth:`check_draws`).
     """
 
     def __init__(self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at):
