@@ -55,9 +55,9 @@ def _train(conditionals, sharpen, num_steps):
     return loss, first, data[batches[-1]], weight
 
 
-def test_ragged_batches_are_checked_too():
-    # Every epoch ends with a smaller batch, a call of another shape: the check still runs on
-    # the 2nd, the 16th and the 64th call, whatever their shapes (warned three times).
+def _checked_steps(batches):
+    """SVI steps of a user's 20-node rule on a sharp model over ``batches`` (rows of the
+    data): the steps whose rule check ran, and how many times it warned."""
     data = torch.bernoulli(torch.full((70, NUM_FEATURES), 0.5))
     loss = MPTLoss(conditionals=Quadrature(20))
     svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
@@ -65,14 +65,19 @@ def test_ragged_batches_are_checked_too():
     steps = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(10):
-            for batch in torch.arange(70).split(8):  # 8 batches of 8, then one of 6
-                svi.step(data[batch])
-                if loss.rule_check is not None and loss.rule_check["step"] not in steps:
-                    steps.append(loss.rule_check["step"])
-    assert steps == [2, 16, 64]
+        for batch in batches:
+            svi.step(data[batch])
+            if loss.rule_check is not None and loss.rule_check["step"] not in steps:
+                steps.append(loss.rule_check["step"])
     warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
-    assert len(warned) == 3
+    return steps, len(warned)
+
+
+def test_ragged_batches_are_checked_too():
+    # Every epoch ends with a smaller batch, a call of another shape: the check still runs on
+    # the 2nd, the 16th and the 64th call, whatever their shapes (warned three times).
+    epoch = torch.arange(70).split(8)  # 8 batches of 8, then one of 6
+    assert _checked_steps(10 * epoch) == ([2, 16, 64], 3)
 
 
 def test_auto_refines_a_rule_that_became_coarse():
@@ -107,20 +112,7 @@ def test_auto_measures_its_choice_on_the_second_batch():
 def test_a_rule_given_by_the_user_checks_itself_when_every_call_has_new_shapes():
     # Batches of 8 and 9 rows in turn: no call is like the one before, and the rule still
     # measures itself on the 2nd and 16th call (it never did: every call was a first one).
-    data = torch.bernoulli(torch.full((40, NUM_FEATURES), 0.5))
-    loss = MPTLoss(conditionals=Quadrature(20))
-    svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
-    pyro.param("weight", 3.0 * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
-    steps = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(20):
-            svi.step(data[: 8 + step % 2])
-            if loss.rule_check is not None and loss.rule_check["step"] not in steps:
-                steps.append(loss.rule_check["step"])
-    assert steps == [2, 16]
-    warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
-    assert len(warned) == 2
+    assert _checked_steps([torch.arange(8 + step % 2) for step in range(20)]) == ([2, 16], 2)
 
 
 def test_a_rule_given_by_the_user_warns_with_its_figure():
