@@ -11,6 +11,7 @@ __all__ = [
     "StaleStructureError",
     "check_positive_int",
     "unsupported_prior_error",
+    "without_trace_shapes",
 ]
 
 
@@ -91,3 +92,9 @@ def unsupported_prior_error(name, fn):
         f"(transformed normal) priors. Use conditionals='importance' with a guide that samples "
         f"{name!r}, or {fix}"
     )
+
+
+def without_trace_shapes(message):
+    """``message`` without the table of trace shapes that Pyro appends to an error raised
+    inside a traced model run: the package's own errors say what is wrong in words."""
+    return message.split("\nTrace Shapes:")[0].rstrip()

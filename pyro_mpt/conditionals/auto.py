@@ -15,7 +15,7 @@ from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, without_trace_shapes
 from pyro_mpt.ops.masks import as_rate_schedule, sample_masks
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
@@ -174,8 +174,7 @@ class Auto(Conditionals):
             return prepare_call(strategy, model, guide, args, kwargs, max_plate_nesting, key)
         except NotApplicableError as error:
             state.restore()
-            # Pyro appends the trace's shapes to errors raised inside a model run.
-            reason = str(error).split("\nTrace Shapes:")[0].rstrip()
+            reason = without_trace_shapes(str(error))
             # Advice to use 'auto' is no advice here: auto has just tried every strategy.
             reason = _ADVISES_AUTO.sub("", reason).rstrip()
             reasons.append(f"  {strategy.name}: {reason}")
@@ -276,6 +275,7 @@ class Auto(Conditionals):
 SIGNATURE_AWARE = frozenset(
     {Auto.prepare, Exact.prepare, Quadrature.prepare, ImportanceSampling.prepare}
 )
+
 
 def prepare_call(strategy, model, guide, args, kwargs, max_plate_nesting, signature=None):
     """``strategy.prepare(...)``, passing the call's ``signature`` (when given) to the

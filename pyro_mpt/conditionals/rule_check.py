@@ -77,8 +77,11 @@ def _check_rule(strategy, prepared, call, structure, before, caller, context=Non
         after.restore()
     if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
         return
+    sentence = gap_sentence(strategy, gap, compared_with)
+    if context is not None:
+        sentence = sentence.replace("log p(x)", "log p(x_R) of the entries not drawn")
     warnings.warn(
-        f"{caller} with {gap_sentence(strategy, gap, compared_with)} (mean; above "
+        f"{caller} with {sentence} (mean; above "
         f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
         f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: "
         f"{_DRAWS_FIX if caller in ('impute', 'gibbs') else _FIX}",

@@ -30,7 +30,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from pyro_mpt.errors import NotApplicableError, unsupported_prior_error
+from pyro_mpt.errors import NotApplicableError, unsupported_prior_error, without_trace_shapes
 from pyro_mpt.trace.factors import check_factors, factor_log_prob
 from pyro_mpt.trace.observed_site import check_run_matches, observed_in_run
 from pyro_mpt.trace.points_check import check_model_at_points
@@ -301,7 +301,10 @@ def run_at_points(
     # The plate over points sits left of every plate of the model.
     plate = pyro.plate(_POINTS_PLATE, points.shape[0], dim=-(structure.max_plate_nesting + 1))
     with plate, pyro.validation_enabled(False):
-        trace = poutine.trace(latents(model)).get_trace(*args, **kwargs)
+        try:
+            trace = poutine.trace(latents(model)).get_trace(*args, **kwargs)
+        except NotApplicableError as error:  # raised by _LatentsAtPoints, in words
+            raise type(error)(without_trace_shapes(str(error))) from None
     if latents.position != len(structure.latents):
         missing = [latent.name for latent in structure.latents[latents.position :]]
         raise ValueError(
