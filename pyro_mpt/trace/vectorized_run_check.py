@@ -461,8 +461,9 @@ def _observation_index(shape, data_dims, num_right):
 
 
 def _kept_at(patterns, shape, local, num_right):
-    """:func:`kept_patterns` laid out for a tensor of ``shape`` with two leading dims (samples
-    and copies) that the rows stand for the copies past the first of: ``(1, 2 B) + rest``."""
+    """:func:`kept_patterns` laid out for a tensor of ``shape`` whose two leading dims are
+    the samples and the copies of the data: row ``r`` is for copy ``r + 1``, shape
+    ``(1, 2 B) + ...`` broadcasting to the copies past the first."""
     index = _observation_index(shape[2:], local.data_dims, num_right)
     kept = patterns[:, index]  # (2 B,) + index.shape
     return kept.reshape((1,) + kept.shape[:1] + (1,) * (len(shape) - 2 - index.dim()) + index.shape)
@@ -475,10 +476,10 @@ def _kept_copies(local, drawn):
     observation keeps all its latents from one sample); ``None`` where a latent is not drawn
     per sample and copy (nothing to compare)."""
     patterns = kept_patterns(local.observed.batch_shape.numel())
+    lead = (2, 1 + len(patterns))
     swapped = drawn.copy()
     for name in local.latent_names:
         site = drawn.nodes.get(name)
-        lead = (2, 1 + len(patterns))
         if site is None or site["value"].dim() < 2 or tuple(site["value"].shape[:2]) != lead:
             return None
         value, num_event = site["value"], len(site["fn"].event_shape)
