@@ -1,7 +1,11 @@
-"""Exceptions raised by pyro_mpt, and the argument check every constructor shares."""
+"""Exceptions and warnings raised by pyro_mpt, the argument check every constructor
+shares, and where a warning points."""
 
 import numbers
+import os
+import sys
 
+import pyro
 import torch
 
 __all__ = [
@@ -11,6 +15,7 @@ __all__ = [
     "StaleStructureError",
     "check_positive_int",
     "unsupported_prior_error",
+    "user_stacklevel",
     "without_trace_shapes",
 ]
 
@@ -98,3 +103,20 @@ def without_trace_shapes(message):
     """``message`` without the table of trace shapes that Pyro appends to an error raised
     inside a traced model run: the package's own errors say what is wrong in words."""
     return message.split("\nTrace Shapes:")[0].rstrip()
+
+
+#: Where pyro_mpt's and Pyro's own source files lie: frames there are not the user's.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+    for module in (sys.modules[__name__], pyro)
+)
+
+
+def user_stacklevel():
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at
+    the first frame outside pyro_mpt and Pyro: the user's line, however many of their
+    functions (``SVI.step``, ``SVI.evaluate_loss``, a direct call) lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

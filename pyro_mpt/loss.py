@@ -26,6 +26,7 @@ from pyro_mpt.errors import (
     QuadratureAccuracyWarning,
     StaleStructureError,
     check_positive_int,
+    user_stacklevel,
 )
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
 from pyro_mpt.ops.masks import (
@@ -209,6 +210,8 @@ class MPTLoss(ELBO):
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
         self._pending_check = None
+        self._pending_weights = None
+        self._checking = False
         self.rule_check = None
 
     def __repr__(self):
@@ -283,11 +286,15 @@ class MPTLoss(ELBO):
             self._last_call = (self._call_key(model, guide, args, kwargs), key[1])
         self.diagnostics = prepared.diagnostics
         self._pending_check = prepared.pending_check
+        self._pending_weights = None
         if prepared.diagnostics is not None:
-            what, counts = "MPTLoss's conditionals", self._accuracy_counts
-            advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
-            # stacklevel 6: the caller of SVI.step.
-            warn_if_unreliable(prepared.diagnostics, what, model, args, 6, counts, advice=advice)
+            if steady and not self._checking and not is_validation_enabled():
+                # Whether the weights fail stays on the device: loss_and_grads and loss
+                # read it with the loss (_read), and warn then.
+                failing = prepared.diagnostics.failing()
+                self._pending_weights = (failing, prepared.diagnostics, model, args)
+            else:
+                self._warn_if_unreliable(prepared.diagnostics, model, args)
         loss = -(prepared.scale * estimates).sum() - prepared.extra_log_prob
         if is_validation_enabled():
             # Reads the loss back from the device, so only under validation.
@@ -299,11 +306,11 @@ class MPTLoss(ELBO):
         call's data: the 2nd, the 16th, then every 64th (64, 128, ...; the first call from
         each on, should it have other argument shapes). Every batch is new data and training
         moves the parameters, so a rule that was accurate can stop being so at any step."""
-        if self._num_calls < self._next_check:
-            return False
-        calls = self._num_calls
-        self._next_check = _FIRST_CHECK if calls < _FIRST_CHECK else (calls // 64 + 1) * 64
-        return True
+        self._checking = self._num_calls >= self._next_check
+        if self._checking:
+            calls = self._num_calls
+            self._next_check = _FIRST_CHECK if calls < _FIRST_CHECK else (calls // 64 + 1) * 64
+        return self._checking
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
         strategy, structure, _ = self._steady
@@ -381,7 +388,7 @@ class MPTLoss(ELBO):
             f"num_points, use center='guide' with a guide fitted to the posterior, or "
             f"conditionals='auto', which refines the rule as training goes on.",
             QuadratureAccuracyWarning,
-            stacklevel=7,  # the caller of SVI.step
+            stacklevel=user_stacklevel(),
         )
         return prepared
 
@@ -554,24 +561,41 @@ class MPTLoss(ELBO):
         else:
             warnings.warn(
                 "MPTLoss does not depend on any trainable parameter; no gradients were computed.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         return value
 
     def _read(self, loss):
-        """The loss as a float, read from the device in one synchronisation with the check
-        that the call's conditionals left unread (with validation off, whether a
-        linear-Gaussian form still holds: :attr:`SelfPredictive.pending_check`); ``None``
-        when that check failed, after which the call is made afresh and verified (the
-        loss's value is then not used, and nothing has been back-propagated)."""
-        pending = self._pending_check
-        if pending is None:
+        """The loss as a float, read from the device in one synchronisation with the checks
+        that the call left unread with validation off: whether a linear-Gaussian form still
+        holds (:attr:`SelfPredictive.pending_check`) and whether importance weights fail
+        (:meth:`ImportanceDiagnostics.failing`, warned of here). ``None`` when the form
+        failed, after which the call is made afresh and verified (the loss's value is then
+        not used, and nothing has been back-propagated)."""
+        form, weights = self._pending_check, self._pending_weights
+        self._pending_weights = None
+        pending = [loss.detach().double()]
+        pending += [p.double() for p in (form, weights and weights[0]) if p is not None]
+        if len(pending) == 1:
             return loss.item()
-        value, failed = torch.stack([loss.detach().double(), pending.double()]).tolist()
-        if failed:
+        value, *failed = torch.stack(pending).tolist()
+        if form is not None and failed.pop(0):
             self._last_call = None
             return None
+        if weights is not None:
+            self._warn_if_unreliable(*weights[1:], failed=bool(failed[0]))
         return value
+
+    def _warn_if_unreliable(self, diagnostics, model, args, failed=None):
+        """Warns when importance weights fail (:func:`warn_if_unreliable`), counting this
+        loss's calls, at the line of the user's code that made the call."""
+        advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
+        what, counts = "MPTLoss's conditionals", self._accuracy_counts
+        # One frame more: warn_if_unreliable's own.
+        stacklevel = user_stacklevel() + 1
+        warn_if_unreliable(
+            diagnostics, what, model, args, stacklevel, counts, advice=advice, failed=failed
+        )
 
     def _split_params(self, model, guide, args, kwargs, key=None):
         """The unconstrained parameters of the model, and those of the guide only.
@@ -620,7 +644,7 @@ class MPTLoss(ELBO):
                 f"and stay untrained (Predictive would return the untrained posterior). Pass "
                 f"guide_loss='elbo' to train the guide by the ELBO while the model follows "
                 f"the MPT gradient.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
 

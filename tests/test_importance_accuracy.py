@@ -445,3 +445,57 @@ def test_a_categorical_proposal_that_rarely_tries_a_class_is_flagged():
     assert float((value - exact).sum()) < -10.0  # the warning is deserved
     flagged = [str(w.message) for w in _flagged(caught)]
     assert len(flagged) == 1 and "rest on a single draw" in flagged[0]
+
+
+@pytest.mark.parametrize("method", ["step", "loss"])
+def test_failing_weights_warn_with_validation_off(method):
+    """With Pyro's validation off, a steady step leaves whether its weights fail on the
+    device and reads it with the loss: the warnings come at the same calls as with
+    validation on (the 1st and the 10th failing call), and the second counts every call."""
+    x = _data()
+    loss = MPTLoss(num_masks=5, conditionals=ImportanceSampling(num_samples=64))
+    svi = SVI(_model, _far_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+    with pyro.validation_enabled(False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            svi.step(x) if method == "step" else svi.evaluate_loss(x)
+    flagged = _flagged(caught)
+    assert len(flagged) == 2
+    assert "(10 of the 10 calls so far failed)" in str(flagged[1].message)
+    # Attributed to the caller of SVI.step / SVI.evaluate_loss: this file.
+    assert all(w.filename == __file__ for w in flagged)
+
+
+def test_log_marginal_warns_with_validation_off():
+    """A one-off estimate reads its weights' figures whatever the validation setting."""
+    x = _data()
+    with pyro.validation_enabled(False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log_marginal(_model, x, guide=_far_guide, conditionals=ImportanceSampling(64))
+    assert len(_flagged(caught)) == 1
+
+
+def test_failing_on_the_device_agrees_with_the_figures_read_back():
+    """:meth:`ImportanceDiagnostics.failing` (no read) against :meth:`reliable` (the figures
+    read back and compared in Python) on rows past and short of each threshold, with NaN
+    rows (nothing to estimate) and an empty context's term."""
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    generator = torch.Generator().manual_seed(3)
+    outcomes = set()
+    for trial in range(400):
+        rows = int(torch.randint(1, 12, (), generator=generator))
+        k = torch.rand(rows, generator=generator) * 1.2
+        ess = torch.rand(rows, generator=generator) * 12
+        nan = torch.rand(rows, generator=generator) < (0.3 if trial % 4 else 1.0)
+        k, ess = k.masked_fill(nan, math.nan), ess.masked_fill(nan, math.nan)
+        empty = None
+        if trial % 3 == 0:
+            empty = (torch.rand(rows, generator=generator) - 0.5) * 2.5
+            empty = empty.masked_fill(nan, math.nan)
+        diagnostics = ImportanceDiagnostics(k, ess, 64, empty)
+        failing = diagnostics.failing()
+        assert failing.dtype == torch.bool and failing.dim() == 0
+        assert bool(failing) == (not diagnostics.reliable())
+        outcomes.add(bool(failing))
+    assert outcomes == {True, False}  # both sides of the thresholds were met

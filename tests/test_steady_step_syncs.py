@@ -76,15 +76,15 @@ def _case(name):
 
 
 def _steady_step(name):
-    """Runs three steps on mini-batches of the case, and a fourth with validation off
-    while host reads are counted: ``(reads, model runs of the fourth step, loss)``."""
+    """Runs three steps on mini-batches of the case with validation off, and a fourth while
+    host reads are counted: ``(reads, model runs of the fourth step, loss)``."""
     model, guide, loss, data = _case(name)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
-    for _ in range(3):
-        svi.step(data[torch.randint(64, (16,))])
-    model.calls = 0
     pyro.enable_validation(False)
     try:
+        for _ in range(3):
+            svi.step(data[torch.randint(64, (16,))])
+        model.calls = 0
         with host_reads() as counted:
             svi.step(data[torch.randint(64, (16,))])
     finally:

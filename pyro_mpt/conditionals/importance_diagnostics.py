@@ -8,7 +8,6 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from pyro.infer.util import is_validation_enabled
 
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
@@ -113,6 +112,26 @@ class ImportanceDiagnostics(NamedTuple):
             or abs(figures["empty_context"]) > MAX_EMPTY_CONTEXT_ERROR
         )
 
+    def failing(self):
+        """``not reliable()`` as a boolean scalar tensor on the weights' device, computed
+        without reading anything back: a caller that reads the device anyway (``MPTLoss``
+        reads its loss) reads this with it. NaN rows (nothing to estimate) do not count,
+        and a figure with no finite row fails nothing, as in :meth:`summary`."""
+        k, ess = self.pareto_k.double(), self.ess.double()
+
+        def share(passed, values):
+            # Of the finite rows; 0 / 0 is NaN, which fails no comparison.
+            return passed.sum() / (~values.isnan()).sum()
+
+        failing = (share(k > MAX_PARETO_K, k) > MAX_UNRELIABLE_SHARE) | (
+            share(ess < SINGLE_DRAW_ESS, ess) > MAX_UNRELIABLE_SHARE
+        )
+        failing = failing | (ess.nanmedian() < MIN_EFFECTIVE_SAMPLES)
+        if self.empty_context is not None:
+            empty = self.empty_context.double().nanmean().abs()
+            failing = failing | (empty > MAX_EMPTY_CONTEXT_ERROR)
+        return failing
+
     def describe(self):
         """The figures in one sentence."""
         f = self.summary()
@@ -202,14 +221,14 @@ def _weak_or_strong(value):
 
 def warn_if_unreliable(
     diagnostics, what, model, args, stacklevel=3, counts=None, guide=None, strategy=None,
-    advice="",
+    advice="", failed=None,
 ):
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
     call per model, argument shapes, guide and strategy, stating the figures and, from the
     second warning, how many of the calls so far failed. Early failures of an untrained
     guide thus do not hide later ones, and a long run is not flooded. The check reads the
-    figures (a device synchronisation), so it runs only while Pyro's validation is enabled
-    (the default).
+    figures (a device synchronisation), with Pyro's validation on or off: an estimate off
+    by nats is never left unsaid.
 
     :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
     :param str what: what was estimated, the subject of the message.
@@ -217,13 +236,17 @@ def warn_if_unreliable(
         its own calls); by default those of the model, argument shapes, ``guide`` and
         ``strategy``.
     :param str advice: a sentence the caller adds to the fix (e.g. a setting of its own).
+    :param bool failed: whether the weights fail, where the caller has read
+        :meth:`ImportanceDiagnostics.failing` already (worked out here otherwise).
     """
-    if diagnostics is None or not is_validation_enabled():
+    if diagnostics is None:
         return
     if counts is None:
         counts = _counts(what, model, args, guide, strategy)
     counts[0] += 1
-    if diagnostics.reliable():
+    if failed is None:
+        failed = not diagnostics.reliable()
+    if not failed:
         return
     counts[1] += 1
     checks, failures = counts
