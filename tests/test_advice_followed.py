@@ -215,6 +215,35 @@ def test_batch_norm_on_3d_input_gets_specific_advice_that_works(num_data):
     assert loss == pytest.approx(float(_normal_marginals_loss(x, b, a**2 + noise**2)), rel=1e-8)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batch_norm_under_importance_gets_the_same_advice(training):
+    """Importance sampling runs the model on (samples, masks) + batch: a BatchNorm1d then sees
+    4-D input, which torch refuses with a ValueError of its own; the advice replaces it."""
+    torch.manual_seed(0)
+    decoder = torch.nn.Sequential(
+        torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 5)
+    )
+    decoder.train(training)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(decoder(z), 0.5).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+
+    x = torch.randn(16, 5)
+    with pytest.raises(ValueError) as caught:
+        MPTLoss(conditionals=ImportanceSampling(16)).loss(model, guide, x)
+    message = str(caught.value)
+    mode = "training" if training else "eval"
+    assert message.startswith("The model failed when run at the guide's samples (expected 2D")
+    assert f"The model calls BatchNorm1d(8) in {mode} mode" in message
+    assert "Trace Shapes" not in message
+
+
 def test_a_guide_with_batch_norm_is_told_about_it():
     torch.manual_seed(0)
     num_latent = 5

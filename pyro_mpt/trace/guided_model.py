@@ -446,9 +446,11 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None, guid
             replayed = poutine.trace(poutine.replay(guided.model, trace=guide_trace))
             try:
                 model_trace = replayed.get_trace(*guided.args, **guided.kwargs)
-            except (RuntimeError, IndexError) as error:
+            except (ValueError, RuntimeError, IndexError) as error:
                 reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 hint = batch_norm_hint(guided.model, guided.args, guided.kwargs)
+                if isinstance(error, ValueError) and not hint:
+                    raise  # in Pyro's or the model's own words (a BatchNorm's is a ValueError)
                 raise ValueError(
                     f"The model failed when run at the guide's samples ({reason}). "
                     + (

@@ -6,6 +6,7 @@ first run at points of :mod:`pyro_mpt.trace.whitened_latents` calls
 import torch
 from pyro.poutine.util import site_is_subsample
 
+from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.trace.trace_utils import (
     RandomState,
     check_points,
@@ -88,12 +89,16 @@ def check_model_at_points(model, args, kwargs, structure, run):
             # observations keep the first point and the others hold the third (_check_local).
             spread = torch.cat([_shared(points, structure), _kept_or_moved(points, structure)])
             wide_run = run_at(spread, False, same_state=subsamples, watch_rows=True)
-        except (RuntimeError, IndexError) as error:
+        except (ValueError, RuntimeError, IndexError) as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+            hint = batch_norm_hint(model, args, kwargs)
+            in_words = isinstance(error, ValueError) and not hint
+            if in_words or isinstance(error, NotApplicableError):
+                raise  # in Pyro's or the model's own words (a BatchNorm's is a ValueError)
             raise ValueError(
                 f"The model failed when run at several latent values at once ({cause}). "
                 + (
-                    batch_norm_hint(model, args, kwargs)
+                    hint
                     or "MPTLoss integrates the latents out by running the model with an extra "
                     "batch dim left of its plates, as Pyro's vectorized particles do, so the "
                     "model must broadcast over leading dims: expand covariates to the latent's "
