@@ -5,7 +5,6 @@ import logging
 import math
 import warnings
 
-import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO, Trace_ELBO
@@ -38,6 +37,7 @@ from pyro_mpt.ops.masks import (
 )
 from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
+from pyro_mpt.trace.parameter_lists import ParameterLists
 from pyro_mpt.trace.plate_nesting import (
     copied_trace,
     guessed_plate_nesting,
@@ -201,8 +201,8 @@ class MPTLoss(ELBO):
         self._signature = None
         self._steady = None
         self._kept = None
-        self._guess_traces = None
-        self._params_found = None
+        # The model's and the guide's parameters, found once per call like the last.
+        self._parameters = ParameterLists()
         # Calls so far, and the next at which the strategy checks its accuracy (see
         # _due_check): from the 2nd call, whose batch is not the one auto chose on.
         self._num_calls, self._next_check = 0, 2
@@ -441,8 +441,8 @@ class MPTLoss(ELBO):
                     else:
                         traces = guide_and_model_traces(model, guide, args, kwargs, structure)
                 self.max_plate_nesting = guessed_plate_nesting(*traces)
-                # Their param sites serve _split_params on this call.
-                self._guess_traces = (self._call_key(model, guide, args, kwargs), traces)
+                # Their param sites serve the parameter lists on this call.
+                self._parameters.offer(self._call_key(model, guide, args, kwargs), traces)
             # The traces of the guess serve the comparison of the guide's sites too.
             check_guide_sites(model, guide, args, kwargs, self.max_plate_nesting, traces)
             conditionals, nesting = self.conditionals, self.max_plate_nesting
@@ -521,7 +521,7 @@ class MPTLoss(ELBO):
             return loss
         # The call's key, as the successful preparation above left it.
         key = self._last_call[0]
-        model_params, guide_params = self._split_params(model, guide, args, kwargs, key)
+        model_params, guide_params = self._parameters.split(model, guide, args, kwargs, key)
         if mode == "elbo":
             guide_objective = self._elbo.differentiable_loss(model, guide, *args, **kwargs)
         else:
@@ -597,42 +597,13 @@ class MPTLoss(ELBO):
             diagnostics, what, model, args, stacklevel, counts, advice=advice, failed=failed
         )
 
-    def _split_params(self, model, guide, args, kwargs, key=None):
-        """The unconstrained parameters of the model, and those of the guide only.
-
-        Found by tracing the guide and the model, once per model, guide and argument shapes
-        while the parameters they rest on are the same tensors (:func:`_parameter_snapshot`):
-        a later step of the same call takes the lists found then (the parameters that still
-        need a gradient).
-
-        :param key: the call's :meth:`_call_key` when the caller has it already.
-        """
-        store = _parameter_snapshot(model, guide)
-        if key is None:
-            key = self._call_key(model, guide, args, kwargs)
-        found = self._params_found
-        guessed, self._guess_traces = self._guess_traces, None
-        if found is None or found[0] != key or store is None or not _same_store(found[1], store):
-            if guessed is not None and guessed[0] == key and guide is not None:
-                guide_trace, model_trace = guessed[1]
-            else:
-                with poutine.block(), torch.no_grad(), same_random_state():
-                    guide_trace = poutine.trace(guide, param_only=True).get_trace(*args, **kwargs)
-                    model_trace = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
-            model_params = _unconstrained(model_trace)
-            seen = {id(p) for p in model_params}
-            guide_params = [p for p in _unconstrained(guide_trace) if id(p) not in seen]
-            # The model and guide stay alive with the lists, so the ids in the key stay theirs.
-            kept = (model, guide, tuple(v for v in args if not torch.is_tensor(v)))
-            found = self._params_found = (key, store, model_params, guide_params, kept)
-        return [p for p in found[2] if p.requires_grad], [p for p in found[3] if p.requires_grad]
-
     def _warn_if_guide_untrained(self, model, guide, args, kwargs, loss):
         """Warns once when the guide has parameters that the loss does not reach."""
         if self._warned_untrained_guide or guide is None or not loss.requires_grad:
             return
         self._warned_untrained_guide = True
-        model_params, guide_params = self._split_params(model, guide, args, kwargs)
+        key = self._call_key(model, guide, args, kwargs)
+        model_params, guide_params = self._parameters.split(model, guide, args, kwargs, key)
         guide_params = [p for p in guide_params if p.requires_grad]
         if not guide_params:
             return
@@ -665,42 +636,3 @@ _EVERY_MASK_ADVICE = (
 #: The call on which ``MPTLoss`` checks a strategy's accuracy next after the 2nd (then
 #: every 64th).
 _FIRST_CHECK = 16
-
-
-def _parameter_snapshot(model, guide):
-    """The ``(name, tensor)`` pairs that the parameter lists of a call rest on: Pyro's param
-    store's and, under ``pyro.settings.set(module_local_params=True)``, where parameters live
-    in their modules rather than the store, those of the modules that the model and the guide
-    are (or are methods of): a module replaced between steps is found. ``None`` when in that
-    mode the model or the guide is not such a module (its parameters cannot be seen): the
-    lists are found again on every call."""
-    store = tuple(pyro.get_param_store().named_parameters())
-    if not pyro.settings.get("module_local_params"):
-        return store
-    modules = []
-    for fn in (model, guide):
-        owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-        if not isinstance(owner, torch.nn.Module):
-            return None
-        if all(owner is not module for module in modules):
-            modules.append(owner)
-    return store + tuple(pair for module in modules for pair in module.named_parameters())
-
-
-def _same_store(before, now):
-    """Whether two snapshots of the param store's ``(name, tensor)`` pairs hold the same
-    names and the very same tensors."""
-    return len(before) == len(now) and all(
-        a[0] == b[0] and a[1] is b[1] for a, b in zip(before, now)
-    )
-
-
-def _unconstrained(trace):
-    params = []
-    for site in trace.nodes.values():
-        if site["type"] == "param":
-            value = site["value"]
-            value = value.unconstrained() if hasattr(value, "unconstrained") else value
-            if all(value is not p for p in params):
-                params.append(value)
-    return params
