@@ -14,8 +14,10 @@ from pyro.util import warn_if_nan
 from pyro_mpt.conditionals.auto import (
     ACCURACY_TOL,
     STRUCTURE_AWARE,
+    WORST_TOL,
     as_conditionals,
     prepare_call,
+    too_coarse,
 )
 from pyro_mpt.conditionals.base import gap_sentence
 from pyro_mpt.conditionals.exact import verify_every_call
@@ -370,14 +372,19 @@ class MPTLoss(ELBO):
         if gap is None:  # a strategy with no such measure
             return prepared
         step = self._num_calls
-        measured = None if math.isnan(gap) else gap
+        measured = gap.measured()
         self.rule_check = dict(
-            step=step, strategy=repr(strategy), mean_gap=measured, compared_with=compared_with
+            step=step,
+            strategy=repr(strategy),
+            mean_gap=gap.mean if measured else None,
+            worst_gap=gap.worst if measured else None,
+            compared_with=compared_with,
         )
-        if measured is None or measured <= ACCURACY_TOL:
+        if not measured or not too_coarse(gap):
             return prepared
         figure = (
-            f"{gap_sentence(strategy, gap, compared_with)} (step {step}, above {ACCURACY_TOL:g})"
+            f"{gap_sentence(strategy, gap, compared_with)} (step {step}; the limits are "
+            f"{ACCURACY_TOL:g} on average and {WORST_TOL:g} at any observation)"
         )
         if strategy is not self.conditionals:
             _logger.info("conditionals='auto' searches again: %s.", figure)

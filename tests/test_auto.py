@@ -106,3 +106,57 @@ def _counted(method):
 
     counted.calls = 0
     return counted
+
+
+def _one_sharp_observation():
+    """A Poisson model with a 1-D latent: 19 observations of low counts, whose posteriors
+    are broad, and one of high counts, whose posterior is sharp and far from the prior's
+    centre, and its log p(x) per observation on a fine grid."""
+    import math
+
+    from experiments.zoo.references import grid_log_marginal_1d
+
+    weight, bias = torch.ones(6, dtype=torch.float64), 0.5
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            rate = (z.unsqueeze(-1) * weight + bias).exp()
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    generator = torch.Generator().manual_seed(15)
+    z = torch.full((20, 1), -2.0, dtype=torch.float64)
+    z[0] = 2.8
+    x = torch.poisson((z * weight + bias).exp(), generator=generator)
+
+    def log_joint(nodes):  # (G, 1) -> (G, N)
+        rate = (nodes.unsqueeze(-1) * weight + bias).exp()  # (G, 1, 1)
+        prior = -0.5 * nodes**2 - 0.5 * math.log(2 * math.pi)
+        return dist.Poisson(rate).log_prob(x).sum(-1) + prior
+
+    return model, x, grid_log_marginal_1d(log_joint, num_points=200_001)
+
+
+def test_auto_refines_until_every_observation_converges_or_says_how_far_one_is():
+    """A rule that nine observations in ten agree on is 3.8 nats off for the sharp one; auto
+    refines until every observation converges and, where the node budget stops it first,
+    warns with the figure of the observation it fits worst, which bounds the error."""
+    import warnings
+
+    from pyro_mpt import log_marginal
+    from pyro_mpt.errors import QuadratureAccuracyWarning
+
+    model, x, reference = _one_sharp_observation()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = log_marginal(model, x, conditionals="auto")
+    error = (value - reference).abs()
+    assert float(error[1:].max()) < 1e-3  # the broad posteriors are right
+    warned = [str(w.message) for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+    if float(error.max()) > 0.1:
+        assert len(warned) == 1
+        stated = float(warned[0].split("and by ")[1].split(" at the observation")[0])
+        assert stated >= float(error.max())
+    # The rule with 30 nodes, which nine in ten observations agree on, is far off for it.
+    coarse = log_marginal(model, x, conditionals=Quadrature(30), check_rule=False)
+    assert float((coarse - reference).abs()[0]) > 3.0

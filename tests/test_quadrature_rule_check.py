@@ -123,7 +123,8 @@ def test_a_rule_given_by_the_user_warns_with_its_figure():
     # On the first steady call (the model sharpened since the first) and on the 16th.
     assert len(warned) == 2
     for message, step in zip(warned, (2, 16)):
-        assert re.search(rf"changes log p\(x\) by [0-9.]+ nats .*\(step {step},", message)
+        pattern = rf"changes log p\(x\) by [0-9.]+ nats .* and by [0-9.]+ at .*\(step {step};"
+        assert re.search(pattern, message)
     assert loss.conditionals.in_use is first
     gap = loss.rule_check["mean_gap"]
     # The figure is the change of log p(x) under the finer rule, on the step's batch...
@@ -131,6 +132,8 @@ def test_a_rule_given_by_the_user_warns_with_its_figure():
         coarse = log_marginal(_model, batch, conditionals=Quadrature(20))
         finer = log_marginal(_model, batch, conditionals=Quadrature(30))
     assert math.isclose(gap, float((finer - coarse).abs().mean()), rel_tol=1e-6)
+    worst = loss.rule_check["worst_gap"]
+    assert math.isclose(worst, float((finer - coarse).abs().max()), rel_tol=1e-6)
     # ... and the rule's own error against the grid is past the threshold too.
     assert float((coarse - _grid_log_marginal(batch, weight)).abs().mean()) > ACCURACY_TOL
 

@@ -9,13 +9,18 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.base import Conditionals
+from pyro_mpt.conditionals.base import Conditionals, RuleGap
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
-from pyro_mpt.errors import NotApplicableError, without_trace_shapes
+from pyro_mpt.errors import (
+    NotApplicableError,
+    QuadratureAccuracyWarning,
+    user_stacklevel,
+    without_trace_shapes,
+)
 from pyro_mpt.ops.masks import as_rate_schedule, sample_masks
 from pyro_mpt.trace.remembered_structure import call_signature
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
@@ -27,8 +32,10 @@ __all__ = [
     "SIGNATURE_AWARE",
     "STRATEGIES",
     "STRUCTURE_AWARE",
+    "WORST_TOL",
     "as_conditionals",
     "prepare_call",
+    "too_coarse",
 ]
 
 logger = logging.getLogger("pyro_mpt")
@@ -43,13 +50,18 @@ STRATEGIES = {
 }
 
 #: ``auto`` stops refining a quadrature rule when a rule with 1.5 times its nodes per
-#: dimension agrees with it on the log-marginal likelihood of nine observations in ten to
-#: this many nats: the full data give the narrowest posterior, the hardest of the rule's
-#: integrals.
+#: dimension agrees with it on the log-marginal likelihood of every observation to this
+#: many nats: the full data give the narrowest posterior, the hardest of the rule's
+#: integrals, and one sharp observation among many easy ones is as hard as it alone.
 CONVERGENCE_TOL = 1e-3
-#: ``auto`` accepts a rule whose mean change under that refinement is below this many nats
-#: per observation: accurate on the data, even where a few observations' tails are not.
+#: A rule whose mean change under that refinement is below this many nats per observation,
+#: and whose largest is below :data:`WORST_TOL`, is accurate on the data: ``auto`` accepts
+#: it when no finer rule fits the budget, and a rule checked on later data (``MPTLoss``'s
+#: schedule, ``check_rule``) warns past either.
 ACCURACY_TOL = 1e-2
+#: The most nats by which refinement may move the log-marginal likelihood of any one
+#: observation for a rule to count as accurate (see :data:`ACCURACY_TOL`).
+WORST_TOL = 0.1
 #: The most quadrature nodes ``auto`` uses, and the most entries of the ``(G, N, D)``
 #: log-likelihood tensor it lets a finer rule make.
 MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
@@ -57,11 +69,22 @@ MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
 NUM_PROBE_MASKS = 4
 
 
+def too_coarse(gap):
+    """Whether a rule whose refinement moved ``log p(x)`` by ``gap`` (a
+    :class:`~pyro_mpt.conditionals.base.RuleGap`) is off by more than the data allow: past
+    :data:`ACCURACY_TOL` on average or :data:`WORST_TOL` at any observation."""
+    return gap.mean > ACCURACY_TOL or gap.worst > WORST_TOL
+
+
 def _gap_text(rule):
     """What refining a :class:`_Rule` showed, in words."""
-    if math.isinf(rule.mean_gap):
+    if math.isinf(rule.gap.mean):
         return "no finer rule fits the node and memory budget, so its error is unmeasured"
-    return f"a finer rule changes its log p(x) by {rule.mean_gap:.2g} nats per observation"
+    return (
+        f"the last refinement, to this rule from one with two thirds of its nodes, moved "
+        f"log p(x) by {rule.gap.mean:.2g} nats per observation on average and by "
+        f"{rule.gap.worst:.2g} at the observation it fits worst"
+    )
 
 
 def _describe_model(model):
@@ -71,24 +94,23 @@ def _describe_model(model):
 
 class _Rule(NamedTuple):
     """A quadrature candidate: the rule, its prepared conditionals, and its measured error
-    (the mean and 90% quantile of the change of ``log p(x)`` under refinement, in nats)."""
+    (the :class:`~pyro_mpt.conditionals.base.RuleGap` of ``log p(x)`` under refinement)."""
 
     rule: object
     prepared: object
-    mean_gap: float
-    tail_gap: float
+    gap: RuleGap
 
 
 class Auto(Conditionals):
     """Picks the strategy for a model, by measured accuracy:
 
     1. ``"exact"`` for linear-Gaussian models.
-    2. For latents of dimension up to 3, Gauss-Hermite rules centred at the prior and, when
-       a guide with Normal latents is given, at the guide, each refined by 1.5 times its
-       nodes per dimension (from 20) until a finer rule changes ``log p(x)`` of nine
-       observations in ten by less than :data:`CONVERGENCE_TOL`, within :data:`MAX_NODES`
-       nodes and :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries. The rule with the
-       smallest mean change is taken if that change is below :data:`ACCURACY_TOL` nats.
+    2. For latents of dimension up to 3, a Gauss-Hermite rule centred at the prior,
+       refined by 1.5 times its nodes per dimension (from 20) until a finer rule changes
+       ``log p(x)`` of every observation by less than :data:`CONVERGENCE_TOL`, within
+       :data:`MAX_NODES` nodes and :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries. Past
+       the budget, the last rule is taken if its change is below :data:`ACCURACY_TOL` nats
+       per observation on average and :data:`WORST_TOL` at every observation.
     3. ``"importance"`` (with a guide) if its weights on :data:`NUM_PROBE_MASKS` uniform
        masks per observation pass the thresholds of
        :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics`.
@@ -187,13 +209,16 @@ class Auto(Conditionals):
         if prepared is not None:
             return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
         best = self._best_rule(call)
-        if best is not None and best.tail_gap < CONVERGENCE_TOL:
-            reason = f"converged: 1.5 times its nodes change log p(x) by {best.tail_gap:.1e} nats"
-            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
-        if best is not None and best.mean_gap < ACCURACY_TOL:
+        if best is not None and best.gap.worst < CONVERGENCE_TOL:
             reason = (
-                f"accurate: 1.5 times its nodes change log p(x) by {best.mean_gap:.1e} nats per "
-                f"observation on average ({best.tail_gap:.1e} for nine in ten)"
+                f"converged: 1.5 times its nodes change log p(x) by at most "
+                f"{best.gap.worst:.1e} nats"
+            )
+            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
+        if best is not None and not too_coarse(best.gap):
+            reason = (
+                f"accurate: 1.5 times its nodes change log p(x) by {best.gap.mean:.1e} nats per "
+                f"observation on average (at most {best.gap.worst:.1e})"
             )
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if best is not None:
@@ -209,19 +234,21 @@ class Auto(Conditionals):
             return self._choose(importance, key, model, reason, prepared, reasons)
         if diagnostics is not None:
             reasons.append(f"  importance: its weights fail: {diagnostics.describe()}")
-        if best is not None and (diagnostics is None or best.mean_gap < COARSE_RULE_TOL):
+        if best is not None and (diagnostics is None or best.gap.mean < COARSE_RULE_TOL):
             warnings.warn(
                 f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
                 f"{_gap_text(best)}, so its conditionals may be coarse: off by about that "
                 f"much, or a few times more where the integrand converges slowly. Give "
                 f"MPTLoss a guide that proposes well (importance sampling then applies).",
-                stacklevel=4,
+                QuadratureAccuracyWarning,
+                stacklevel=user_stacklevel(),
             )
             reason = "coarse, and nothing more accurate applies"
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if diagnostics is not None:
             what = "conditionals='auto' (importance sampling, the only strategy that applies)"
-            warn_if_unreliable(diagnostics, what, model, args, 5, None, guide, importance)
+            stacklevel = user_stacklevel() + 1  # warn_if_unreliable's own frame
+            warn_if_unreliable(diagnostics, what, model, args, stacklevel, None, guide, importance)
             reason = "its weights fail, and nothing more accurate applies"
             return self._choose(importance, key, model, reason, prepared, reasons)
         raise NotApplicableError(
@@ -338,11 +365,11 @@ def _refine(rule, prepared, call, state, key):
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // prepared.likelihood_entries_per_node)
     with torch.no_grad():
         log_marginal = prepared.log_marginal()
-    mean_gap = tail_gap = math.inf
+    gap = RuleGap(math.inf, math.inf)
     while True:
         num_points = math.ceil(1.5 * rule.num_points)
         if num_points**dim > budget or num_points > MAX_POINTS:
-            return _Rule(rule, prepared, mean_gap, tail_gap)
+            return _Rule(rule, prepared, gap)
         finer = Quadrature(
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
         )
@@ -350,11 +377,9 @@ def _refine(rule, prepared, call, state, key):
         finer_prepared = finer.prepare(*call, key)
         with torch.no_grad():
             finer_log_marginal = finer_prepared.log_marginal()
-            differences = (finer_log_marginal - log_marginal).abs().reshape(-1)
-            mean_gap = float(differences.mean())
-            tail_gap = float(differences.quantile(0.9))
-        if tail_gap < CONVERGENCE_TOL:
-            return _Rule(rule, prepared, mean_gap, tail_gap)
+            gap = RuleGap.of(finer_log_marginal - log_marginal)
+        if gap.worst < CONVERGENCE_TOL:
+            return _Rule(rule, prepared, gap)
         rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
 
 

@@ -2,10 +2,35 @@
 
 import math
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["Conditionals", "SelfPredictive", "gap_sentence"]
+__all__ = ["Conditionals", "RuleGap", "SelfPredictive", "gap_sentence"]
+
+
+class RuleGap(NamedTuple):
+    """How far a rule's ``log p(x)`` moves when it is refined (or coarsened), in nats: the
+    mean over the observations, and the largest, that of the observation the rule fits
+    worst. A mean alone hides one sharp observation among many easy ones."""
+
+    mean: float
+    worst: float
+
+    @classmethod
+    def of(cls, change):
+        """The gap of a tensor of per-observation changes."""
+        change = change.abs()
+        return cls(float(change.mean()), float(change.max()))
+
+    @classmethod
+    def unmeasured(cls):
+        """No rule to compare with (NaN)."""
+        return cls(math.nan, math.nan)
+
+    def measured(self):
+        """Whether a rule was compared with."""
+        return not math.isnan(self.mean)
 
 
 class SelfPredictive(ABC):
@@ -178,7 +203,7 @@ class Conditionals(ABC):
 
     def refinement_gap(self, prepared, model, guide, args, kwargs, structure=None, factor=1.5):
         """How far the conditionals of ``prepared`` may be off, as the strategy itself
-        measures it on that call's data: nats of ``log p(x)`` per observation, or None where
+        measures it on that call's data: a :class:`RuleGap` of ``log p(x)``, or None where
         it has no such measure (exact conditionals have no error; importance sampling reports
         the diagnostics of its weights instead). ``structure``: the one ``prepared`` was made
         from, where the caller holds it; ``factor``: how much finer the rule it is compared
@@ -204,7 +229,7 @@ class Conditionals(ABC):
         gap = self.refinement_gap(*call, **options)
         if gap is None:
             return None, None
-        if not math.isnan(gap):
+        if gap.measured():
             return gap, "finer"
         if restore is not None:
             restore()
@@ -225,13 +250,18 @@ class Conditionals(ABC):
 
 
 def gap_sentence(strategy, gap, compared_with):
-    """What :meth:`Conditionals.checked_gap` found, in words, for warnings and logs."""
+    """What :meth:`Conditionals.checked_gap` found (a :class:`RuleGap`), in words, for
+    warnings and logs."""
+    figures = (
+        f"{gap.mean:.2g} nats per observation on average and by {gap.worst:.2g} at the "
+        f"observation it fits worst"
+    )
     if compared_with == "finer":
         return (
-            f"{strategy!r} changes log p(x) by {gap:.2g} nats per observation when refined to "
-            f"1.5 times its nodes per dimension"
+            f"{strategy!r} changes log p(x) by {figures} when refined to 1.5 times its nodes "
+            f"per dimension"
         )
     return (
         f"{strategy!r} cannot be refined, and a rule with two thirds of its nodes differs from "
-        f"it by {gap:.2g} nats of log p(x) per observation"
+        f"it by {figures}"
     )

@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.distributions import constraints
 
-from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
+from pyro_mpt.conditionals.base import Conditionals, RuleGap, SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
 from pyro_mpt.errors import NotApplicableError, check_positive_int
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
@@ -483,9 +483,10 @@ class Quadrature(Conditionals):
     def refinement_gap(
         self, prepared, model, guide, args, kwargs, structure=None, factor=1.5, context=None
     ):
-        """The mean change of ``log p(x)`` per observation when the rule is refined to 1.5
-        times its nodes per dimension (the test ``conditionals="auto"`` chose it by), on the
-        data of ``prepared``'s call; NaN when no finer rule fits (more than
+        """The change of ``log p(x)`` when the rule is refined to 1.5 times its nodes per
+        dimension (the test ``conditionals="auto"`` chose it by), on the data of
+        ``prepared``'s call, as a :class:`~pyro_mpt.conditionals.base.RuleGap` (the mean over
+        the observations and the largest); NaN when no finer rule fits (more than
         :data:`MAX_POINTS` nodes per dimension, or more memory than allowed). The
         finer rule is prepared from the random state the caller leaves, so a subsampled model
         must be given the state ``prepared`` was made from. ``factor`` below 1 compares
@@ -495,7 +496,7 @@ class Quadrature(Conditionals):
         draw rests on), rather than of every observed entry."""
         num_points = max(1, math.ceil(factor * self.num_points))
         if num_points > MAX_POINTS:
-            return math.nan
+            return RuleGap.unmeasured()
         finer = Quadrature(
             num_points=num_points,
             max_latent_dim=self.max_latent_dim,
@@ -512,8 +513,8 @@ class Quadrature(Conditionals):
                     prepared, context
                 )
         except NotApplicableError:
-            return math.nan
-        return float(change.abs().mean())
+            return RuleGap.unmeasured()
+        return RuleGap.of(change)
 
     def structure_for(self, signature):
         """The structure :meth:`prepare` read for calls of ``signature`` (the very object it

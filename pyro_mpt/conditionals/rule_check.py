@@ -4,12 +4,12 @@ package's functions (:func:`~pyro_mpt.log_marginal`, :func:`~pyro_mpt.mpt_curve`
 rule, and a
 :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` with the figure when the two differ by
 more than :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL` nats of ``log p(x)`` per
-observation. ``MPTLoss`` checks its rules on its own schedule (``MPTLoss.rule_check``)."""
+observation on average or :data:`~pyro_mpt.conditionals.auto.WORST_TOL` at any one.
+``MPTLoss`` checks its rules on its own schedule (``MPTLoss.rule_check``)."""
 
-import math
 import warnings
 
-from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE
+from pyro_mpt.conditionals.auto import ACCURACY_TOL, STRUCTURE_AWARE, WORST_TOL, too_coarse
 from pyro_mpt.conditionals.base import Conditionals, gap_sentence
 from pyro_mpt.errors import QuadratureAccuracyWarning
 from pyro_mpt.trace.remembered_structure import call_signature
@@ -63,7 +63,8 @@ def prepare_checked(
 
 def _check_rule(strategy, prepared, call, structure, before, caller, context=None):
     """Warns when a rule's ``log p(x)`` moves by more than ``ACCURACY_TOL`` nats per
-    observation under a finer rule (under a coarser one for a rule that cannot be refined:
+    observation on average, or ``WORST_TOL`` at any observation, under a finer rule (under
+    a coarser one for a rule that cannot be refined:
     :meth:`~pyro_mpt.conditionals.Conditionals.checked_gap`): its values are about that far
     off. The other rule runs once, from the ``structure`` ``prepared`` was read with (where
     the strategy keeps one) and from the random state ``prepared`` was made from (the same
@@ -75,15 +76,16 @@ def _check_rule(strategy, prepared, call, structure, before, caller, context=Non
         )
     finally:
         after.restore()
-    if gap is None or math.isnan(gap) or gap <= ACCURACY_TOL:
+    if gap is None or not gap.measured() or not too_coarse(gap):
         return
     sentence = gap_sentence(strategy, gap, compared_with)
     if context is not None:
         sentence = sentence.replace("log p(x)", "log p(x_R) of the entries not drawn")
     warnings.warn(
-        f"{caller} with {sentence} (mean; above "
-        f"{ACCURACY_TOL:g}), so its values are at least about that far off, and up to a few "
-        f"times further where the integrand converges slowly (a kink, a heavy tail). Fix: "
+        f"{caller} with {sentence} (the limits are {ACCURACY_TOL:g} on average and "
+        f"{WORST_TOL:g} at any observation), so its values are at least about that far off, "
+        f"and up to a few times further where the integrand converges slowly (a kink, a "
+        f"heavy tail). Fix: "
         f"{_DRAWS_FIX if caller in ('impute', 'gibbs') else _FIX}",
         QuadratureAccuracyWarning,
         stacklevel=5,  # the caller of the package's function, through package_function
