@@ -478,7 +478,7 @@ def test_log_marginal_warns_with_validation_off():
 def test_failing_on_the_device_agrees_with_the_figures_read_back():
     """:meth:`ImportanceDiagnostics.failing` (no read) against :meth:`reliable` (the figures
     read back and compared in Python) on rows past and short of each threshold, with NaN
-    rows (nothing to estimate) and an empty context's term."""
+    rows (nothing to estimate), an empty context's term and the ratios' bias."""
     from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
 
     generator = torch.Generator().manual_seed(3)
@@ -493,9 +493,68 @@ def test_failing_on_the_device_agrees_with_the_figures_read_back():
         if trial % 3 == 0:
             empty = (torch.rand(rows, generator=generator) - 0.5) * 2.5
             empty = empty.masked_fill(nan, math.nan)
-        diagnostics = ImportanceDiagnostics(k, ess, 64, empty)
+        bias = None
+        if trial % 2 == 0:  # (masks, rows): the bias of each row's score, some rows NaN
+            bias = (torch.rand(3, rows, generator=generator) - 0.8) * 0.6
+            bias = bias.masked_fill(nan, math.nan)
+        diagnostics = ImportanceDiagnostics(k, ess, 64, empty, bias)
         failing = diagnostics.failing()
         assert failing.dtype == torch.bool and failing.dim() == 0
         assert bool(failing) == (not diagnostics.reliable())
         outcomes.add(bool(failing))
     assert outcomes == {True, False}  # both sides of the thresholds were met
+
+
+def _perfect_proposal_case():
+    """A 6-dimensional linear-Gaussian model and a guide that reads ``hidden`` and proposes
+    the exact ``p(z | x_R)``: every weight is equal, and the ratios' bias is all there is."""
+    generator = torch.Generator().manual_seed(16)
+    num_obs, num_features, latent_dim = 8, 10, 6
+    w = 0.6 * torch.randn(num_features, latent_dim, generator=generator, dtype=torch.float64)
+    s = 0.3 + 0.5 * torch.rand(num_features, generator=generator, dtype=torch.float64)
+    mu = torch.randn(num_features, generator=generator, dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(latent_dim), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ w.T + mu, s).to_event(1), obs=x)
+
+    def guide(x, hidden=None):
+        visible = torch.ones_like(x) if hidden is None else (~hidden).to(x.dtype).expand(x.shape)
+        precision = torch.eye(latent_dim, dtype=x.dtype) + torch.einsum(
+            "dk,...d,dl->...kl", w, visible / s**2, w
+        )
+        covariance = torch.linalg.inv(precision)
+        shift = torch.einsum("dk,...d->...k", w, visible * (x - mu) / s**2)
+        mean = (covariance @ shift.unsqueeze(-1)).squeeze(-1)
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.MultivariateNormal(mean, covariance_matrix=covariance))
+
+    marginal = dist.MultivariateNormal(mu, w @ w.T + torch.diag(s**2))
+    noise = torch.randn(num_obs, num_features, generator=generator, dtype=torch.float64)
+    x = mu + noise @ torch.linalg.cholesky(marginal.covariance_matrix).T
+    return model, guide, x, marginal.log_prob(x)
+
+
+@pytest.mark.parametrize("num_samples", [16, 1024])
+def test_a_perfect_proposal_with_too_few_draws_is_flagged_by_the_ratios_bias(num_samples):
+    """Equal weights pass every test of the weights, yet at 16 draws the estimate is low by
+    nats per observation (the numerator's draws, p(x_j | z) sharp next to p(z | x_R)); the
+    first-order bias of the ratios says so, and at 1024 draws stays silent, with an
+    estimate within 4 standard errors of the exact log p(x)."""
+    model, guide, x, exact = _perfect_proposal_case()
+    pyro.set_rng_seed(0)
+    loss = MPTLoss(num_masks=4, conditionals=ImportanceSampling(num_samples))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors = torch.stack([(loss.estimate(model, guide, x) - exact).mean() for _ in range(60)])
+    mean, standard_error = float(errors.mean()), float(errors.std()) / math.sqrt(len(errors))
+    flagged = _flagged(caught)
+    if num_samples == 16:
+        assert mean + 4 * standard_error < -0.2  # the estimate is off, well resolved
+        assert flagged and "ratios bias the estimate by" in str(flagged[0].message)
+        # Only the ratios' bias fails: every figure of the weights themselves passes.
+        assert loss.diagnostics._replace(ratio_bias=None).reliable()
+    else:
+        assert flagged == []
+        assert abs(mean) < 4 * standard_error

@@ -18,11 +18,18 @@ from pyro_mpt.conditionals.likelihood_draws import picked_draws
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.bernoulli import observed_log_prob
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
+from pyro_mpt.ops.importance_weights import ratio_bias
 from pyro_mpt.ops.jackknife_importance import (
     jackknife_importance_log_conditionals,
     jackknife_importance_log_marginal,
 )
-from pyro_mpt.ops.masks import UniformRate, masked_sum, process_generator, sample_masks
+from pyro_mpt.ops.masks import (
+    UniformRate,
+    mask_scores,
+    masked_sum,
+    process_generator,
+    sample_masks,
+)
 from pyro_mpt.ops.self_normalised_importance import (
     check_fill,
     fill_masked,
@@ -202,13 +209,14 @@ class ImportanceSelfPredictive(SelfPredictive):
                 if self.unmasked_proposal:
                     full = log_w.unsqueeze(1) + context_log_likelihoods(ll, contexts[-1:])
                     targets = torch.cat([targets, full], 1)
-                self._record(log_joint.detach(), self.observed.entries, targets.detach())
+                bias = ratio_bias(log_joint, ll.unsqueeze(1))
+                self._record(log_joint.detach(), targets.detach(), self._row_bias(bias, context))
                 return shared_sample_log_conditionals(log_joint, ll)
         filled, hidden = fill_masked(value, ~context, self.fill), ~context
         log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
         log_joint = log_w.detach() + masked_sum(ll.detach(), context)
-        self._record(log_joint, self.observed.entries)
+        self._record(log_joint, None, self._row_bias(ratio_bias(log_joint, ll), context))
         if self.debias == "jackknife":
             return jackknife_importance_log_conditionals(log_w, ll, context)
         return importance_log_conditionals(log_w, ll, context)
@@ -234,14 +242,27 @@ class ImportanceSelfPredictive(SelfPredictive):
         contexts = log_w.unsqueeze(1) + context_log_likelihoods(ll, self.context(masks))
         return torch.cat([full, contexts.detach()], 1)
 
-    def _record(self, log_joint, entries, targets=None):
-        """Keeps the weights' diagnostics of every mask, and the log weights toward the
-        posteriors that the proposals approximate, the targets of :meth:`proposal_loss`:
-        ``targets`` (one column per proposal), or every mask's own."""
-        self.diagnostics = ImportanceDiagnostics.of(
-            log_joint, None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
-        )
+    def _record(self, log_joint, targets=None, bias=None):
+        """Keeps the weights' diagnostics of every mask (with ``bias``, the first-order bias
+        of each row's score), and the log weights toward the posteriors that the proposals
+        approximate, the targets of :meth:`proposal_loss`: ``targets`` (one column per
+        proposal), or every mask's own."""
+        entries = self.observed.entries
+        counted = None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
+        diagnostics = ImportanceDiagnostics.of(log_joint, counted)
+        self.diagnostics = diagnostics._replace(ratio_bias=bias)
         self._log_joint = log_joint if targets is None else targets
+
+    def _row_bias(self, bias, context):
+        """The first-order bias of each (mask, observation) row's score
+        ``D / M sum_{j in mask} log p(x_j | x_R)``, from that of each feature's conditional
+        (:func:`~pyro_mpt.ops.importance_weights.ratio_bias`): NaN where nothing is scored."""
+        entries = self.observed.entries
+        scored = ~context if entries is None else ~context & entries
+        counts = scored.shape[-1] if entries is None else entries.sum(-1)
+        sizes = scored.expand(bias.shape).sum(-1)
+        rows = counts * mask_scores(bias, scored, sizes)
+        return torch.where(sizes > 0, rows, math.nan)
 
     def proposal_loss(self):
         """The wake-phase loss of the guide for the samples of the last :meth:`log_prob`:
@@ -315,7 +336,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         if entries is not None:
             ll = ll * entries.to(ll.dtype)
         log_joint = log_w + ll.sum(-1)
-        self._record(log_joint, entries)
+        self._record(log_joint)
         log_joint = log_joint[:, 0]
         if self.debias == "jackknife":
             result = jackknife_importance_log_marginal(log_joint)
@@ -363,7 +384,7 @@ class ImportanceSelfPredictive(SelfPredictive):
             log_w, ll = shared
         total = masked_sum(ll, visible)
         ends = torch.stack([log_w + total, log_w], 1).detach()  # (S, 2) + batch
-        self._record(ends, entries, self._wake_targets(ends[:, :1], log_w, ll))
+        self._record(ends, self._wake_targets(ends[:, :1], log_w, ll))
         self.diagnostics = self.diagnostics._replace(
             empty_context=torch.logsumexp(ends[:, 1], 0) - math.log(ends.shape[0])
         )

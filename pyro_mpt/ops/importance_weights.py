@@ -33,7 +33,7 @@ import math
 
 import torch
 
-__all__ = ["effective_sample_size", "pareto_shape"]
+__all__ = ["effective_sample_size", "pareto_shape", "ratio_bias"]
 
 # Zhang & Stephens' prior on the grid of b = -k / sigma, and the weakly informative prior
 # of Vehtari et al. that pulls k-hat towards 0.5 as if from this many extra tail points.
@@ -91,6 +91,41 @@ def effective_sample_size(log_weights, dim=0):
     # All weights zero: 0 / 1 = 0 rather than 0 / 0, with a zero gradient.
     total_sq = torch.where(total == 0, torch.ones_like(total_sq), total_sq)
     return total.square() / total_sq
+
+
+def ratio_bias(log_weights, log_likelihoods):
+    """The bias, to first order, of the self-normalised importance estimate of each
+    ``log p(x_j | x_R)``: the log of a ratio of two importance estimates, the numerator's
+    weights ``w_s p(x_j | z_s)`` and the denominator's ``w_s``.
+
+    The log of an estimate ``Z`` with relative variance ``V`` is biased by about ``-V / 2``
+    (a second-order Taylor expansion), and Kish's ESS estimates ``V`` as ``1/ESS - 1/S``.
+    The ratio's bias is the difference of its two terms' biases, in which ``1/S`` cancels:
+
+    .. math::
+
+        \\mathrm{bias}_j \\approx \\tfrac12 \\Big(\\frac{1}{\\mathrm{ESS}(w)}
+            - \\frac{1}{\\mathrm{ESS}(w\\, p(x_j \\mid z))}\\Big).
+
+    A proposal that fits ``p(z | x_R)`` exactly has equal weights, ``ESS(w) = S``, and
+    passes every test of the weights; when ``p(z | x_R)`` is much broader than
+    ``p(z | x_R, x_j)`` the numerator still rests on few draws and the estimate is low by
+    this term. Like the ESS it is itself estimated from the draws: where the draws miss
+    the numerator's mass altogether it understates the bias.
+
+    :param torch.Tensor log_weights: ``log p(z_s, x_R) - log q(z_s)`` up to a constant per
+        row, shape ``(S,) + rows``.
+    :param torch.Tensor log_likelihoods: ``log p(x_j | z_s)``, shape ``(S,) + rows + (D,)``
+        (broadcastable).
+    :returns: the bias per feature, shape ``rows + (D,)``, detached.
+    """
+    _check_floating(log_weights, "ratio_bias")
+    with torch.no_grad():
+        log_weights = log_weights.detach()
+        numerator = log_weights.unsqueeze(-1) + log_likelihoods.detach()
+        inverse_numerator = 1 / effective_sample_size(numerator)
+        inverse_denominator = 1 / effective_sample_size(log_weights)
+        return 0.5 * (inverse_denominator.unsqueeze(-1) - inverse_numerator)
 
 
 def _tail_size(num_samples):
