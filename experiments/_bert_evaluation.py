@@ -79,8 +79,8 @@ def evaluate_masked_lm(model, data, cfg, seed, device):
         l2=cfg["probe_l2"],
     )
     return dict(
-        area=float(curve.area),
-        area_per_token=float(curve.area / curve.num_features.double().mean()),
+        area=common.rate_mean_area(curve),
+        area_per_token=common.rate_mean_area(curve) / float(curve.num_features.double().mean()),
         scores=curve.scores.tolist(),
         acc15=_accuracy_at_15(model, tokenizer, data["held_out"], device, seed),
         probe=probe,

@@ -151,6 +151,16 @@ class Stopwatch:
         return False
 
 
+def rate_mean_area(curve):
+    """The area under an MPT curve as the papers compute it: ``D`` times the mean score over
+    the masking rates, averaged over observations, a Riemann sum of the curve over the
+    rates. It weighs each mask size by how many rates round to it, which biases it as an
+    estimate of ``log p(x)`` where the rates fall unevenly on the sizes (small ``D``);
+    :attr:`pyro_mpt.MPTCurve.area` weighs each size once."""
+    d = curve.num_features.double()
+    return float((d * curve.observation_scores.double().mean(1)).mean())
+
+
 def mean_std(values):
     """``(mean, sample standard deviation)`` of a list of floats (std is 0 for one value)."""
     values = [float(v) for v in values]

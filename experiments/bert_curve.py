@@ -15,8 +15,9 @@ therapeutic antibodies in :data:`pyro_mpt.transformers.antiberty.ANTIBODY_SEQUEN
 Curve: :func:`pyro_mpt.transformers.mlm_mpt_curve`; at rate ``r`` each sequence of ``D``
 residues has ``max(1, floor(r D + 1/2))`` of them replaced by ``[MASK]`` (``[CLS]`` and ``[SEP]``
 are never masked), ``P`` random masks per sequence and rate; the score is the mean
-log-probability of a masked residue and the area ``D · mean_r S`` estimates ``log p(x)``
-per sequence (nats). The default evaluates the 25 midpoints ``2%, 6%, ..., 98%`` (the
+log-probability of a masked residue and the area (:attr:`pyro_mpt.MPTCurve.area`: the sum of
+the curve over every mask size, those between the rates' sizes interpolated) estimates
+``log p(x)`` per sequence (nats). The default evaluates the 25 midpoints ``2%, 6%, ..., 98%`` (the
 midpoint rule for the sum over all mask sizes) with ``P = 2``; ``--full`` the paper's
 ``1%, ..., 99%`` with ``P = 10``.
 
@@ -64,8 +65,7 @@ def _config(smoke, full):
 
 
 def _chain_areas(curve, names):
-    d = curve.num_features.double()
-    per_sequence = d * curve.observation_scores.mean(1)
+    per_sequence = curve.observation_areas()
     out = {}
     for chain in ("vh", "vl"):
         keep = torch.tensor([n.endswith(f"_{chain}") for n in names])
@@ -144,7 +144,8 @@ def _report(cfg, measured):
         f"Fig. 5 / Table 2 analogue: AntiBERTy (26M parameters) on {len(cfg['sequences'])} "
         f"antibody variable domains (mean D = {mean_d:.1f} residues), {len(rates)} rates "
         f"{100 * rates[0]:.0f}%...{100 * rates[-1]:.0f}%, {cfg['num_masks']} mask(s) per "
-        "sequence and rate; area = D * mean_r S (nats per sequence, ± Monte Carlo s.e.)"
+        "sequence and rate; area = sum of S over every mask size 1..D, sizes between the rates' "
+        "interpolated (nats per sequence, ± Monte Carlo s.e.)"
     )
     headers = ["model", "area", "area VH", "area VL"]
     headers += [f"S({100 * rates[0]:.0f}%)", f"S({100 * rates[-1]:.0f}%)", "seconds"]

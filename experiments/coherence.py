@@ -254,7 +254,7 @@ def _bert_rows(cfg, device, seed, progress):
                 batch_size=cfg["bert_batch"], progress=progress,
             )  # fmt: skip
         num_features = curve.num_features.double()
-        areas = num_features * curve.observation_scores.double().mean(1)
+        areas = curve.observation_areas().double()
         curves[label] = dict(
             area=curve.area, area_stderr=curve.area_stderr, areas=areas, scores=curve.scores,
             rates=curve.rates, seconds=curve_watch.seconds,

@@ -229,7 +229,7 @@ def _one_seed(cfg, run_seed, device, progress, bar):
             rates=curve.rates.tolist(),
             scores=curve.scores.tolist(),
             stderr=curve.stderr.tolist(),
-            area=float(curve.area),
+            area=common.rate_mean_area(curve),
             area_stderr=49 * float(curve.stderr.pow(2).sum().sqrt()) / len(curve.rates),
             probe_accuracy=probe,
             train_loss=losses.get(name),

@@ -48,8 +48,9 @@ def _bert_curve_parts(ctx, res, cfg):
         f"therapeutic antibody variable domains of {ctx.code('ANTIBODY_SEQUENCES')}, mean D = "
         f"{cfg['mean_num_features']:.1f} residues; "
         f"{len(rates)} rates {percent(min(rates), 0)}…{percent(max(rates), 0)}, "
-        f"{cfg['num_masks']} mask(s) per sequence and rate; area = D · mean_r S in nats per "
-        "sequence (± Monte Carlo s.e. where there are several masks):"
+        f"{cfg['num_masks']} mask(s) per sequence and rate; area = sum of S over every mask "
+        "size 1…D, sizes between the rates' interpolated, in nats per sequence (± Monte "
+        "Carlo s.e. where there are several masks):"
     )
     rows = []
     for model, s in res["summary"].items():

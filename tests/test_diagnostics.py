@@ -101,6 +101,51 @@ def test_shared_masks_standard_errors_count_masks_not_observations(ppca):
         assert float(curve.stderr[k]) == pytest.approx(exact_se, rel=0.2)
 
 
+@pytest.mark.parametrize("share_masks", [False, True])
+def test_the_area_over_uneven_rates_estimates_the_lml(ppca, share_masks):
+    """The 99 default rates give the 5 sizes of D = 5 unevenly (29, 20, 20, 20, 10 times):
+    D times the mean score over the rates weighs the score of one masked feature 29 / 19.8
+    times too much, and the full mask's half as much as it should. The area weighs each
+    size once, whatever its count of rates: it lies within 4 of
+    its exact standard errors (from the enumeration) of the mean exact LML, where the
+    rate-weighted mean lies far outside, and the reported standard error is those."""
+    model, x, exact = ppca
+    rates = default_rates()
+    num_masks = 8
+    curve = mpt_curve(model.model, x, rates=rates, num_masks=num_masks, share_masks=share_masks)
+    counts = torch.bincount(curve.sizes[0], minlength=D + 1)[1:]
+    assert counts.tolist() == [29, 20, 20, 20, 10]
+    lml = float(log_marginal(model.model, x).mean())
+    means = torch.stack([exact[m].mean() for m in range(1, D + 1)])
+    # Each size's scores pool counts[m] * num_masks masks; the per-size means are independent.
+    if share_masks:  # masks shared by the batch: the spread of the batch means over masks
+        variance = torch.stack([exact[m].mean(1).var(unbiased=False) for m in range(1, D + 1)])
+    else:
+        variance = torch.stack(
+            [exact[m].var(0, unbiased=False).mean() / len(x) for m in range(1, D + 1)]
+        )
+    area_se = float((variance / (counts * num_masks)).sum().sqrt())
+    assert abs(curve.area - lml) <= 4 * area_se
+    rate_weighted = float(D * (means[curve.sizes[0] - 1]).mean())
+    assert abs(rate_weighted - lml) > 8 * area_se  # what the plain mean over rates estimates
+    assert curve.area_stderr == pytest.approx(area_se, rel=0.35)
+
+
+def test_area_weights_interpolate_the_sizes_no_rate_gives():
+    from pyro_mpt.diagnostics.curve import area_weights
+
+    # D = 8 from sizes 2 and 5: S(1) = S(2); S(3) = (2 S(2) + S(5)) / 3; S(4) = (S(2) + 2 S(5))
+    # / 3; S(6..8) = S(5): S(2) counts 1 + 1 + 2/3 + 1/3 = 3 times, S(5) 1/3 + 2/3 + 1 + 3 = 5.
+    torch.testing.assert_close(
+        area_weights(torch.tensor([5, 2]), 8), torch.tensor([5.0, 3.0]).double()
+    )
+    # Repeats share their size's weight; every size once: all ones.
+    torch.testing.assert_close(
+        area_weights(torch.tensor([2, 2, 3]), 3), torch.tensor([1.0, 1.0, 1.0]).double()
+    )
+    torch.testing.assert_close(area_weights(torch.arange(1, 7), 6), torch.ones(6).double())
+
+
 def test_rates_become_sizes_as_fixed_rate_rounds_them(ppca):
     model, x, _ = ppca
     curve = mpt_curve(model.model, x, rates=[0.1, 0.3, 0.5, 0.7, 1.0], num_masks=2)
@@ -142,3 +187,18 @@ def test_log_marginal_by_quadrature_matches_exact():
     exact = log_marginal(model.model, x)
     quad = log_marginal(model.model, x, conditionals=Quadrature(num_points=150))
     torch.testing.assert_close(quad, exact, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_masks=0), ValueError, r"num_masks must be at least 1, got 0"),
+        (dict(num_masks=2.0), TypeError, r"num_masks must be a positive integer, got 2.0"),
+        (dict(sizes=[2.7]), TypeError, r"sizes must be whole numbers .* got \[2.7\]"),
+        (dict(sizes=[True]), TypeError, r"sizes must be whole numbers .* got \[True\]"),
+    ],
+)
+def test_bad_curve_arguments_are_refused_by_name(ppca, kwargs, error, match):
+    model, x, _ = ppca
+    with pytest.raises(error, match=match):
+        mpt_curve(model.model, x, **kwargs)

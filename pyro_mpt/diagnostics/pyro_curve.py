@@ -8,6 +8,7 @@ import torch
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
+from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.trace.trace_utils import param_store_rollback
@@ -27,7 +28,14 @@ def _sizes_from(rates, sizes, num_features):
         return torch.arange(1, num_features + 1)
     if sizes is None:
         return rate_sizes(check_rates(rates), num_features)
-    sizes = torch.as_tensor(sizes, dtype=torch.long).reshape(-1)
+    given = torch.as_tensor(sizes)
+    if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+        raise TypeError(
+            f"sizes must be whole numbers of masked features in 1..{num_features}, got "
+            f"{sizes!r}; round them first, or pass rates=... to have them rounded as the "
+            f"masking rates round."
+        )
+    sizes = given.to(torch.long).reshape(-1)
     if sizes.numel() == 0 or (sizes < 1).any() or (sizes > num_features).any():
         raise ValueError(
             f"sizes must be a non-empty list of mask sizes in 1..{num_features}, got {sizes}."
@@ -84,6 +92,7 @@ def mpt_curve(
         >>> curve.scores.shape
         torch.Size([8])
     """
+    check_positive_int("num_masks", num_masks, "It is the number of random masks per size.")
     strategy = conditionals_for(conditionals, model)
     # The param store is left as it was found (a guide sized by this x creates parameters).
     with param_store_rollback(always=True):
