@@ -13,6 +13,7 @@ __all__ = [
     "NotApplicableError",
     "QuadratureAccuracyWarning",
     "StaleStructureError",
+    "UnmeasuredAccuracyWarning",
     "check_positive_int",
     "unsupported_prior_error",
     "user_stacklevel",
@@ -46,6 +47,12 @@ class QuadratureAccuracyWarning(UserWarning):
     The message states the measured figure and the fix; the figure is also readable from code
     (``MPTLoss.rule_check``).
     """
+
+
+class UnmeasuredAccuracyWarning(UserWarning):
+    """Conditionals that approximate ``p(x_j | x_R)`` by a rule whose error nothing measures
+    (:class:`~pyro_mpt.conditionals.EncodeDecode`): their figures may be far off with no
+    other word. Given once per strategy object, when it is first used."""
 
 
 class StaleStructureError(Exception):

@@ -245,3 +245,24 @@ def test_prepare_works_under_no_grad():
             torch.zeros(1, 5, 6, dtype=torch.bool).index_fill(-1, torch.tensor([0]), True)
         )
     assert log_p.shape == (1, 5, 6) and bool(torch.isfinite(log_p[..., 0]).all())
+
+
+def test_encode_decode_says_once_that_its_error_is_unmeasured():
+    """Its conditionals can be far off with no other word: the first use of each strategy
+    object says so, naming the strategy and what to compare it with; later uses do not."""
+    import warnings
+
+    from pyro_mpt.errors import UnmeasuredAccuracyWarning
+
+    ppca = PPCA(4, 1)
+    x = ppca.sample(6)
+    strategy = EncodeDecode(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            MPTLoss(conditionals=strategy).loss(ppca.model, ppca.guide, x)
+    said = [w for w in caught if issubclass(w.category, UnmeasuredAccuracyWarning)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert "EncodeDecode(" in str(said[0].message) and "conditionals='importance'" in str(
+        said[0].message
+    )
