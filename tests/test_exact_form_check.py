@@ -98,3 +98,34 @@ def test_a_form_that_stops_holding_between_checks_is_caught_on_that_step(conditi
     assert isinstance(loss.conditionals.in_use, Quadrature)
     expected = -_grid_log_marginal(x, pyro.param("bend").detach()).sum()
     assert abs(value - float(expected)) < 0.05 * x.shape[0]
+
+
+def test_a_bend_between_fixed_points_meets_a_fresh_check_draw():
+    """A loc affine in z except for a triangular bump on (-1.9, -0.5), zero at the origin,
+    the unit vector and the far points: fixed check points would pass it on every call
+    (the estimate was 7.7 nats per observation off, 48 at worst). The prior draws among the
+    check points are new on every call, each inside the bump with probability 0.28: of 20
+    calls, all pass only with probability 0.72^60 < 1e-8."""
+    from pyro_mpt import log_marginal
+
+    w = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)
+    a = torch.tensor([3.0, 2.0, -2.0, 1.0], dtype=torch.float64)
+
+    def bump(z):
+        return torch.relu(z + 1.9) - 2 * torch.relu(z + 1.2) + torch.relu(z + 0.5)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            loc = z.unsqueeze(-1) * w + bump(z).unsqueeze(-1) * a
+            pyro.sample("x", dist.Normal(loc, 0.3).to_event(1), obs=x)
+
+    x = torch.randn(10, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    refused = 0
+    for _ in range(20):
+        try:
+            log_marginal(model, x, conditionals="exact")
+        except NotGaussianError as error:
+            assert "is not affine in the latent sites ['z']" in str(error)
+            refused += 1
+    assert refused >= 1

@@ -95,20 +95,32 @@ class GaussianForm(NamedTuple):
     pending_check: torch.Tensor | None = None
 
 
-#: Check points beyond the fitting points: three draws of the prior and two far points.
+#: Check points beyond the fitting points: three draws of the prior, new on every call,
+#: and two far points.
 _NUM_RANDOM_CHECKS, _FAR_RADIUS = 3, 30.0
+#: Where the prior draws among the check points come from: a generator of their own, so
+#: the caller's random stream is untouched, advanced by every check, so that a loc that
+#: departs from an affine map only between some points (a bump, a kink) meets a draw
+#: inside that region sooner or later, where fixed points would miss it on every call.
+_CHECK_DRAWS = torch.Generator(device="cpu").manual_seed(0)
 
 
 def _probe_points(num_latent, dtype, device):
-    """The origin, each unit vector, then the check points: ``(K + 6, K)``. The check points
-    come from a generator of their own, so the caller's random stream is untouched."""
-    random = check_points(_NUM_RANDOM_CHECKS + 1, num_latent)
-    far = _FAR_RADIUS * random[-1] / random[-1].norm()
+    """The origin, each unit vector, then the two far check points: ``(K + 3, K)``, the
+    same on every call (the prior draws are added per call, :func:`_checked_points`)."""
+    direction = check_points(1, num_latent)[0]
+    far = _FAR_RADIUS * direction / direction.norm()
     eye = torch.eye(num_latent, device="cpu")
-    points = torch.cat(
-        [eye.new_zeros(1, num_latent), eye, random[:-1], far[None], -far.flip(0)[None]]
-    )
+    points = torch.cat([eye.new_zeros(1, num_latent), eye, far[None], -far.flip(0)[None]])
     return points.to(dtype=dtype, device=device)
+
+
+def _checked_points(fixed):
+    """``fixed`` (:func:`_probe_points`) followed by :data:`_NUM_RANDOM_CHECKS` fresh draws
+    of the whitened prior from :data:`_CHECK_DRAWS`."""
+    shape = (_NUM_RANDOM_CHECKS, fixed.shape[-1])
+    draws = torch.randn(shape, generator=_CHECK_DRAWS, dtype=torch.float64)
+    return torch.cat([fixed, draws.to(dtype=fixed.dtype, device=fixed.device)])
 
 
 def _drop_broadcast_dims(matrix):
@@ -190,6 +202,7 @@ def extract_gaussian_form(model, args, kwargs, structure):
         points = _probe_points(structure.latent_dim, first.dtype, first.device)
         if layout is not None:
             _PROBES[layout] = points
+    points = _checked_points(points)
     run = run_at_points(model, args, kwargs, structure, points)
     observed, fn = run.observed, run.fn
     base = unwrap_independent(fn)
