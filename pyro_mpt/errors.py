@@ -15,6 +15,7 @@ __all__ = [
     "StaleStructureError",
     "UnmeasuredAccuracyWarning",
     "check_positive_int",
+    "joint_likelihood_error",
     "unsupported_prior_error",
     "user_stacklevel",
     "without_trace_shapes",
@@ -79,6 +80,23 @@ def check_positive_int(name, value, hint=None):
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}." + (f" {hint}" if hint else ""))
     return int(value)
+
+
+def joint_likelihood_error(name, base, what):
+    """The :class:`NotApplicableError` for an observed site ``name`` whose likelihood
+    ``base`` (wrappers stripped) has an event of its own instead of one distribution per
+    feature, for the strategy ``what`` (its words: ``"quadrature"``, ...)."""
+    hint = "e.g. Bernoulli(...).to_event(1)"
+    if isinstance(base, torch.distributions.OneHotCategorical):
+        hint = (
+            "a OneHotCategorical per feature holds each feature's categories as an event of "
+            "its own: observe integer categories under Categorical(logits=...).to_event(1) "
+            "instead, the same model with one distribution per feature"
+        )
+    return NotApplicableError(
+        f"Observed site {name!r} has a {type(base).__name__} likelihood that does not "
+        f"factorise over features; {what} needs one distribution per feature ({hint})."
+    )
 
 
 def unsupported_prior_error(name, fn):

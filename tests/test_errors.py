@@ -214,3 +214,30 @@ def test_a_latent_per_feature_over_an_inner_data_plate_is_named_as_global_too():
     assert "Plate 'data' (dim -2)" in message and "sits left of the data plate" in message
     assert "If 'data' is the plate over observations" in message
     assert "global latents" in message and "pyro.param" in message
+
+
+def test_one_hot_features_are_pointed_to_categorical_integers():
+    from pyro_mpt.conditionals import Quadrature
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            logits = z[..., None, None] * torch.ones(3, 4)
+            pyro.sample("x", dist.OneHotCategorical(logits=logits).to_event(1), obs=x)
+
+    x = torch.nn.functional.one_hot(torch.randint(4, (5, 3)), 4).float()
+    with pytest.raises(ValueError, match=r"Categorical\(logits=\.\.\.\)\.to_event\(1\) instead"):
+        log_marginal(model, x, conditionals=Quadrature(10))
+
+
+def test_a_dense_normal_observation_with_latents_is_told_why_exact_refuses_it():
+    from pyro_mpt.conditionals.exact import NotGaussianError
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            loc = z.unsqueeze(-1) * torch.ones(3)
+            pyro.sample("x", dist.MultivariateNormal(loc, torch.eye(3)), obs=x)
+
+    with pytest.raises(NotGaussianError, match="exact only in a model with no local latents"):
+        log_marginal(model, torch.randn(4, 3))

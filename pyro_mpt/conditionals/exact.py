@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 from pyro.infer.util import is_validation_enabled
+from torch.distributions import LowRankMultivariateNormal, MultivariateNormal
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError
@@ -243,10 +244,17 @@ def no_latent_form(structure):
 def _not_normal(base, name):
     """The error for an observed site ``name`` whose base distribution ``base`` is not
     ``Normal``."""
+    dense = ""
+    if isinstance(base, (MultivariateNormal, LowRankMultivariateNormal)):
+        dense = (
+            f" A {type(base).__name__} observation is exact only in a model with no local "
+            f"latents; with latents, write the noise as Normal(loc, scale).to_event(1) and "
+            f"its correlations as latents."
+        )
     return NotGaussianError(
         f"Observed site {name!r} has a {type(base).__name__} likelihood; exact "
-        f"conditionals need a Normal likelihood whose loc is affine in the latents. Use "
-        f"conditionals='auto', or 'quadrature' or 'importance'."
+        f"conditionals need a Normal likelihood whose loc is affine in the latents.{dense} "
+        f"Use conditionals='auto', or 'quadrature' or 'importance'."
     )
 
 

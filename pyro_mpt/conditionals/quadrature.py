@@ -16,7 +16,7 @@ from torch.distributions import constraints
 
 from pyro_mpt.conditionals.base import Conditionals, RuleGap, SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
-from pyro_mpt.errors import NotApplicableError, check_positive_int
+from pyro_mpt.errors import NotApplicableError, check_positive_int, joint_likelihood_error
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
@@ -559,11 +559,7 @@ class Quadrature(Conditionals):
             )
         base = unwrap_independent(structure.trace.nodes[observed.name]["fn"])
         if base.event_shape:
-            raise NotApplicableError(
-                f"Observed site {observed.name!r} has a {type(base).__name__} likelihood "
-                f"that does not factorise over features; quadrature needs one distribution per "
-                f"feature (e.g. Bernoulli(...).to_event(1))."
-            )
+            raise joint_likelihood_error(observed.name, base, "quadrature")
         latent_dim = structure.latent_dim
         if latent_dim > self.max_latent_dim:
             raise NotApplicableError(

@@ -30,6 +30,9 @@ def log_marginal(
 
     .. math:: \\log p(x_n) = \\log \\int p(x_n \\mid z)\\, p(z)\\, dz.
 
+    ``pyro.factor`` terms of the model are not part of ``p(x)`` and are left out here;
+    :class:`~pyro_mpt.MPTLoss` adds them to its loss, as ``Trace_ELBO`` does.
+
     .. note:: Pyro's param store is left as it was found, whether the call returns or
         raises: parameters first created here (a guide's or model's, sized by this ``x``)
         are removed afterwards, and existing parameters keep their tensors, so training

@@ -20,7 +20,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
-from pyro_mpt.errors import NotApplicableError, StaleStructureError
+from pyro_mpt.errors import NotApplicableError, StaleStructureError, joint_likelihood_error
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
 from pyro_mpt.trace.guide_densities import joint_auto_latent
 from pyro_mpt.trace.model_structure import latent_names_in, read_structure
@@ -147,11 +147,7 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
     obs_fn = obs_site["fn"]
     base = unwrap_independent(obs_fn)
     if base.event_shape:
-        raise NotApplicableError(
-            f"Observed site {local.observed.name!r} has a {type(base).__name__} likelihood "
-            f"that does not factorise over features; {what} needs one distribution per "
-            f"feature (e.g. Bernoulli(...).to_event(1))."
-        )
+        raise joint_likelihood_error(local.observed.name, base, what)
     data = args[0] if args else None
     full_shape = obs_fn.batch_shape + obs_fn.event_shape
     if not torch.is_tensor(data) or data.shape != full_shape:
