@@ -181,3 +181,24 @@ def test_a_no_op_guide_is_not_reported():
     _, messages = _call(lambda: check_guide_sites(model_two, guide, (_data(),), {}, 1))
     assert len(messages) == 1 and messages[0].startswith("Found vars in model but not guide")
     assert "{'other'}" in messages[0]
+
+
+def test_a_guide_that_sizes_its_plate_from_the_left_is_named_not_the_model():
+    """On copies of the data a guide with plate size x.shape[0] reads the copies as the
+    observations (7 copies of 6 here: the shapes even collided with the check's own
+    layout, which raised an IndexError). The error names the guide, the site and the fix."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ torch.ones(2, 3), 0.5).to_event(1), obs=x)
+
+    def left_sized_guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+
+    x = torch.randn(6, 3)
+    pattern = r"The guide 'test_a_guide.*left_sized_guide' samples site 'z' with shape"
+    with pytest.raises(ValueError, match=pattern) as caught:
+        MPTLoss(conditionals=ImportanceSampling(8)).loss(model, left_sized_guide, x)
+    assert "x.shape[-2], not x.shape[0]" in str(caught.value)

@@ -401,6 +401,7 @@ def check_guided_run(guided, what):
             num_copies = 1 + len(kept_patterns(local.observed.batch_shape.numel()))
             filled = value.expand((num_copies,) + value.shape)
             drawn, _ = run_guided(guided, filled, 2, replay_model=False)
+            _check_guide_broadcasts(guided, drawn, filled.shape)
             swapped = _kept_copies(local, drawn)
             _, trace = run_guided(guided, filled, 2, guide_trace=swapped or drawn)
         compare_with_plain_runs(
@@ -418,6 +419,36 @@ def check_guided_run(guided, what):
     except BaseException:
         _CHECKED.forget(*call)
         raise
+
+
+def _check_guide_broadcasts(guided, drawn, data_shape):
+    """Raises when the guide, run on copies of the data (two samples, ``data_shape``), draws
+    a latent whose shape past those two leading dims is not the model's in a plain run: a
+    guide that sizes its data plate from the left (``x.shape[0]``) reads the copies as the
+    observations, and the error would otherwise be blamed on the model."""
+    from pyro_mpt.trace.guided_model import describe_guide  # it imports this module
+
+    for name in guided.local.latent_names:
+        site = drawn.nodes.get(name)
+        if site is None:
+            continue  # the guide's own check names a missing site
+        shape, expected = site["value"].shape, guided.local.trace.nodes[name]["value"].shape
+        try:
+            fits = torch.broadcast_shapes(shape[2:], expected) == expected
+        except RuntimeError:
+            fits = False
+        if not fits:
+            observed = guided.local.observed
+            extra = "" if observed.num_feature_dims else f" {no_feature_dim_advice(observed)}."
+            raise ValueError(
+                f"The guide {describe_guide(guided.guide)!r} samples site {name!r} with shape "
+                f"{tuple(shape)} when run on {data_shape[0]} copies of the data (a data "
+                f"argument of shape {tuple(data_shape)}) under a plate of 2 samples, where "
+                f"the model's site has shape {tuple(expected)} for each sample and copy. The "
+                f"guide must broadcast over extra leading dims of its data, as the model "
+                f"does: size the data plate from the right (x.shape[-2], not x.shape[0]) and "
+                f"reshape with x.shape[:-1] rather than the data size.{extra}"
+            )
 
 
 def mixing_message(observed_name):
@@ -483,6 +514,9 @@ def _kept_copies(local, drawn):
         if site is None or site["value"].dim() < 2 or tuple(site["value"].shape[:2]) != lead:
             return None
         value, num_event = site["value"], len(site["fn"].event_shape)
+        index = _observation_index(value.shape[2:], local.data_dims, num_event)
+        if index.numel() != patterns.shape[1]:
+            return None  # the guide's plates do not fit the data: its own check says so
         kept = _kept_at(patterns, value.shape, local, num_event).to(value.device)
         first = value[:, :1]
         copies = torch.where(kept, first, first.flip(0))
