@@ -127,7 +127,7 @@ def test_ops_off_the_cpu_take_the_plain_route(monkeypatch):
     # The per-sample loop pays on the CPU only; other devices (meta here) take the plain
     # whole-tensor operations.
     routes = []
-    for name in ("plain_importance_log_conditionals", "per_sample_importance_log_conditionals"):
+    for name in ("plain_importance_log_conditionals", "_per_sample"):
         original = getattr(self_normalised_importance, name)
 
         def spy(*args, _name=name, _original=original):
@@ -142,7 +142,15 @@ def test_ops_off_the_cpu_take_the_plain_route(monkeypatch):
             torch.ones(1, 2, 3, dtype=torch.bool, device=device),
         )
         assert out.shape == (1, 2, 3) and out.device.type == device
-    assert routes == ["plain_importance_log_conditionals", "per_sample_importance_log_conditionals"]
+        # The conditionals' bias comes with them on either route (no read of the device).
+        _, bias = self_normalised_importance.importance_log_conditionals(
+            torch.zeros(4, 1, 2, device=device),
+            torch.zeros(4, 1, 2, 3, device=device),
+            torch.ones(1, 2, 3, dtype=torch.bool, device=device),
+            with_bias=True,
+        )
+        assert bias.shape == (1, 2, 3) and bias.device.type == device
+    assert routes == ["plain_importance_log_conditionals"] * 2 + ["_per_sample"] * 2
 
 
 def test_fill_masked_zeros_and_means_without_the_masked_values():

@@ -243,3 +243,23 @@ def test_ratio_bias_of_a_likelihood_flat_in_z_is_zero():
     flat = torch.full((50, 3, 4), -1.7, dtype=torch.float64)
     zeros = torch.zeros(3, 4, dtype=torch.float64)
     torch.testing.assert_close(ratio_bias(log_weights, flat), zeros)
+
+
+@pytest.mark.parametrize("route", ["cpu_loop", "plain"])
+def test_the_conditionals_bias_is_ratio_bias_of_the_weights_toward_the_context(route):
+    """The CPU loop accumulates the bias as it goes; off the CPU it is computed apart. Both
+    are :func:`ratio_bias` of the weights toward p(z | x_R) (the context's likelihood
+    added to the log weights, written out here) and the likelihoods."""
+    from pyro_mpt.ops import self_normalised_importance as sni
+
+    generator = torch.Generator().manual_seed(1)
+    log_w = torch.randn(32, 3, 4, generator=generator, dtype=torch.float64)
+    ll = torch.randn(32, 3, 4, 5, generator=generator, dtype=torch.float64) * 2
+    context = torch.rand(3, 4, 5, generator=generator) < 0.5
+    expected = ratio_bias(log_w + (ll * context).sum(-1), ll)
+    if route == "cpu_loop":
+        out, bias = sni.importance_log_conditionals(log_w, ll, context, with_bias=True)
+        torch.testing.assert_close(out, sni.plain_importance_log_conditionals(log_w, ll, context))
+    else:  # the route a GPU takes, called on the CPU
+        bias = sni._plain_bias(log_w, ll, context)
+    torch.testing.assert_close(bias, expected)

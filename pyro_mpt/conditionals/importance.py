@@ -216,10 +216,12 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
         log_joint = log_w.detach() + masked_sum(ll.detach(), context)
-        self._record(log_joint, None, self._row_bias(ratio_bias(log_joint, ll), context))
         if self.debias == "jackknife":
+            self._record(log_joint, None, self._row_bias(ratio_bias(log_joint, ll), context))
             return jackknife_importance_log_conditionals(log_w, ll, context)
-        return importance_log_conditionals(log_w, ll, context)
+        out, bias = importance_log_conditionals(log_w, ll, context, with_bias=True)
+        self._record(log_joint, None, self._row_bias(bias, context))
+        return out
 
     def _wake_targets(self, full, log_w, ll):
         """The log weights that :meth:`proposal_loss` trains the guide toward after

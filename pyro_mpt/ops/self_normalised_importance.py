@@ -10,6 +10,7 @@ import math
 import torch
 
 from pyro_mpt.ops.floored_exp import floored_exp_, flushed_exp
+from pyro_mpt.ops.importance_weights import ratio_bias
 from pyro_mpt.ops.masks import masked_sum, select_masked
 
 __all__ = [
@@ -77,7 +78,8 @@ class _ImportanceConditionals(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_weights, log_likelihoods, context):
-        # log_weights (S, R); log_likelihoods (S, R, D); context (R, D) bool.
+        # log_weights (S, R); log_likelihoods (S, R, D); context (R, D) bool. The second
+        # output, not differentiable, is ratio_bias of the same weights and likelihoods.
         context_ll = torch.empty_like(log_weights)
         ll_max = log_likelihoods[0].clone()
         for s, ll in enumerate(log_likelihoods):
@@ -91,15 +93,22 @@ class _ImportanceConditionals(torch.autograd.Function):
         shift = ll_max.clamp(min=torch.finfo(ll_max.dtype).min)
         shifted = torch.empty_like(log_likelihoods)
         predictive = torch.zeros_like(ll_max)
+        # sum_s (w_s e_s)^2: with predictive = sum_s w_s e_s, 1 / ESS of the numerator.
+        squares = torch.zeros_like(ll_max)
+        term = torch.empty_like(ll_max)
         for s, ll in enumerate(log_likelihoods):
             floored_exp_(torch.sub(ll, shift, out=shifted[s]))
-            predictive.addcmul_(weights[s].unsqueeze(-1), shifted[s])
+            torch.mul(shifted[s], weights[s].unsqueeze(-1), out=term)
+            predictive.add_(term)
+            squares.addcmul_(term, term)
         ctx.save_for_backward(weights, shifted, predictive, context)
-        return predictive.log().add_(ll_max)
+        bias = 0.5 * (weights.square().sum(0).unsqueeze(-1) - squares / predictive.square())
+        ctx.mark_non_differentiable(bias)
+        return predictive.log().add_(ll_max), bias
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         weights, shifted, predictive, context = ctx.saved_tensors
         scaled = grad / predictive
         total = grad.sum(-1)
@@ -114,18 +123,30 @@ class _ImportanceConditionals(torch.autograd.Function):
         return grad_weights, grad_ll, None
 
 
-def importance_log_conditionals(log_weights, log_likelihoods, context):
+def importance_log_conditionals(log_weights, log_likelihoods, context, with_bias=False):
     """``log p(x_j | x_R)`` for every feature, by self-normalised importance sampling.
 
     On the CPU by :func:`per_sample_importance_log_conditionals`, whose loop over samples
     keeps every temporary in cache; elsewhere by
     :func:`plain_importance_log_conditionals`, as a GPU runs whole-tensor operations faster
     than a loop of small ones (``benchmarks/bench_fast_paths.py`` measures both on each
-    device). Arguments and result as there.
+    device). Arguments and result as there; with ``with_bias``, also the first-order bias
+    of each conditional (:func:`~pyro_mpt.ops.importance_weights.ratio_bias`, detached),
+    which the CPU loop accumulates as it goes.
     """
     if log_likelihoods.device.type == "cpu":
-        return per_sample_importance_log_conditionals(log_weights, log_likelihoods, context)
-    return plain_importance_log_conditionals(log_weights, log_likelihoods, context)
+        out, bias = _per_sample(log_weights, log_likelihoods, context)
+    else:
+        out = plain_importance_log_conditionals(log_weights, log_likelihoods, context)
+        bias = _plain_bias(log_weights, log_likelihoods, context) if with_bias else None
+    return (out, bias) if with_bias else out
+
+
+def _plain_bias(log_weights, log_likelihoods, context):
+    """The first-order bias of each conditional off the CPU: :func:`ratio_bias` of the
+    weights toward ``p(z | x_R)`` (the context's likelihood added) and the likelihoods."""
+    context_ll = masked_sum(log_likelihoods.detach(), context.to(torch.bool))
+    return ratio_bias(log_weights + context_ll, log_likelihoods)
 
 
 def per_sample_importance_log_conditionals(log_weights, log_likelihoods, context):
@@ -143,14 +164,20 @@ def per_sample_importance_log_conditionals(log_weights, log_likelihoods, context
     :mod:`pyro_mpt.ops.floored_exp` (a relative error below ``S sqrt(tiny)``); the forward and
     backward passes are written by hand (:class:`_ImportanceConditionals`).
     """
+    return _per_sample(log_weights, log_likelihoods, context)[0]
+
+
+def _per_sample(log_weights, log_likelihoods, context):
+    """:func:`per_sample_importance_log_conditionals` and the first-order bias of each
+    conditional that its loop accumulates, both ``(P,) + batch + (D,)``."""
     ll = log_likelihoods
     shape, num_features = ll.shape[1:-1], ll.shape[-1]
     num_samples = ll.shape[0]
     context = context.to(torch.bool).expand(shape + (num_features,)).reshape(-1, num_features)
     log_weights = log_weights.expand(ll.shape[:-1]).reshape(num_samples, -1)
     ll = ll.reshape(num_samples, -1, num_features)
-    out = _ImportanceConditionals.apply(log_weights, ll, context)
-    return out.reshape(shape + (num_features,))
+    out, bias = _ImportanceConditionals.apply(log_weights, ll, context)
+    return out.reshape(shape + (num_features,)), bias.reshape(shape + (num_features,))
 
 
 def plain_importance_log_conditionals(log_weights, log_likelihoods, context):
