@@ -262,3 +262,24 @@ def test_half_precision_models_score_in_float32(tokenizer):
     )
     assert half.scores.dtype == torch.float64 and torch.isfinite(half.scores).all()
     torch.testing.assert_close(half.scores, exact.scores, atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["padded_tensor", "padded_lists", "tokenizer_output"])
+def test_padded_ids_and_a_tokenizers_output_score_as_the_texts(tokenizer, form):
+    """A batch padded by the tokenizer: the pads are no part of the sequences (the model
+    attended to them, and the short text scored -6.15 for -11.42), and a tokenizer's
+    output is its ids, not its key names. At rate 1 the masks are fixed, so the scores
+    must equal those of the texts given as strings."""
+    model = _bert(len(tokenizer), seed=4)
+    texts = [_texts(1, 3, 3, seed=5)[0], _texts(1, 14, 14, seed=6)[0]]
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    given = {
+        "padded_tensor": encoded["input_ids"],
+        "padded_lists": encoded["input_ids"].tolist(),
+        "tokenizer_output": encoded,
+    }[form]
+    options = dict(rates=[1.0], num_masks=1, progress=False)
+    expected = mlm_mpt_curve(model, tokenizer, texts, **options)
+    curve = mlm_mpt_curve(model, tokenizer, given, **options)
+    assert curve.num_features.tolist() == expected.num_features.tolist()
+    torch.testing.assert_close(curve.observation_scores, expected.observation_scores)

@@ -3,6 +3,7 @@ masked tokens at each masking rate, and its area, an estimate of log p(x)."""
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -15,7 +16,30 @@ from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 __all__ = ["mlm_mpt_curve"]
 
 
+def _unpadded(tokenizer, texts):
+    """A tokenizer's output (``input_ids`` and, if given, ``attention_mask``) as lists of
+    ids with the positions the mask leaves out dropped; other inputs unchanged."""
+    if not isinstance(texts, Mapping):
+        return texts
+    if "input_ids" not in texts:
+        raise ValueError(
+            f"texts is a mapping with keys {list(texts)} and no 'input_ids'; pass a "
+            f"tokenizer's output (tokenizer(texts)), or the texts themselves."
+        )
+    rows, attention = texts["input_ids"], texts.get("attention_mask")
+    out = []
+    for index, row in enumerate(rows):
+        row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
+        if attention is not None:
+            keep = attention[index]
+            keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+            row = [t for t, k in zip(row, keep) if k]
+        out.append(row)
+    return out
+
+
 def _encode(tokenizer, texts, max_length):
+    texts = _unpadded(tokenizer, texts)
     if isinstance(texts, (str, bytes)) or not hasattr(texts, "__len__") or len(texts) == 0:
         raise ValueError(
             f"texts must be a non-empty list of strings or of lists of token ids, got {texts!r}."
@@ -36,7 +60,12 @@ def _encode(tokenizer, texts, max_length):
                 f"texts[{index}] must be a string or a list of token ids; texts mixes kinds or "
                 f"holds {type(ids).__name__}. Pass all strings or all lists of ints."
             )
-        encoded.append([int(t) for t in ids][:max_length])
+        ids = [int(t) for t in ids]
+        # Padding (of a batch padded by a tokenizer) is not part of the sequence: the model
+        # must not attend to it, so a padded row scores as the same row unpadded.
+        while ids and tokenizer.pad_token_id is not None and ids[-1] == tokenizer.pad_token_id:
+            ids.pop()
+        encoded.append(ids[:max_length])
     return encoded
 
 
@@ -173,8 +202,10 @@ def mlm_mpt_curve(
     :param model: a masked language model, e.g. :class:`transformers.BertForMaskedLM`; it
         is put in ``eval()`` mode.
     :param tokenizer: its tokenizer; needs a mask token.
-    :param texts: a list of strings (tokenized with special tokens) or of lists of token ids
-        (used as given; special tokens among them are never masked).
+    :param texts: a list of strings (tokenized with special tokens), of lists of token ids
+        (used as given, trailing padding dropped; special tokens among them are never
+        masked), or a tokenizer's output (its ``input_ids`` where its ``attention_mask``
+        keeps them).
     :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%).
     :param int num_masks: random masks per sequence and rate.
     :param int batch_size: masked sequences per forward pass.
