@@ -247,3 +247,82 @@ def test_argument_errors_name_the_argument_and_the_fix(tokenizer):
     no_mask = types.SimpleNamespace(mask_token_id=None)
     with pytest.raises(ValueError, match="has no mask token"):
         mlm_ordering_log_likelihoods(model, no_mask, ids, 2)
+
+
+def test_left_padding_and_padding_inside_score_as_unpadded(tokenizer):
+    """A batch padded on the left, in every accepted form, scores as the same batch padded
+    on the right (itself checked against each sequence alone above): its rows are read from
+    position 0, with the orderings of the right-padded batch. A padding token inside a
+    sequence is not attended to: checked against the chain rule by hand."""
+    model = _bert(tokenizer, dtype=torch.float64)
+    texts = ["a b c", "d e f g h i j"]
+    right = tokenizer(texts, padding=True, return_tensors="pt")
+    maskable = right["attention_mask"].bool() & (right["input_ids"] > MASK)
+    torch.manual_seed(2)
+    orderings = random_orderings(3, (2,), maskable.shape[1], entries=maskable)
+    options = dict(orderings=orderings, progress=False)
+    expected = mlm_ordering_log_likelihoods(model, tokenizer, right, 3, **options).values
+    left = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+    assert left["input_ids"][0, 0] == PAD
+    lists = {key: value.tolist() for key, value in left.items()}
+    for given in (left, left["input_ids"], lists["input_ids"], lists):
+        values = mlm_ordering_log_likelihoods(model, tokenizer, given, 3, **options).values
+        assert torch.allclose(values, expected, atol=1e-9, rtol=0), (type(given), values)
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    ids = [CLS, a, PAD, b, SEP]
+    order = torch.tensor([[[3, 1, 0, 2, 4]]])  # b first, then a
+    steps = [([CLS, MASK, PAD, MASK, SEP], 3, b), ([CLS, MASK, PAD, b, SEP], 1, a)]
+    attention = torch.tensor([[1, 1, 0, 1, 1]], device=DEVICE)
+    by_hand = 0.0
+    model.eval()
+    with torch.no_grad():
+        for x, position, token in steps:
+            x = torch.tensor([x], device=DEVICE)
+            logits = model(input_ids=x, attention_mask=attention).logits
+            by_hand += float(logits[0, position].double().log_softmax(-1)[token])
+    for given in ([ids], torch.tensor([ids])):
+        values = mlm_ordering_log_likelihoods(
+            model, tokenizer, given, 1, orderings=order, progress=False
+        ).values
+        assert values.item() == pytest.approx(by_hand, abs=1e-9)
+
+
+def test_max_length_keeps_the_closing_sep_of_ids_as_of_strings(tokenizer):
+    """Truncated ids (lists or a padded tensor) keep their closing [SEP], as the tokenizer
+    keeps it for strings; all score as the texts cut to their first three letters."""
+    model = _bert(tokenizer, dtype=torch.float64)
+    texts = ["a b c d e f", "g h i j"]
+    cut = tokenizer(["a b c", "g h i"], return_tensors="pt")
+    maskable = cut["input_ids"] > MASK
+    torch.manual_seed(3)
+    orderings = random_orderings(2, (2,), 5, entries=maskable)
+    options = dict(orderings=orderings, progress=False)
+    expected = mlm_ordering_log_likelihoods(model, tokenizer, cut, 2, **options).values
+    padded = tokenizer(texts, padding=True, return_tensors="pt")
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    for given in (texts, ids, padded["input_ids"], padded):
+        values = mlm_ordering_log_likelihoods(
+            model, tokenizer, given, 2, max_length=5, **options
+        ).values
+        assert torch.allclose(values, expected, atol=1e-9, rtol=0), (type(given), values)
+
+
+def test_sequences_the_model_cannot_read_raise_clear_errors(tokenizer):
+    """Too long for the position embeddings (32), or ids outside the vocabulary: the
+    sequence, the limit and the fix are named before the model's own error."""
+    model = _bert(tokenizer)
+    too_long = " ".join("a" * 40)
+    batch = tokenizer(["b", too_long], padding=True, return_tensors="pt")
+    for given, index in (([too_long], 0), (batch, 1)):
+        with pytest.raises(
+            ValueError,
+            match=rf"sequences\[{index}\] is 42 tokens long .* 32 positions .* max_length=32",
+        ):
+            mlm_ordering_log_likelihoods(model, tokenizer, given, 1, progress=False)
+    vocab = len(tokenizer)
+    for given, bad in (([[CLS, 5, vocab, SEP]], vocab), (torch.tensor([[CLS, 5, -1, SEP]]), -1)):
+        with pytest.raises(
+            ValueError,
+            match=rf"sequences\[0\] holds token id {bad} at position 2, outside the vocabulary",
+        ):
+            mlm_ordering_log_likelihoods(model, tokenizer, given, 1, progress=False)

@@ -12,7 +12,13 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM, BertTokenizer  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    BertTokenizer,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
 
 from pyro_mpt import MPTCurve, default_rates  # noqa: E402
 from pyro_mpt.ops.mask_rates import FixedRate  # noqa: E402
@@ -283,3 +289,111 @@ def test_padded_ids_and_a_tokenizers_output_score_as_the_texts(tokenizer, form):
     curve = mlm_mpt_curve(model, tokenizer, given, **options)
     assert curve.num_features.tolist() == expected.num_features.tolist()
     torch.testing.assert_close(curve.observation_scores, expected.observation_scores)
+
+
+def test_left_padding_scores_as_the_texts_and_padding_inside_is_not_attended_to(tokenizer):
+    """A batch padded on the left (tensor, lists, tokenizer's output) scores as the texts:
+    the leading pads are cut off, not attended to at shifted positions (-9.20 for -11.42 in
+    the user's probe). A pad left inside a sequence is not attended to either: checked
+    against the model's own logits at rate 1, where the mask is every letter."""
+    model = _bert(len(tokenizer), seed=4)
+    texts = [_texts(1, 3, 3, seed=5)[0], _texts(1, 14, 14, seed=6)[0]]
+    options = dict(rates=[1.0], num_masks=1, progress=False)
+    expected = mlm_mpt_curve(model, tokenizer, texts, **options)
+    encoded = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+    assert encoded["input_ids"][0, 0] == tokenizer.pad_token_id
+    for given in (encoded["input_ids"], encoded["input_ids"].tolist(), encoded):
+        curve = mlm_mpt_curve(model, tokenizer, given, **options)
+        assert curve.num_features.tolist() == expected.num_features.tolist()
+        torch.testing.assert_close(curve.observation_scores, expected.observation_scores)
+    pad, cls, sep, mask, a, b = tokenizer.convert_tokens_to_ids(
+        ["[PAD]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]
+    )
+    curve = mlm_mpt_curve(model, tokenizer, [[cls, a, pad, b, sep]], **options)
+    masked = torch.tensor([[cls, mask, pad, mask, sep]], device=DEVICE)
+    attention = torch.tensor([[1, 1, 0, 1, 1]], device=DEVICE)
+    with torch.no_grad():
+        logp = model(input_ids=masked, attention_mask=attention).logits[0].log_softmax(-1)
+    by_hand = (logp[1, a] + logp[3, b]).double().cpu() / 2
+    assert curve.num_features.tolist() == [2]
+    torch.testing.assert_close(curve.observation_scores[0, 0], by_hand)
+
+
+def test_max_length_keeps_the_closing_sep_of_ids_as_of_strings(tokenizer):
+    """Truncated ids keep their closing [SEP], as the tokenizer keeps it for strings: the
+    same texts have the same D and scores given either way (the ids lost [SEP] and scored
+    one more letter, D 5 for 4)."""
+    model = _bert(len(tokenizer), seed=7)
+    texts = _texts(3, 6, 12, seed=8)
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    options = dict(rates=[1.0], num_masks=1, max_length=6, progress=False)
+    expected = mlm_mpt_curve(model, tokenizer, texts, **options)
+    assert expected.num_features.tolist() == [4, 4, 4]
+    for given in (ids, tokenizer(texts, padding=True, return_tensors="pt")["input_ids"]):
+        curve = mlm_mpt_curve(model, tokenizer, given, **options)
+        assert curve.num_features.tolist() == [4, 4, 4]
+        torch.testing.assert_close(curve.observation_scores, expected.observation_scores)
+    # The reference: the first four letters of each text, untruncated.
+    first_four = [" ".join(t.split()[:4]) for t in texts]
+    options.pop("max_length")
+    torch.testing.assert_close(
+        mlm_mpt_curve(model, tokenizer, first_four, **options).observation_scores,
+        expected.observation_scores,
+    )
+
+
+def test_sequences_the_model_cannot_read_raise_clear_errors(tokenizer):
+    """Too long for the position embeddings, or ids outside the vocabulary: a ValueError
+    naming the sequence, its length or id, the model's limit and the fix, not the model's
+    shape mismatch or index error."""
+    model = _bert(len(tokenizer), hidden=16, layers=1)  # 64 positions
+    texts = ["a b", " ".join("c" * 70)]
+    with pytest.raises(
+        ValueError,
+        match=r"texts\[1\] is 72 tokens long .* 64 positions .*"
+        r"max_position_embeddings=64\); pass max_length=64",
+    ):
+        mlm_mpt_curve(model, tokenizer, texts, progress=False)
+    curve = mlm_mpt_curve(model, tokenizer, texts, max_length=64, rates=[0.5], progress=False)
+    assert curve.num_features.tolist() == [2, 62]
+    vocab = len(tokenizer)
+    for bad in (vocab, 99, -1):
+        with pytest.raises(
+            ValueError,
+            match=rf"texts\[0\] holds token id {bad} at position 2, "
+            rf"outside the vocabulary .* ids 0 to {vocab - 1}",
+        ):
+            mlm_mpt_curve(model, tokenizer, [[2, 5, bad, 3]], progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"texts must be a list of sequences, got one sequence"
+        r" .* pass \[ids\]",
+    ):
+        mlm_mpt_curve(model, tokenizer, [2, 5, 6, 3], progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"texts\['input_ids'\] is one sequence .* "
+        r"tokenizer\(\[text\]\)",
+    ):
+        mlm_mpt_curve(model, tokenizer, tokenizer("a b c"), progress=False)
+
+
+def test_roberta_positions_start_after_the_padding_index(tokenizer):
+    """RoBERTa numbers positions from padding_idx + 1: with 34 position embeddings and
+    padding_idx 0 it reads 33 tokens, and the 34th is refused before its index error."""
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=34,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = RobertaForMaskedLM(config).to(DEVICE).eval()
+    fits = [[2] + [5] * 31 + [3]]
+    curve = mlm_mpt_curve(model, tokenizer, fits, rates=[0.5], num_masks=1, progress=False)
+    assert curve.num_features.tolist() == [31]
+    with pytest.raises(ValueError, match=r"texts\[0\] is 34 tokens long .* the 33 positions"):
+        mlm_mpt_curve(model, tokenizer, [[2] + [5] * 32 + [3]], progress=False)

@@ -302,3 +302,40 @@ def test_pseudo_log_likelihood_matches_one_pass_per_position(model, tokenizer):
     assert isinstance(d, GenerationDiagnostics) and d.num_passes == 2
     assert d.num_tokens.tolist() == [6, 2] and d.pseudo_log_likelihood.shape == (2,)
     assert 0 <= d.token_distance <= 1 and d.seconds_per_sequence > 0
+
+
+def test_padded_lists_and_a_tokenizers_output_start_as_the_tensor(model, tokenizer):
+    """Padding already in lists of ids is not attended to (its attention mask was 1), and a
+    tokenizer's output starts from its ids and attention mask (its key names were read as
+    ids): every form draws, with the same seed, what the padded tensor draws."""
+    options = dict(method="sequential", num_steps=2)
+    expected = sample_mlm(model, tokenizer, _ids(START), generator=_gen(3), **options)
+    assert torch.equal(expected.attention_mask, _ids(ATTENTION))
+    encoded = tokenizer(["a [MASK] b [MASK] [MASK] c", "[MASK] d"], padding=True)
+    assert encoded["input_ids"] == START
+    for given in (START, encoded, encoded.convert_to_tensors("pt"), {"input_ids": START}):
+        out = sample_mlm(model, tokenizer, given, generator=_gen(3), **options)
+        assert torch.equal(out.attention_mask, _ids(ATTENTION)), type(given)
+        assert torch.equal(out.sequences, expected.sequences), type(given)
+
+
+def test_starts_the_model_cannot_read_raise_clear_errors(model, tokenizer):
+    """Too long for the 32 positions, ids outside the 11-token vocabulary, texts for ids: the
+    start, the limit and the fix are named before the model's own error."""
+    with pytest.raises(ValueError, match=r"input_ids\[1\] holds token id 11 at position 2"):
+        sample_mlm(model, tokenizer, [[CLS, MASK, SEP], [CLS, MASK, 11, SEP]])
+    with pytest.raises(ValueError, match=r"input_ids\[0\] holds token id -1 at position 1"):
+        sample_mlm(model, tokenizer, _ids([[CLS, -1, MASK, SEP]]))
+    with pytest.raises(
+        ValueError, match=r"input_ids\[0\] is 34 tokens long .* 32 positions .* at most 32"
+    ):
+        sample_mlm(model, tokenizer, _ids([[CLS] + [MASK] * 32 + [SEP]]))
+    with pytest.raises(ValueError, match=r"length=31 makes sequences of 33 .* length=30 or less"):
+        sample_mlm(model, tokenizer, length=31)
+    assert sample_mlm(model, tokenizer, length=30, method="parallel").sequences.shape == (1, 32)
+    with pytest.raises(TypeError, match=r"input_ids\[0\] must be a list of token ids, got str"):
+        sample_mlm(model, tokenizer, ["a [MASK] b"])
+    with pytest.raises(ValueError, match=r"attention_mask\[0\] has 3 entries for the 4 ids"):
+        sample_mlm(model, tokenizer, [[CLS, MASK, A, SEP]], attention_mask=[[1, 1, 1]])
+    with pytest.raises(ValueError, match="input_ids is a mapping with keys \\['ids'\\]"):
+        sample_mlm(model, tokenizer, {"ids": [[CLS, MASK, SEP]]})

@@ -20,6 +20,8 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.transformers._padding import pad_examples
+from pyro_mpt.transformers.mlm_curve import _attended_rows, _check_token_ids, _model_limits
 from pyro_mpt.transformers.mlm_sampling_steps import (
     TokenConditionals,
     fill_start,
@@ -121,6 +123,15 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
             )
         ids = torch.tensor([row] * num_sequences, dtype=torch.long)
         return ids.to(device), torch.ones_like(ids).to(device)
+    if hasattr(input_ids, "keys"):  # a tokenizer's output: its ids and attention mask
+        if "input_ids" not in input_ids:
+            raise ValueError(
+                f"input_ids is a mapping with keys {sorted(input_ids.keys())} and no "
+                "'input_ids'; pass tokenizer(texts, padding=True, return_tensors='pt')."
+            )
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() not in (1, 2):
             raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")
@@ -128,12 +139,67 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
         if attention_mask is None:
             attention_mask = default_attention(ids, tokenizer)
         attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
-    else:
-        padded = tokenizer.pad(
-            {"input_ids": [list(map(int, r)) for r in input_ids]}, return_tensors="pt"
+        return ids.clone().to(device), attention_mask.long().to(device)
+    rows = _id_lists(input_ids)
+    examples = [{"input_ids": row} for row in rows]
+    if attention_mask is not None:
+        for index, (example, keep) in enumerate(zip(examples, attention_mask)):
+            example["attention_mask"] = keep.tolist() if hasattr(keep, "tolist") else list(keep)
+            if len(example["attention_mask"]) != len(example["input_ids"]):
+                raise ValueError(
+                    f"attention_mask[{index}] has {len(example['attention_mask'])} entries "
+                    f"for the {len(example['input_ids'])} ids of input_ids[{index}]; give one "
+                    "per token, or leave attention_mask out (0 at padding)."
+                )
+    padding_side = getattr(tokenizer, "padding_side", "right")
+    batch = pad_examples(examples, tokenizer.pad_token_id, padding_side=padding_side)
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    if attention_mask is None:  # padding already in the lists is not attended to either
+        attention = attention * default_attention(ids, tokenizer)
+    return ids.to(device), attention.long().to(device)
+
+
+def _id_lists(input_ids):
+    """``input_ids`` given as lists (or 1-d tensors) of token ids, as lists of ints."""
+    if (
+        isinstance(input_ids, (str, bytes))
+        or not hasattr(input_ids, "__len__")
+        or len(input_ids) == 0
+    ):
+        raise ValueError(
+            "input_ids must be a long (B, L) tensor, a non-empty list of lists of token ids or "
+            f"a tokenizer's output, got {input_ids!r}; tokenize texts first, tokenizer(texts)."
         )
-        ids, attention_mask = padded["input_ids"], padded["attention_mask"]
-    return ids.clone().to(device), attention_mask.long().to(device)
+    rows = []
+    for index, row in enumerate(input_ids):
+        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        is_ids = hasattr(row, "__iter__") and not isinstance(row, (str, bytes))
+        if not is_ids or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in row
+        ):
+            raise TypeError(
+                f"input_ids[{index}] must be a list of token ids, got {type(row).__name__} "
+                f"{row!r}; tokenize texts first, tokenizer(texts)['input_ids'], and pass a "
+                "list of such lists (one per sequence)."
+            )
+        rows.append([int(t) for t in row])
+    return rows
+
+
+def _check_start(model, ids, attention, length):
+    """Refuses starts the model cannot read (too long for its positions, ids outside its
+    vocabulary) with the start named and the fix, before the model's own error."""
+    if length is None:
+        fix = "shorten the start sequence to at most {} tokens, special tokens included"
+        return _check_token_ids(model, _attended_rows(ids, attention), "input_ids", fix)
+    max_length = _model_limits(model)[0]
+    if max_length is not None and ids.shape[1] > max_length:
+        extra = ids.shape[1] - length
+        raise ValueError(
+            f"length={length} makes sequences of {ids.shape[1]} tokens with the special tokens, "
+            f"more than the {max_length} positions of the model ({type(model).__name__}); use "
+            f"length={max_length - extra} or less."
+        )
 
 
 def _check_settings(method, temperature, top_k, num_allowed, num_steps):
@@ -204,12 +270,13 @@ def sample_mlm(
     :param model: a ``*ForMaskedLM`` (e.g. :class:`transformers.BertForMaskedLM`); run in
         ``eval()`` mode, restored afterwards.
     :param tokenizer: its tokenizer (mask token, special tokens, padding).
-    :param input_ids: start sequences: long ``(B, L)`` or ``(L,)``, or lists of token ids
-        (padded by the tokenizer); mask tokens mark the positions to fill.
+    :param input_ids: start sequences: long ``(B, L)`` or ``(L,)``, lists of token ids
+        (padded on the tokenizer's side), or a tokenizer's output (its ``input_ids`` and
+        ``attention_mask``); mask tokens mark the positions to fill.
     :param int length: instead of ``input_ids``, start from ``num_sequences`` fully masked
         sequences of ``length`` tokens between the tokenizer's special tokens.
-    :param attention_mask: with a tensor ``input_ids``, 0 at padding (default: 0 at the
-        tokenizer's padding token, 1 elsewhere).
+    :param attention_mask: ``(B, L)`` or one list per sequence, 0 at padding (default: 0 at
+        the tokenizer's padding token, 1 elsewhere; the model never attends to padding).
     :param str method: ``"sequential"``, ``"parallel"`` or ``"mask-predict"``.
     :param int num_steps: Gibbs steps after the fill (default 0), or mask-predict's ``T``.
     :param int block_size: ``k``, positions per Gibbs step, at most the free positions of
@@ -240,6 +307,7 @@ def sample_mlm(
     num_steps = _check_settings(method, temperature, top_k, len(tokenizer) - len(banned), num_steps)
     block_size = check_positive_int("block_size", block_size)
     ids, attention = _start(tokenizer, input_ids, attention_mask, length, num_sequences, device)
+    _check_start(model, ids, attention, length)
     masked = (ids == mask_id) & attention.bool()
     free = (
         masked

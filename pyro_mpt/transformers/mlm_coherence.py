@@ -11,7 +11,13 @@ from pyro_mpt.ops.orderings import prefix_masks, random_orderings
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers._padding import pad_examples
 from pyro_mpt.transformers.generation import content_positions, default_attention
-from pyro_mpt.transformers.mlm_curve import _encode, _model_device
+from pyro_mpt.transformers.mlm_curve import (
+    _attended_rows,
+    _check_token_ids,
+    _closing_ids,
+    _encode,
+    _model_device,
+)
 from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 
 __all__ = ["mlm_ordering_log_likelihoods"]
@@ -27,8 +33,35 @@ def _mask_id(tokenizer):
     return mask_id
 
 
+def _left_aligned(ids, attention):
+    """Rows with leading padding (attention 0) rolled so that their tokens start at position
+    0, the padding moved to the end: absolute position embeddings would otherwise read a
+    left-padded row at shifted positions, and it would not score as the row unpadded."""
+    first = attention.bool().long().argmax(-1)  # the first attended position
+    if not first.any():
+        return ids, attention
+    index = (torch.arange(ids.shape[1]) + first[:, None]) % ids.shape[1]
+    return ids.gather(1, index), attention.gather(1, index)
+
+
+def _truncated_rows(tokenizer, ids, attention, max_length):
+    """The rows cut to ``max_length`` positions, each keeping its closing token (``[SEP]``)
+    as the lists of ids and the strings do (:func:`~.mlm_curve._truncated`)."""
+    if max_length is None or ids.shape[1] <= max_length:
+        return ids, attention
+    columns = torch.arange(1, ids.shape[1] + 1)
+    lengths = (attention.bool() * columns).amax(-1).tolist()
+    closing = _closing_ids(tokenizer)
+    cut_ids, cut_attention = ids[:, :max_length].clone(), attention[:, :max_length].clone()
+    for b, length in enumerate(lengths):
+        if length > max_length >= 2 and int(ids[b, length - 1]) in closing:
+            cut_ids[b, -1], cut_attention[b, -1] = ids[b, length - 1], 1
+    return cut_ids, cut_attention
+
+
 def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
-    """``(input_ids, attention_mask)``, long ``(B, L)`` on the CPU, from the accepted forms."""
+    """``(input_ids, attention_mask)``, long ``(B, L)`` on the CPU, from the accepted forms;
+    padding (attention 0, or the padding token) at the start of a row is moved to its end."""
     if hasattr(sequences, "keys"):  # a tokenizer's BatchEncoding or a dict of tensors
         if "input_ids" not in sequences:
             raise ValueError(
@@ -55,16 +88,19 @@ def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
                     f"got {tuple(attention.shape)}."
                 )
             attention = attention.reshape(ids.shape)
-        if max_length is not None:
-            ids, attention = ids[:, :max_length], attention[:, :max_length]
-        return ids, attention
+        ids, attention = _left_aligned(ids, attention)
+        return _truncated_rows(tokenizer, ids, attention, max_length)
+    if attention_mask is not None:  # lists of ids: drop what the mask leaves out
+        sequences = {"input_ids": sequences, "attention_mask": attention_mask}
     try:
         encoded = _encode(tokenizer, sequences, max_length)
     except (TypeError, ValueError) as error:  # the shared encoder calls its argument "texts"
         raise type(error)(str(error).replace("texts", "sequences")) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else mask_id
     batch = pad_examples(encoded, pad_id)
-    return batch["input_ids"], batch["attention_mask"]
+    # Padding tokens left inside a sequence are not attended to, as in a tensor.
+    attention = batch["attention_mask"] * default_attention(batch["input_ids"], tokenizer)
+    return batch["input_ids"], attention
 
 
 def _check_orderings(orderings, num_orderings, maskable):
@@ -205,25 +241,30 @@ def mlm_ordering_log_likelihoods(
     :param tokenizer: its tokenizer: the mask token, the special tokens (never ordered) and
         the padding token.
     :param sequences: a list of strings (tokenized with special tokens), a list of lists of
-        token ids (used as given), a long ``(B, L)`` tensor of token ids, or a dict such as
-        a tokenizer's output with ``input_ids`` and ``attention_mask``.
+        token ids (used as given, the padding token at either end dropped), a long
+        ``(B, L)`` tensor of token ids, or a dict such as a tokenizer's output with
+        ``input_ids`` and ``attention_mask``. Padding is never attended to, and a row's
+        leading padding is moved to its end, so that a padded row scores as unpadded.
     :param int num_orderings: random orderings per sequence (at least 2 for a spread).
-    :param attention_mask: with tensor ``sequences``, ``(B, L)``, 0 at padding (default: 0
-        at the tokenizer's padding token).
+    :param attention_mask: with ``sequences`` of ids, ``(B, L)`` or one list per sequence,
+        0 at padding (default: 0 at the tokenizer's padding token).
     :param torch.Tensor orderings: explicit orderings instead of random ones: long
-        ``(num_orderings, B, L)`` (``L`` the padded length), each row a permutation of the
-        positions that lists the sequence's maskable positions first, in the order they are
-        revealed, then the rest (as
+        ``(num_orderings, B, L)`` (``L`` the padded length; the positions of the rows with
+        any leading padding moved to their end, as given for right padding), each row a
+        permutation of the positions that lists the sequence's maskable positions first, in
+        the order they are revealed, then the rest (as
         :func:`~pyro_mpt.ops.orderings.random_orderings` ``(num_orderings, (B,), L,
         entries=maskable)`` draws them). By default they are drawn from torch's global
         random state, on the CPU.
     :param int batch_size: masked copies per forward pass.
-    :param int max_length: truncate sequences to this many tokens.
+    :param int max_length: truncate sequences to this many tokens, keeping a closing
+        special token (``[SEP]``) at the end, as the tokenizer does for strings.
     :param bool progress: show a progress bar over forward passes.
     :returns: an :class:`~pyro_mpt.OrderingLogLikelihoods` with ``values`` of shape
         ``(num_orderings, B)`` (on the CPU; float32 for half- and single-precision models)
         and ``log_marginal=None``.
-    :raises ValueError: if a sequence has no maskable token, or for malformed arguments.
+    :raises ValueError: if a sequence has no maskable token, is longer than the model's
+        position embeddings or holds ids outside its vocabulary, or for malformed arguments.
 
     .. note:: The special tokens of the tokenizer, ``[UNK]`` and ``[MASK]`` included, are
         context only: they are never masked or scored, as in
@@ -249,6 +290,7 @@ def mlm_ordering_log_likelihoods(
         max_length = check_positive_int("max_length", max_length)
     mask_id = _mask_id(tokenizer)
     ids, attention = _batch(tokenizer, sequences, attention_mask, max_length, mask_id)
+    _check_token_ids(model, _attended_rows(ids, attention), "sequences")
     maskable = content_positions(ids, tokenizer, attention)
     empty = (~maskable.any(-1)).nonzero().flatten().tolist()
     if empty:

@@ -16,6 +16,17 @@ from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 __all__ = ["mlm_mpt_curve"]
 
 
+def _is_one_sequence(value):
+    """True for one sequence of token ids (``(L,)`` tensor, list of ints) where a batch of
+    sequences is expected."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 1
+    first = next(iter(value), None) if hasattr(value, "__iter__") else None
+    return isinstance(first, numbers.Integral) or (
+        isinstance(first, torch.Tensor) and first.dim() == 0
+    )
+
+
 def _unpadded(tokenizer, texts):
     """A tokenizer's output (``input_ids`` and, if given, ``attention_mask``) as lists of
     ids with the positions the mask leaves out dropped; other inputs unchanged."""
@@ -27,6 +38,11 @@ def _unpadded(tokenizer, texts):
             f"tokenizer's output (tokenizer(texts)), or the texts themselves."
         )
     rows, attention = texts["input_ids"], texts.get("attention_mask")
+    if _is_one_sequence(rows):
+        raise ValueError(
+            "texts['input_ids'] is one sequence of token ids (a tokenizer's output for one "
+            "string), not a batch; tokenize a list, tokenizer([text]), or pass [ids]."
+        )
     out = []
     for index, row in enumerate(rows):
         row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
@@ -38,17 +54,55 @@ def _unpadded(tokenizer, texts):
     return out
 
 
+def _closing_ids(tokenizer):
+    """The ids of the tokens that close a sequence (``[SEP]``, ``</s>``): truncation keeps
+    them, as the tokenizer does when it truncates a string."""
+    ids = (getattr(tokenizer, name, None) for name in ("sep_token_id", "eos_token_id"))
+    return {i for i in ids if i is not None}
+
+
+def _truncated(ids, max_length, closing):
+    """``ids`` (a list) cut to ``max_length`` tokens; a closing token that ends them stays
+    at the end, so that ids and strings truncate alike (the tokenizer keeps ``[SEP]``)."""
+    if max_length is None or len(ids) <= max_length:
+        return ids
+    if max_length >= 2 and ids[-1] in closing:
+        return ids[: max_length - 1] + ids[-1:]
+    return ids[:max_length]
+
+
+def _strip_padding(ids, pad_id):
+    """``ids`` (a list) without the padding at either end: padding is no part of the
+    sequence, and left in it would move the tokens' positions (left) or be attended to."""
+    if pad_id is None:
+        return ids
+    start, stop = 0, len(ids)
+    while start < stop and ids[start] == pad_id:
+        start += 1
+    while stop > start and ids[stop - 1] == pad_id:
+        stop -= 1
+    return ids[start:stop]
+
+
 def _encode(tokenizer, texts, max_length):
+    """The token ids of each sequence of ``texts`` (any accepted form) as a list of ints,
+    without padding, truncated to ``max_length``."""
     texts = _unpadded(tokenizer, texts)
     if isinstance(texts, (str, bytes)) or not hasattr(texts, "__len__") or len(texts) == 0:
         raise ValueError(
             f"texts must be a non-empty list of strings or of lists of token ids, got {texts!r}."
+        )
+    if _is_one_sequence(texts):
+        raise ValueError(
+            f"texts must be a list of sequences, got one sequence of token ids "
+            f"({type(texts).__name__} of {len(texts)} ints); pass [ids]."
         )
     if all(isinstance(t, str) for t in texts):
         kwargs = dict(truncation=max_length is not None, add_special_tokens=True)
         if max_length is not None:
             kwargs["max_length"] = max_length
         return [list(ids) for ids in tokenizer(list(texts), **kwargs)["input_ids"]]
+    closing = _closing_ids(tokenizer)
     encoded = []
     for index, ids in enumerate(texts):
         if isinstance(ids, torch.Tensor):
@@ -60,13 +114,68 @@ def _encode(tokenizer, texts, max_length):
                 f"texts[{index}] must be a string or a list of token ids; texts mixes kinds or "
                 f"holds {type(ids).__name__}. Pass all strings or all lists of ints."
             )
-        ids = [int(t) for t in ids]
-        # Padding (of a batch padded by a tokenizer) is not part of the sequence: the model
-        # must not attend to it, so a padded row scores as the same row unpadded.
-        while ids and tokenizer.pad_token_id is not None and ids[-1] == tokenizer.pad_token_id:
-            ids.pop()
-        encoded.append(ids[:max_length])
+        # Padding (of a batch padded by a tokenizer, on either side) is not part of the
+        # sequence: a padded row scores as the same row unpadded.
+        ids = _strip_padding([int(t) for t in ids], tokenizer.pad_token_id)
+        encoded.append(_truncated(ids, max_length, closing))
     return encoded
+
+
+def _model_limits(model):
+    """``(max_length, vocab_size)``: the longest sequence the model's absolute position
+    embeddings hold and the size of its input vocabulary, ``None`` where it does not say
+    (e.g. rotary or relative positions, or a bare module)."""
+    embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+    positions = getattr(embeddings, "position_embeddings", None)
+    max_length = None
+    if isinstance(positions, torch.nn.Embedding):
+        # RoBERTa-style embeddings number the tokens from padding_idx + 1 on.
+        offset = 0 if positions.padding_idx is None else positions.padding_idx + 1
+        max_length = positions.num_embeddings - offset
+    vocab_size = None
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    words = get_embeddings() if callable(get_embeddings) else None
+    if isinstance(words, torch.nn.Embedding):
+        vocab_size = words.num_embeddings
+    else:
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return max_length, vocab_size
+
+
+def _attended_rows(ids, attention):
+    """The rows of a ``(B, L)`` batch as lists of ids, up to each one's last attended
+    position: what the model reads of them."""
+    columns = torch.arange(1, ids.shape[1] + 1, device=attention.device)
+    widths = (attention.bool() * columns).amax(-1).tolist()
+    return [row[:width] for row, width in zip(ids.tolist(), widths)]
+
+
+def _check_token_ids(
+    model, sequences, name="texts", fix="pass max_length={} to truncate it, or shorten it"
+):
+    """Refuses sequences (lists of ids) that the model cannot read: longer than its position
+    embeddings, or with ids outside its vocabulary; the model's own errors (a shape
+    mismatch, an index error) name neither the sequence nor the fix. ``fix`` (formatted
+    with the longest length) says what to do about a long sequence."""
+    max_length, vocab_size = _model_limits(model)
+    config = getattr(model, "config", None)
+    model_name = type(model).__name__
+    for index, ids in enumerate(sequences):
+        if max_length is not None and len(ids) > max_length:
+            positions = getattr(config, "max_position_embeddings", "?")
+            raise ValueError(
+                f"{name}[{index}] is {len(ids)} tokens long (special tokens included), more "
+                f"than the {max_length} positions of the model ({model_name}, "
+                f"config.max_position_embeddings={positions}); {fix.format(max_length)}."
+            )
+        if vocab_size is not None and ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(
+                f"{name}[{index}] holds token id {bad} at position {ids.index(bad)}, outside "
+                f"the vocabulary of the model ({model_name}, ids 0 to {vocab_size - 1}); "
+                "give ids from the model's own tokenizer (after adding tokens to it, call "
+                "model.resize_token_embeddings(len(tokenizer)))."
+            )
 
 
 class _Plan:
@@ -82,6 +191,9 @@ class _Plan:
         pad_id = tokenizer.pad_token_id
         self.mask_id = mask_id
         self.pad_id = pad_id if pad_id is not None else mask_id
+        # Padding left inside a sequence of ids is not attended to, as in
+        # mlm_ordering_log_likelihoods; at its ends _encode has cut it off.
+        self.unattended = pad_id
         self.rates = check_rates(rates)
         self.num_masks = check_positive_int("num_masks", num_masks)
         special = set(tokenizer.all_special_ids)
@@ -148,7 +260,10 @@ class _Plan:
             n, length = ids.shape
             labels[at : at + n, :length] = ids
             masked[at : at + n, :length] = mask
-            attention[at : at + n, :length] = 1
+            if self.unattended is None:
+                attention[at : at + n, :length] = 1
+            else:
+                attention[at : at + n, :length] = ids != self.unattended
             owners.append(torch.stack([torch.full((n,), index), torch.arange(start, start + n)]))
             at += n
         input_ids = labels.masked_fill(masked, self.mask_id)
@@ -203,15 +318,19 @@ def mlm_mpt_curve(
         is put in ``eval()`` mode.
     :param tokenizer: its tokenizer; needs a mask token.
     :param texts: a list of strings (tokenized with special tokens), of lists of token ids
-        (used as given, trailing padding dropped; special tokens among them are never
-        masked), or a tokenizer's output (its ``input_ids`` where its ``attention_mask``
-        keeps them).
+        or a ``(B, L)`` tensor (used as given; the padding token at either end is dropped
+        and elsewhere not attended to, so a padded row scores as unpadded; special tokens
+        are never masked), or a tokenizer's output (its ``input_ids`` where its
+        ``attention_mask`` keeps them).
     :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%).
     :param int num_masks: random masks per sequence and rate.
     :param int batch_size: masked sequences per forward pass.
-    :param int max_length: truncate sequences to this many tokens.
+    :param int max_length: truncate sequences to this many tokens; a closing special token
+        (``[SEP]``) stays at the end of ids, as the tokenizer keeps it for strings.
     :param bool progress: show a progress bar over forward passes.
     :returns: an :class:`~pyro_mpt.MPTCurve`.
+    :raises ValueError: for a sequence longer than the model's position embeddings or with
+        ids outside its vocabulary (before the model's own, less telling, error).
 
     Example::
 
@@ -227,6 +346,7 @@ def mlm_mpt_curve(
     if max_length is not None:
         max_length = check_positive_int("max_length", max_length)
     plan = _Plan(tokenizer, texts, rates, num_masks, max_length)
+    _check_token_ids(model, plan.ids)
     device = _model_device(model)
     model.eval()
     scores = torch.zeros(len(plan.ids), plan.rows_per_sequence, dtype=torch.float64)
