@@ -72,6 +72,8 @@ from experiments.results_sources import (
     DOCUMENTS,
     SIZE_FLAGS,
     SOURCES,
+    ResultsFileError,
+    read_manifest,
     repository_root,
     rerun,
     write_text,
@@ -167,21 +169,25 @@ def documents(root=None):
 def render_files(root=None, check=False):
     """Renders every result block of the README and the docs from ``docs/results/``.
 
+    Every document is rendered before any is written, so that a result file that cannot be
+    read (:class:`~experiments.results_sources.ResultsFileError`) leaves them all as they were.
+
     :param bool check: compare only, writing nothing.
     :returns: the paths (relative to ``root``) whose blocks differ from the rendering (with
         ``check=False``: that were rewritten).
     """
     root = Path(root or repository_root())
-    changed = []
+    rendered = {}
     for path in documents(root):
         text = path.read_text(encoding="utf-8")
         markup = "rst" if path.suffix == ".rst" else "md"
         new = render_text(text, root, markup, where=str(path))
         if new != text:
-            changed.append(path.relative_to(root).as_posix())
-            if not check:
-                write_text(path, new)
-    return changed
+            rendered[path] = new
+    if not check:
+        for path, new in rendered.items():
+            write_text(path, new)
+    return [path.relative_to(root).as_posix() for path in rendered]
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,22 +225,29 @@ def add_arguments(parser):
 
 
 def run_from_args(args):
-    """Runs ``pyro-mpt render-results`` with parsed ``args``; returns the exit status."""
+    """Runs ``pyro-mpt render-results`` with parsed ``args``; returns the exit status. A
+    result file that is not valid JSON returns 2 after one line naming it and the rerun that
+    writes it again, with no document written."""
     root = Path(args.root) if args.root else repository_root()
     if not (root / "README.md").exists() or not (root / "docs").is_dir():
         print(f"{root} is not a checkout of pyro_mpt (no README.md and docs/).", file=sys.stderr)
         return 2
-    if args.rerun is not None:
-        if args.check:
-            print("--check and --rerun exclude each other.", file=sys.stderr)
+    try:
+        if args.rerun is not None:
+            if args.check:
+                print("--check and --rerun exclude each other.", file=sys.stderr)
+                return 2
+            read_manifest(root)  # a corrupt manifest stops the reruns before, not after, them
+            start = time.perf_counter()
+            rerun(args.rerun, root, size=args.size)
+            print(f"reran in {time.perf_counter() - start:.0f} s")
+        elif args.size is not None:
+            print("--size applies only with --rerun.", file=sys.stderr)
             return 2
-        start = time.perf_counter()
-        rerun(args.rerun, root, size=args.size)
-        print(f"reran in {time.perf_counter() - start:.0f} s")
-    elif args.size is not None:
-        print("--size applies only with --rerun.", file=sys.stderr)
+        changed = render_files(root, check=args.check)
+    except ResultsFileError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    changed = render_files(root, check=args.check)
     if args.check:
         if changed:
             print("out of date: " + ", ".join(changed), file=sys.stderr)

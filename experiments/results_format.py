@@ -1,11 +1,10 @@
 """Formatting of the rendered result tables: numbers with a typographic minus, and the
 :class:`Context` a block renders from (the committed JSON, the manifest and the markup)."""
 
-import json
 import math
 from pathlib import Path
 
-from experiments.results_sources import RESULTS_DIR, SOURCES, read_manifest
+from experiments.results_sources import RESULTS_DIR, SOURCES, read_json, read_manifest
 
 __all__ = [
     "Context",
@@ -62,7 +61,10 @@ class Context:
                     f"{path} is missing; write it with "
                     f"`python -m experiments.render --rerun {self.source_of(file_name)}`."
                 )
-            self._cache[file_name] = json.loads(path.read_text(encoding="utf-8"))
+            fix = (
+                f"write it again with `pyro-mpt render-results --rerun {self.source_of(file_name)}`"
+            )
+            self._cache[file_name] = read_json(path, fix)
         return self._cache[file_name]
 
     @staticmethod

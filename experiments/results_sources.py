@@ -16,9 +16,11 @@ __all__ = [
     "DOCUMENTS",
     "MANIFEST",
     "RESULTS_DIR",
+    "ResultsFileError",
     "SIZE_FLAGS",
     "SOURCES",
     "command",
+    "read_json",
     "read_manifest",
     "record",
     "repository_root",
@@ -179,11 +181,29 @@ def _cpu_name():
     return platform.processor() or None
 
 
+class ResultsFileError(ValueError):
+    """A file under ``docs/results/`` is not valid JSON; the message names it and the command
+    that writes it again."""
+
+
+def read_json(path, fix):
+    """The JSON in ``path``; a :class:`ResultsFileError` naming ``path`` and ``fix`` (what
+    writes it again) if it cannot be decoded, rather than a decoder error without the file."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ResultsFileError(f"{path} is not valid JSON ({error}); {fix}.") from error
+
+
 def read_manifest(root):
     path = Path(root) / RESULTS_DIR / MANIFEST
     if not path.exists():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    fix = (
+        "write it again with `pyro-mpt render-results --rerun` (each source records its "
+        "entry), or restore the committed copy"
+    )
+    return read_json(path, fix)
 
 
 def write_text(path, text):

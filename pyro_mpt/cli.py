@@ -23,12 +23,13 @@ and ``pyro_mpt/``. Without one they stop with status 2 and say how to get a clon
 """
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 __all__ = ["build_parser", "main"]
@@ -269,9 +270,38 @@ def _check_reproduce_args(parser, args):
         parser.error(f"unknown experiment {args.name!r}; choose one of: {known}.{hint}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch reports no CUDA device here; use --device cpu")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out {args.out!r} exists and is not a folder")
+    _check_out(parser, args.out)
     _check_requirements(args.name)
+
+
+def _check_out(parser, out):
+    """Exits with status 2 unless the output folder ``out`` exists or can be created, and a
+    file can be written into it: checked before the experiment runs, whose results would
+    otherwise be lost at its end. Folders made for the check are removed again, so that a
+    failing call creates nothing (the experiment makes the folder when it saves)."""
+    fix = "choose a folder that can be created and written, e.g. --out results"
+    missing = []
+    existing = Path(out)
+    while not existing.exists():  # False below a file too; '.' and '/' exist
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        parser.error(f"--out {out!r}: {str(existing)!r} is a file, not a folder; {fix}")
+    created = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        where = f" ({error.filename})" if error.filename else ""
+        parser.error(f"--out {out!r} cannot be created or written: {reason}{where}; {fix}")
+    finally:
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _reproduce(parser, args):

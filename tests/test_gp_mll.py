@@ -1,10 +1,13 @@
 """``MaskedPredictiveLogLikelihood`` against GPyTorch's exact objectives and refits."""
 
 import math
+import warnings
 
 import gpytorch
 import pytest
 import torch
+from linear_operator.utils.errors import NotPSDError
+from linear_operator.utils.warnings import NumericalWarning
 
 from pyro_mpt.gp import MaskedPredictiveLogLikelihood
 from pyro_mpt.ops.gaussian import normal_log_prob
@@ -226,3 +229,58 @@ def test_bad_call_arguments_are_rejected():
         mll(torch.distributions.Normal(y, 1.0), y)
     with pytest.raises(ValueError, match=r"mask must be a boolean tensor of shape \(7,\)"):
         mll.masked_log_prob(model(x), y, torch.ones(7))
+
+
+def _tiny_noise_problem(dtype):
+    """200 points, a smooth kernel and noise 1e-6: in float32 the kernel matrix is not
+    positive definite after rounding (``ExactMarginalLogLikelihood`` adds jitter to it)."""
+    x = torch.linspace(0, 1, 200, dtype=dtype).unsqueeze(-1)
+    y = torch.sin(6 * x.squeeze(-1))
+    constraint = gpytorch.constraints.GreaterThan(1e-9)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=constraint).to(dtype)
+    likelihood.noise = 1e-6
+    model = _GP(x, y, likelihood).to(dtype)
+    model.covar_module.base_kernel.lengthscale = 0.3
+    model.covar_module.outputscale = 1.0
+    model.train()
+    return x, y, likelihood, model
+
+
+def test_float32_with_tiny_noise_adds_jitter_and_warns_as_gpytorch_does():
+    mask = torch.zeros(200, dtype=torch.bool)
+    mask[torch.randperm(200, generator=torch.Generator().manual_seed(0))[:20]] = True
+    x, y, likelihood, model = _tiny_noise_problem(torch.float32)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=0.1)
+    with pytest.warns(NumericalWarning, match="added jitter of 1.0e-06 to the diagonal"):
+        log_p = mll.masked_log_prob(model(x), y, mask)
+    with pytest.warns(NumericalWarning, match="added jitter"):
+        value = mll(model(x), y)
+    assert torch.isfinite(log_p).all() and torch.isfinite(value)
+    with pytest.warns(NumericalWarning, match="added jitter"):  # GPyTorch's own convention
+        _exact_mll(likelihood, model, x, y)
+    # float64 needs no jitter and gives the exact conditionals; float32 with jitter differs
+    # by its round-off only (the predictive variances are about 1e-6 here).
+    x, y, likelihood, model = _tiny_noise_problem(torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        exact = MaskedPredictiveLogLikelihood(likelihood, model).masked_log_prob(model(x), y, mask)
+    marginal = likelihood(model(x))
+    dense = dense_schur_log_conditionals(y, marginal.mean, marginal.covariance_matrix, mask)
+    # A dense inverse and a Cholesky factor differ by ~1e-3 nats at this conditioning (~1e8).
+    torch.testing.assert_close(exact, torch.stack(list(dense.values())), rtol=0, atol=5e-3)
+    assert (log_p.double() - exact).abs().max() < 0.5
+    assert exact.min() > 5  # nats: far from what scoring without the context would give
+
+
+def test_a_covariance_not_positive_definite_with_jitter_names_noise_dtype_and_fix():
+    x, y, likelihood, model = _tiny_noise_problem(torch.float32)
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=0.1)
+    message = (
+        r"Matrix not positive definite after repeatedly adding jitter up to 1.0e-12\. The "
+        r"covariance of the 180 context outputs .*noise=1.0e-06, dtype torch.float32\) is "
+        r"not positive definite in this precision\. Train in float64.*GreaterThan\(1e-4\)"
+    )
+    tiny_jitter = gpytorch.settings.cholesky_jitter(float_value=1e-12)
+    with tiny_jitter, gpytorch.settings.cholesky_max_tries(1):
+        with pytest.warns(NumericalWarning), pytest.raises(NotPSDError, match=message):
+            mll(model(x), y)

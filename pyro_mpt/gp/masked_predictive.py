@@ -2,12 +2,14 @@
 
 import torch
 from gpytorch import settings
-from gpytorch.distributions import MultivariateNormal
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.errors import NotPSDError
 
-from pyro_mpt.ops.active_set import active_set_predictive, split_masks
+from pyro_mpt.ops.active_set import split_masks
 from pyro_mpt.ops.gaussian import normal_log_prob
 from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 
@@ -39,16 +41,67 @@ def _covariance_blocks(covariance, context, target):
 def _block(covariance, rows, cols):
     """``covariance[..., rows, :][..., :, cols]`` as a dense tensor.
 
-    A lazily evaluated kernel matrix is evaluated on the indexed inputs directly, which
-    skips the generic index bookkeeping of ``LinearOperator`` (it dominates small blocks).
+    A lazily evaluated kernel matrix with one output per input is evaluated on the indexed
+    inputs directly, which skips the generic index bookkeeping of ``LinearOperator`` (it
+    dominates small blocks); a multitask kernel's rows are (input, task) pairs, not inputs.
+    Another operator is read entry by entry (a Kronecker product from its factors).
     """
-    if isinstance(covariance, LazyEvaluatedKernelTensor):
+    if isinstance(covariance, LazyEvaluatedKernelTensor) and _one_output_per_input(covariance):
         x1 = covariance.x1[..., rows, :]
         x2 = covariance.x2[..., cols, :]
         with settings.lazily_evaluate_kernels(False):
             block = covariance.kernel(x1, x2, **covariance.params)
         return block.to_dense()
-    return covariance[..., rows, :][..., :, cols].to_dense()
+    return torch.as_tensor(covariance[..., rows.unsqueeze(-1), cols.unsqueeze(-2)])
+
+
+def _one_output_per_input(covariance):
+    kernel = covariance.kernel
+    return kernel.num_outputs_per_input(covariance.x1, covariance.x2) == 1
+
+
+def _stacked_positions(output):
+    """Where each target of ``output`` sits in its covariance matrix, targets flattened in
+    row-major order: the identity, except for a multitask output stored task by task
+    (``interleaved=False``), whose row-major entry ``(i, k)`` is at ``k n + i``."""
+    num_data = output.event_shape.numel()
+    positions = torch.arange(num_data, device=output.loc.device)
+    if isinstance(output, MultitaskMultivariateNormal) and not output._interleaved:
+        num_inputs, num_tasks = output.event_shape
+        positions = positions.reshape(num_tasks, num_inputs).T.reshape(-1)
+    return positions
+
+
+def _noise_text(likelihood):
+    """The likelihood's noise for an error message: its smallest value, or ``''``."""
+    for name in ("noise", "task_noises"):
+        try:
+            noise = getattr(likelihood, name)
+        except (AttributeError, RuntimeError):  # a multitask likelihood without global noise
+            continue
+        if torch.is_tensor(noise) and noise.numel():
+            return f"noise={noise.detach().min().item():.1e}, "
+    return ""
+
+
+def _predictive(context_cov, cross_cov, target_var, context_residual, context_valid):
+    """:func:`pyro_mpt.ops.active_set.active_set_predictive` with GPyTorch's Cholesky.
+
+    The context block is factorised by ``psd_safe_cholesky``, as ``ExactMarginalLogLikelihood``
+    factorises its kernel matrix: where rounding makes it indefinite (a tiny noise in float32)
+    it adds jitter to the diagonal (``gpytorch.settings.cholesky_jitter``, at most
+    ``cholesky_max_tries`` times) and warns with a ``NumericalWarning``.
+    """
+    valid = context_valid.to(context_cov.dtype)
+    pair = valid.unsqueeze(-1) * valid.unsqueeze(-2)
+    context_cov = context_cov * pair + torch.diag_embed(1 - valid)
+    cross_cov = cross_cov * valid.unsqueeze(-2)
+    context_residual = context_residual * valid
+    chol = psd_safe_cholesky(context_cov)
+    whitened = torch.linalg.solve_triangular(chol, cross_cov.transpose(-1, -2), upper=False)
+    weights = torch.linalg.solve_triangular(chol.transpose(-1, -2), whitened, upper=True)
+    mean_offset = torch.einsum("...rt,...r->...t", weights, context_residual)
+    return mean_offset, target_var - whitened.pow(2).sum(-2)
 
 
 class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
@@ -74,9 +127,24 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     Cholesky factor and ``O(M |R|)`` kernel entries instead of an ``N x N`` factor. Only the
     blocks a mask needs are read from the (lazy) kernel matrix.
 
+    **Multitask GPs.** With a ``MultitaskMultivariateNormal`` output (``n`` inputs, ``t``
+    tasks, targets of shape ``(..., n, t)`` as for ``ExactMarginalLogLikelihood``) the tokens
+    are the ``N = n t`` scalar outputs: a mask hides single (input, task) entries, each
+    scored given every output left visible, under the Gaussian over the stacked outputs in
+    GPyTorch's layout (interleaved or not). The estimate is again unbiased for
+    ``ExactMarginalLogLikelihood``, which divides by ``n t``. The likelihood
+    (``MultitaskGaussianLikelihood``) evaluates the ``n x n`` input kernel, so only the
+    Cholesky factor shrinks to ``|R| x |R|``.
+
+    **Numerics.** The context block is factorised as GPyTorch factorises its kernel matrix
+    (``psd_safe_cholesky``): where rounding makes it indefinite, e.g. a noise of ``1e-6`` in
+    float32, jitter is added to its diagonal with a ``NumericalWarning``
+    (``gpytorch.settings.cholesky_jitter``, ``cholesky_max_tries``); if that is not enough,
+    ``NotPSDError`` names the noise, the dtype and the fixes (float64, a noise constraint).
+
     :param likelihood: a Gaussian likelihood (``gpytorch.likelihoods.GaussianLikelihood`` or
-        another of GPyTorch's Gaussian likelihoods).
-    :param model: the exact GP (``gpytorch.models.ExactGP``).
+        another of GPyTorch's Gaussian likelihoods, ``MultitaskGaussianLikelihood`` included).
+    :param model: the exact GP (``gpytorch.models.ExactGP``), single- or multitask.
     :param rate: the mask-size schedule: ``"uniform"`` (unbiased), a float in ``(0, 1]`` (fixed
         rate; ``|R| = N - max(1, floor(rate N + 1/2))``) or a pair ``(lo, hi)``; see
         :func:`pyro_mpt.ops.masks.as_rate_schedule`.
@@ -131,54 +199,88 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
         return f"rate={self.schedule!r}, num_masks={self.num_masks}"
 
     def _check_inputs(self, function_dist, target):
+        """Checks ``target`` against the GP's event shape; returns the number of outputs."""
         if not isinstance(function_dist, MultivariateNormal):
             raise TypeError(
                 f"function_dist must be a gpytorch.distributions.MultivariateNormal (the "
                 f"output of an ExactGP), got {type(function_dist).__name__}."
             )
-        num_data = function_dist.event_shape.numel()
-        if target.shape[-1:] != function_dist.event_shape:
+        event_shape = function_dist.event_shape
+        num_data = event_shape.numel()
+        if target.shape[target.dim() - len(event_shape) :] == event_shape:
+            return num_data
+        if isinstance(function_dist, MultitaskMultivariateNormal):
+            num_inputs, num_tasks = event_shape
             raise ValueError(
-                f"target has shape {tuple(target.shape)} but the GP has {num_data} data "
-                f"points; pass one target per training input, shape (..., {num_data})."
+                f"target has shape {tuple(target.shape)} but the multitask GP has "
+                f"{num_inputs} inputs and {num_tasks} tasks; pass one row of task targets per "
+                f"training input, shape (..., {num_inputs}, {num_tasks}), as for "
+                f"ExactMarginalLogLikelihood."
             )
-        return num_data
+        raise ValueError(
+            f"target has shape {tuple(target.shape)} but the GP has {num_data} data "
+            f"points; pass one target per training input, shape (..., {num_data})."
+        )
 
     def masked_log_prob(self, function_dist, target, mask, *params, **kwargs):
-        """``log p(y_j | y_R)`` of every masked training point ``j`` given the others.
+        """``log p(y_j | y_R)`` of every masked training output ``j`` given the others.
 
         :param ~gpytorch.distributions.MultivariateNormal function_dist: the GP prior at the
             training inputs.
-        :param torch.Tensor target: training targets, shape ``batch_shape + (N,)``.
-        :param torch.Tensor mask: boolean, shape ``(N,)``, ``True`` at the held-out points.
-        :returns: a tensor of shape ``batch_shape + (M,)``, the masked points in index order.
+        :param torch.Tensor target: training targets, shape ``batch_shape + (N,)``, or
+            ``batch_shape + (n, t)`` for a multitask GP.
+        :param torch.Tensor mask: boolean, of the GP's event shape (``(N,)`` or ``(n, t)``),
+            ``True`` at the held-out outputs.
+        :returns: a tensor of shape ``batch_shape + (M,)``, the masked outputs in row-major
+            order of ``mask`` (the order of ``mask.nonzero()``).
         """
         num_data = self._check_inputs(function_dist, target)
-        if mask.shape != (num_data,) or mask.dtype != torch.bool:
+        event_shape = function_dist.event_shape
+        if mask.shape != event_shape or mask.dtype != torch.bool:
             raise ValueError(
-                f"mask must be a boolean tensor of shape ({num_data},), got shape "
-                f"{tuple(mask.shape)} and dtype {mask.dtype}."
+                f"mask must be a boolean tensor of shape {tuple(event_shape)} (the GP's event "
+                f"shape), got shape {tuple(mask.shape)} and dtype {mask.dtype}."
             )
         output = self.likelihood(function_dist, *params, **kwargs)
-        return self._masked_log_prob(output, target, mask)
+        return self._masked_log_prob(output, target, mask.reshape(num_data))
 
     def _masked_log_prob(self, output, target, mask):
-        mean, covariance = output.mean, output.lazy_covariance_matrix
+        """``mask`` is over the ``N`` outputs flattened in row-major order, as is the result."""
+        num_data = mask.shape[-1]
+        batch_shape = output.batch_shape
+        # A multitask output's (n, t) mean and targets are flattened row by row, and its
+        # covariance read at the matching (interleaved or task-major) positions.
+        mean = output.mean.reshape(batch_shape + (num_data,))
+        target = target.reshape(target.shape[: target.dim() - len(output.event_shape)] + (-1,))
+        positions = _stacked_positions(output)
         active = split_masks(mask)
         context, targets = active.context_index, active.target_index
-        context_cov, cross_cov, target_var = _covariance_blocks(covariance, context, targets)
-        residual = (target - mean)[..., context]
-        mean_offset, var = active_set_predictive(
-            context_cov, cross_cov, target_var, residual, active.context_valid
+        context_cov, cross_cov, target_var = _covariance_blocks(
+            output.lazy_covariance_matrix, positions[context], positions[targets]
         )
+        residual = (target - mean)[..., context]
+        try:
+            mean_offset, var = _predictive(
+                context_cov, cross_cov, target_var, residual, active.context_valid
+            )
+        except NotPSDError as error:
+            raise NotPSDError(
+                f"{error} The covariance of the {context.shape[-1]} context outputs (the "
+                f"kernel matrix plus the likelihood's noise; {_noise_text(self.likelihood)}"
+                f"dtype {context_cov.dtype}) is not positive definite in this precision. "
+                f"Train in float64 (model.double(), likelihood.double() and float64 inputs "
+                f"and targets), or bound the noise away from zero, e.g. "
+                f"GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-4))."
+            ) from error
         return normal_log_prob(target[..., targets], mean[..., targets] + mean_offset, var)
 
     def forward(self, function_dist, target, *params, **kwargs):
-        """The estimate, shape ``batch_shape`` of the GP, divided by the number of data points.
+        """The estimate, shape ``batch_shape`` of the GP, divided by the number of outputs.
 
         :param ~gpytorch.distributions.MultivariateNormal function_dist: the GP prior at the
             training inputs (the output of the ``ExactGP`` in training mode).
-        :param torch.Tensor target: the training targets, shape ``batch_shape + (N,)``.
+        :param torch.Tensor target: the training targets, shape ``batch_shape + (N,)``, or
+            ``batch_shape + (n, t)`` for a multitask GP (``N = n t`` outputs).
         """
         num_data = self._check_inputs(function_dist, target)
         output = self.likelihood(function_dist, *params, **kwargs)
