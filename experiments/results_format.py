@@ -4,7 +4,13 @@
 import math
 from pathlib import Path
 
-from experiments.results_sources import RESULTS_DIR, SOURCES, read_json, read_manifest
+from experiments.results_sources import (
+    RESULTS_DIR,
+    SOURCES,
+    ResultsFileError,
+    read_json,
+    read_manifest,
+)
 
 __all__ = [
     "Context",
@@ -54,17 +60,14 @@ class Context:
         self._cache = {}
 
     def json(self, file_name):
+        """The committed JSON file ``file_name``; a :class:`ResultsFileError` naming it and
+        the command that writes it if it is missing or cannot be decoded."""
         if file_name not in self._cache:
             path = self.root / RESULTS_DIR / file_name
+            rerun = f"`pyro-mpt render-results --rerun {self.source_of(file_name)}`"
             if not path.exists():
-                raise FileNotFoundError(
-                    f"{path} is missing; write it with "
-                    f"`python -m experiments.render --rerun {self.source_of(file_name)}`."
-                )
-            fix = (
-                f"write it again with `pyro-mpt render-results --rerun {self.source_of(file_name)}`"
-            )
-            self._cache[file_name] = read_json(path, fix)
+                raise ResultsFileError(f"{path} is missing; write it with {rerun}.")
+            self._cache[file_name] = read_json(path, f"write it again with {rerun}")
         return self._cache[file_name]
 
     @staticmethod

@@ -182,8 +182,8 @@ def _cpu_name():
 
 
 class ResultsFileError(ValueError):
-    """A file under ``docs/results/`` is not valid JSON; the message names it and the command
-    that writes it again."""
+    """A file under ``docs/results/`` is missing or not valid JSON; the message names it and
+    the command that writes it, so that the command line prints one line, not a traceback."""
 
 
 def read_json(path, fix):

@@ -9,7 +9,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.errors import NotPSDError
 
-from pyro_mpt.ops.active_set import split_masks
+from pyro_mpt.ops.active_set import active_set_predictive, split_masks
 from pyro_mpt.ops.gaussian import normal_log_prob
 from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 
@@ -82,26 +82,6 @@ def _noise_text(likelihood):
         if torch.is_tensor(noise) and noise.numel():
             return f"noise={noise.detach().min().item():.1e}, "
     return ""
-
-
-def _predictive(context_cov, cross_cov, target_var, context_residual, context_valid):
-    """:func:`pyro_mpt.ops.active_set.active_set_predictive` with GPyTorch's Cholesky.
-
-    The context block is factorised by ``psd_safe_cholesky``, as ``ExactMarginalLogLikelihood``
-    factorises its kernel matrix: where rounding makes it indefinite (a tiny noise in float32)
-    it adds jitter to the diagonal (``gpytorch.settings.cholesky_jitter``, at most
-    ``cholesky_max_tries`` times) and warns with a ``NumericalWarning``.
-    """
-    valid = context_valid.to(context_cov.dtype)
-    pair = valid.unsqueeze(-1) * valid.unsqueeze(-2)
-    context_cov = context_cov * pair + torch.diag_embed(1 - valid)
-    cross_cov = cross_cov * valid.unsqueeze(-2)
-    context_residual = context_residual * valid
-    chol = psd_safe_cholesky(context_cov)
-    whitened = torch.linalg.solve_triangular(chol, cross_cov.transpose(-1, -2), upper=False)
-    weights = torch.linalg.solve_triangular(chol.transpose(-1, -2), whitened, upper=True)
-    mean_offset = torch.einsum("...rt,...r->...t", weights, context_residual)
-    return mean_offset, target_var - whitened.pow(2).sum(-2)
 
 
 class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
@@ -260,8 +240,17 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
         )
         residual = (target - mean)[..., context]
         try:
-            mean_offset, var = _predictive(
-                context_cov, cross_cov, target_var, residual, active.context_valid
+            # psd_safe_cholesky factorises the context block as ExactMarginalLogLikelihood
+            # factorises its kernel matrix: where rounding makes it indefinite (a tiny noise
+            # in float32) it adds jitter to the diagonal (gpytorch.settings.cholesky_jitter,
+            # at most cholesky_max_tries times) and warns with a NumericalWarning.
+            mean_offset, var = active_set_predictive(
+                context_cov,
+                cross_cov,
+                target_var,
+                residual,
+                active.context_valid,
+                cholesky=psd_safe_cholesky,
             )
         except NotPSDError as error:
             raise NotPSDError(

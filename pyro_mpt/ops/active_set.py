@@ -92,7 +92,9 @@ def gather_blocks(covariance, rows, cols):
     return covariance[(*index, rows.unsqueeze(-1), cols.unsqueeze(-2))]
 
 
-def active_set_predictive(context_cov, cross_cov, target_var, context_residual, context_valid):
+def active_set_predictive(
+    context_cov, cross_cov, target_var, context_residual, context_valid, cholesky=None
+):
     """Predictive means (as offsets) and variances of the targets given an active set.
 
     .. math::
@@ -107,6 +109,9 @@ def active_set_predictive(context_cov, cross_cov, target_var, context_residual, 
     :param torch.Tensor context_residual: ``x_R - mu_R``, shape ``batch + (R,)``.
     :param torch.Tensor context_valid: bool ``batch + (R,)``; padded slots are replaced by an
         identity block and a zero residual.
+    :param callable cholesky: factorises ``Sigma_RR`` into its lower Cholesky factor;
+        ``torch.linalg.cholesky`` unless given, e.g. a factorisation that adds jitter where
+        rounding makes the block indefinite.
     :returns: ``(mean_offset, var)``, each ``batch + (T,)``; add ``mu_T`` to the mean.
     """
     valid = context_valid.to(context_cov.dtype)
@@ -115,7 +120,7 @@ def active_set_predictive(context_cov, cross_cov, target_var, context_residual, 
     context_cov = context_cov * pair + padding
     cross_cov = cross_cov * valid.unsqueeze(-2)
     context_residual = context_residual * valid
-    chol = torch.linalg.cholesky(context_cov)
+    chol = (torch.linalg.cholesky if cholesky is None else cholesky)(context_cov)
     # whitened[..., :, t] = L^{-1} Sigma_{R t}; the variance reduction is its squared norm.
     whitened = torch.linalg.solve_triangular(chol, cross_cov.transpose(-1, -2), upper=False)
     # Sigma_RR^{-1} Sigma_RT depends on the covariance only, so residuals with more batch

@@ -1,6 +1,6 @@
-"""Padding lists of tokenized examples into a batch of tensors, without a tokenizer call per
-batch (``tokenizer.pad`` converts every example one by one, which dominates a collator's
-cost)."""
+"""Tokenized inputs: reading a tokenizer's output into its ids and attention mask, and padding
+lists of tokenized examples into a batch of tensors without a tokenizer call per batch
+(``tokenizer.pad`` converts every example one by one, which dominates a collator's cost)."""
 
 import numbers
 
@@ -10,6 +10,27 @@ __all__ = []
 
 #: Feature -> value that pads it; features not listed pad with 0.
 _PAD_VALUES = {"attention_mask": 0, "special_tokens_mask": 1, "word_ids": -1, "labels": -100}
+
+
+def read_encoding(value, attention_mask, name):
+    """``(input_ids, attention_mask)`` of ``value`` when it is a tokenizer's output (a
+    ``BatchEncoding`` or any mapping with ``input_ids``), else ``(value, attention_mask)``.
+
+    A given ``attention_mask`` wins over the mapping's. The functions that take tokenized
+    sequences read them here, so that they accept the same forms and refuse a mapping without
+    ``input_ids`` with the same message, naming their own argument ``name``.
+    """
+    if not hasattr(value, "keys"):
+        return value, attention_mask
+    if "input_ids" not in value:
+        raise ValueError(
+            f"{name} is a mapping with keys {sorted(value.keys(), key=str)}, but {name} must "
+            "hold 'input_ids'; pass a tokenizer's output, e.g. tokenizer(texts, padding=True, "
+            "return_tensors='pt')."
+        )
+    if attention_mask is None and "attention_mask" in value:
+        attention_mask = value["attention_mask"]
+    return value["input_ids"], attention_mask
 
 
 def _as_list(value):

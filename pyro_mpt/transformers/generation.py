@@ -20,7 +20,7 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.progress import progress_bar
-from pyro_mpt.transformers._padding import pad_examples
+from pyro_mpt.transformers._padding import pad_examples, read_encoding
 from pyro_mpt.transformers.mlm_curve import _attended_rows, _check_token_ids, _model_limits
 from pyro_mpt.transformers.mlm_sampling_steps import (
     TokenConditionals,
@@ -123,15 +123,7 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
             )
         ids = torch.tensor([row] * num_sequences, dtype=torch.long)
         return ids.to(device), torch.ones_like(ids).to(device)
-    if hasattr(input_ids, "keys"):  # a tokenizer's output: its ids and attention mask
-        if "input_ids" not in input_ids:
-            raise ValueError(
-                f"input_ids is a mapping with keys {sorted(input_ids.keys())} and no "
-                "'input_ids'; pass tokenizer(texts, padding=True, return_tensors='pt')."
-            )
-        if attention_mask is None:
-            attention_mask = input_ids.get("attention_mask")
-        input_ids = input_ids["input_ids"]
+    input_ids, attention_mask = read_encoding(input_ids, attention_mask, "input_ids")
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() not in (1, 2):
             raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")

@@ -9,7 +9,7 @@ from pyro_mpt.diagnostics.coherence import OrderingLogLikelihoods
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import prefix_masks, random_orderings
 from pyro_mpt.progress import progress_bar
-from pyro_mpt.transformers._padding import pad_examples
+from pyro_mpt.transformers._padding import pad_examples, read_encoding
 from pyro_mpt.transformers.generation import content_positions, default_attention
 from pyro_mpt.transformers.mlm_curve import (
     _attended_rows,
@@ -62,15 +62,7 @@ def _truncated_rows(tokenizer, ids, attention, max_length):
 def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
     """``(input_ids, attention_mask)``, long ``(B, L)`` on the CPU, from the accepted forms;
     padding (attention 0, or the padding token) at the start of a row is moved to its end."""
-    if hasattr(sequences, "keys"):  # a tokenizer's BatchEncoding or a dict of tensors
-        if "input_ids" not in sequences:
-            raise ValueError(
-                f"sequences must hold 'input_ids', got keys {sorted(sequences.keys())}; pass "
-                "tokenizer(texts, padding=True, return_tensors='pt')."
-            )
-        if attention_mask is None:
-            attention_mask = sequences.get("attention_mask")
-        sequences = sequences["input_ids"]
+    sequences, attention_mask = read_encoding(sequences, attention_mask, "sequences")
     if isinstance(sequences, torch.Tensor):
         if sequences.dim() not in (1, 2) or sequences.is_floating_point():
             raise ValueError(

@@ -11,6 +11,7 @@ from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rat
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.transformers._padding import read_encoding
 from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
 
 __all__ = ["mlm_mpt_curve"]
@@ -32,12 +33,7 @@ def _unpadded(tokenizer, texts):
     ids with the positions the mask leaves out dropped; other inputs unchanged."""
     if not isinstance(texts, Mapping):
         return texts
-    if "input_ids" not in texts:
-        raise ValueError(
-            f"texts is a mapping with keys {list(texts)} and no 'input_ids'; pass a "
-            f"tokenizer's output (tokenizer(texts)), or the texts themselves."
-        )
-    rows, attention = texts["input_ids"], texts.get("attention_mask")
+    rows, attention = read_encoding(texts, None, "texts")
     if _is_one_sequence(rows):
         raise ValueError(
             "texts['input_ids'] is one sequence of token ids (a tokenizer's output for one "
