@@ -112,14 +112,16 @@ def unsupported_prior_error(name, fn):
     inner = getattr(fn, "base_dist", None)
     of = f" (a transform of {type(inner).__name__})" if inner is not None else ""
     fix = (
-        "sum the discrete latent out in the model (e.g. a MixtureSameFamily likelihood)."
+        "write it as a Categorical or Bernoulli site of finitely many values, which "
+        "quadrature sums over every value."
         if fn.support.is_discrete
         else "reparameterise the site as a transform of a Normal."
     )
     return NotApplicableError(
         f"Latent site {name!r} has a {type(fn).__name__} prior{of}; integrating the latents "
         f"numerically or exactly needs Normal, MultivariateNormal or LogNormal-type "
-        f"(transformed normal) priors. Use conditionals='importance' with a guide that samples "
+        f"(transformed normal) priors, or discrete ones of finitely many values with scalar "
+        f"events. Use conditionals='importance' with a guide that samples "
         f"{name!r}, or {fix}"
     )
 

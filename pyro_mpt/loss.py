@@ -141,8 +141,8 @@ class MPTLoss(ELBO):
         ``dict(step, strategy, mean_gap, compared_with)``, the gap in nats of ``log p(x)``
         per observation against the ``"finer"`` rule (1.5 times the nodes per dimension).
         Where no finer rule fits (more than 200 nodes per dimension, or more memory than is
-        allowed), a rule given by the user is compared with a ``"coarser"`` one (two thirds
-        of the nodes) instead, and ``auto``'s choice gives None. Past
+        allowed), the rule is compared with a ``"coarser"`` one (two thirds of the nodes)
+        instead. Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
         again, and a rule given by the user warns
         (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
@@ -358,16 +358,11 @@ class MPTLoss(ELBO):
             same subsample. The random state after the check is the one it found.
         """
         after = RandomState()
-        if strategy is self.conditionals:
-            # A rule given by the user that cannot be refined is compared with a coarser one,
-            # as the package's functions compare it.
-            gap, compared_with = strategy.checked_gap(
-                prepared, *call, structure=structure, restore=before.restore
-            )
-        else:
-            before.restore()
-            gap = strategy.refinement_gap(prepared, *call, structure=structure)
-            compared_with = "finer"
+        # A rule that cannot be refined (at MAX_POINTS) is compared with a coarser one, as
+        # the package's functions compare it: a rule auto chose at that limit is checked too.
+        gap, compared_with = strategy.checked_gap(
+            prepared, *call, structure=structure, restore=before.restore
+        )
         after.restore()
         if gap is None:  # a strategy with no such measure
             return prepared

@@ -160,3 +160,56 @@ def test_auto_refines_until_every_observation_converges_or_says_how_far_one_is()
     # The rule with 30 nodes, which nine in ten observations agree on, is far off for it.
     coarse = log_marginal(model, x, conditionals=Quadrature(30), check_rule=False)
     assert float((coarse - reference).abs()[0]) > 3.0
+
+
+def test_a_rule_chosen_at_the_node_limit_is_still_checked_as_training_goes_on():
+    """A rule that auto chose with more than 133 nodes per dimension has no finer rule
+    under MAX_POINTS: its checks compare it with a coarser one, and when the model has
+    moved to where it is coarse, auto searches again and warns with the figure (the loss
+    is then 1.1 nats off the grid, 0.83 at the worst observation, past auto's limits)."""
+    import math
+    import warnings
+
+    import pytest
+
+    from pyro_mpt.errors import QuadratureAccuracyWarning
+
+    weight = torch.tensor([0.416, -0.103, 0.456, 0.304, 0.177, -0.322], dtype=torch.float64)
+    bias = torch.tensor([0.459, 2.527, 0.208, -0.724, -0.646, 1.571], dtype=torch.float64)
+    bend = torch.tensor([-0.25, -0.763, 0.583, 0.709, 0.601, -0.575], dtype=torch.float64)
+    counts = [[1, 3, 1, 2, 1, 1], [1, 2, 4, 3, 7, 3], [3, 2, 16, 8, 4, 0], [1, 5, 3, 0, 0, 0],
+              [1, 4, 1, 2, 1, 1], [3, 4, 5, 2, 0, 1], [2, 2, 7, 2, 2, 1], [2, 15, 0, 0, 0, 10],
+              [1, 19, 0, 0, 0, 8], [0, 0, 3, 2, 3, 1], [0, 1, 9, 11, 5, 1], [1, 1, 1, 0, 1, 4],
+              [0, 1, 25, 8, 6, 1], [2, 1, 31, 21, 9, 0], [0, 1, 6, 0, 3, 2], [0, 2, 8, 3, 6, 0],
+              [0, 6, 3, 0, 0, 2], [1, 3, 0, 3, 0, 0], [1, 2, 23, 5, 4, 1], [1, 2, 8, 5, 6, 1],
+              [2, 12, 1, 1, 0, 4], [2, 2, 8, 1, 3, 2], [0, 1, 7, 1, 4, 1], [4, 7, 0, 0, 0, 6],
+              [0, 3, 3, 2, 1, 5], [0, 0, 2, 6, 3, 2], [0, 13, 1, 0, 1, 3], [2, 3, 3, 4, 1, 2],
+              [0, 0, 5, 4, 6, 0], [2, 2, 5, 2, 0, 2]]  # fmt: skip
+    x = torch.tensor(counts, dtype=torch.float64)
+    strength = {"s": 0.15}  # how strongly the latent acts: moved by hand below
+
+    def model(x):
+        s = strength["s"]
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0)).unsqueeze(-1)
+            rate = torch.exp(bias + s * weight * z + s * bend * z**2)
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    def grid_loss():
+        s, z = strength["s"], torch.linspace(-12, 12, 40001, dtype=torch.float64)
+        rate = torch.exp(bias + s * weight * z[:, None, None] + s * bend * z[:, None, None] ** 2)
+        log_lik = dist.Poisson(rate).log_prob(x).sum(-1)
+        log_prior = dist.Normal(0.0, 1.0).log_prob(z) + math.log(24 / 40000)
+        return -float(torch.logsumexp(log_lik + log_prior[:, None], 0).sum())
+
+    loss = MPTLoss(num_masks="all", conditionals="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QuadratureAccuracyWarning)
+        loss.loss(model, None, x)
+    assert loss.conditionals.chosen.num_points > 133
+    strength["s"] = 1.0
+    with pytest.warns(QuadratureAccuracyWarning, match="two thirds of its nodes"):
+        value = loss.loss(model, None, x)  # the 2nd call: a check
+    assert loss.rule_check["compared_with"] == "coarser"
+    assert loss.rule_check["worst_gap"] > 0.1
+    assert abs(value - grid_loss()) > 0.5  # the rule is that far off: the warning is due

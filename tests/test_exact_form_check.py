@@ -17,11 +17,12 @@ WEIGHT = torch.tensor([[1.0], [-0.5], [0.8]])
 
 
 def _model(x):
-    # Linear in z while ``bend`` is 0; bent by tanh(3 z) once it is not.
+    # Linear in z while ``bend`` is 0, and so is its derivative in ``bend`` (the form's
+    # gradient is right there); bent by tanh(3 z) once it is not.
     bend = pyro.param("bend", lambda: torch.zeros(3))
     with pyro.plate("data", x.shape[-2]):
         z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
-        loc = z @ WEIGHT.T + bend * torch.tanh(3 * z)
+        loc = z @ WEIGHT.T + bend**2 * torch.tanh(3 * z)
         pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
 
 
@@ -32,7 +33,7 @@ def _no_guide(x):
 def _grid_log_marginal(x, bend):
     """log p(x) of every row by a Riemann sum on 20001 points of [-8, 8]."""
     z = torch.linspace(-8, 8, 20001, dtype=torch.float64)[:, None]
-    loc = z @ WEIGHT.T.double() + bend.double() * torch.tanh(3 * z)
+    loc = z @ WEIGHT.T.double() + bend.double() ** 2 * torch.tanh(3 * z)
     log_joint = dist.Normal(loc[:, None], 0.5).log_prob(x.double()).sum(-1)
     log_joint = log_joint + dist.Normal(0.0, 1.0).log_prob(z)
     return torch.logsumexp(log_joint, 0) + math.log(16 / 20000)
@@ -129,3 +130,43 @@ def test_a_bend_between_fixed_points_meets_a_fresh_check_draw():
             assert "is not affine in the latent sites ['z']" in str(error)
             refused += 1
     assert refused >= 1
+
+
+def test_a_form_that_holds_only_at_the_present_parameters_is_refused_where_a_gradient_is_taken():
+    """``W z + c z**2`` at ``c = 0`` is affine in value, but the derivative of log p(x) in
+    ``c`` is not that of an affine model: exact conditionals gave the gradient in ``W`` for
+    it. Under a gradient, exact conditionals refuse it and auto integrates it by quadrature,
+    whose gradient matches that of the grid; without one, the value is exact and served."""
+    from pyro_mpt import log_marginal
+
+    generator = torch.Generator().manual_seed(11)
+    w0 = torch.randn(4, generator=generator, dtype=torch.float64)
+    b0 = torch.randn(4, generator=generator, dtype=torch.float64)
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64) + b0
+
+    def model(x):
+        c = pyro.param("c", lambda: torch.zeros(4, dtype=torch.float64))
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0)).unsqueeze(-1)
+            pyro.sample("x", dist.Normal(w0 * z + c * z**2 + b0, 0.6).to_event(1), obs=x)
+
+    def grid(c):
+        z = torch.linspace(-12, 12, 8001, dtype=torch.float64)[:, None, None]
+        log_lik = dist.Normal(w0 * z + c * z**2 + b0, 0.6).log_prob(x).sum(-1)
+        log_prior = dist.Normal(0.0, 1.0).log_prob(z[:, 0, 0]) + math.log(24 / 8000)
+        return torch.logsumexp(log_lik + log_prior[:, None], 0).sum()
+
+    c = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(grid(c), c)
+    pyro.clear_param_store()
+    pyro.param("c", torch.zeros(4, dtype=torch.float64))
+    with torch.no_grad():
+        value = log_marginal(model, x, conditionals="exact").sum()
+    assert abs(float(value) - float(grid(c))) < 1e-8
+    with pytest.raises(NotGaussianError, match="not near them"):
+        log_marginal(model, x, conditionals="exact")
+    unconstrained = pyro.param("c").unconstrained()
+    (gradient,) = torch.autograd.grad(
+        log_marginal(model, x, conditionals="auto").sum(), unconstrained
+    )
+    torch.testing.assert_close(gradient, expected, atol=5e-3, rtol=0)

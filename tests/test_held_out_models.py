@@ -716,22 +716,24 @@ def _discrete_mixture():
     return model, guide, x, torch.logsumexp(log_joint, 0)
 
 
+def test_discrete_latent_is_summed_over_its_values_by_auto_with_or_without_a_guide():
+    model, guide, x, reference = _discrete_mixture()
+    for given in (guide, None):
+        loss = MPTLoss(conditionals="auto")
+        loss.loss(model, given, x)
+        assert isinstance(loss.conditionals.chosen, Quadrature)
+        with torch.no_grad():
+            value = log_marginal(model, x, guide=given, conditionals="auto")
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=0.0)
+
+
 def test_discrete_latent_under_importance_matches_enumeration():
     model, guide, x, reference = _discrete_mixture()
-    loss = MPTLoss(conditionals="auto")
-    loss.loss(model, guide, x)
-    assert isinstance(loss.conditionals.chosen, ImportanceSampling)
     with torch.no_grad():
         value = log_marginal(
             model, x, conditionals=ImportanceSampling(num_samples=20000), guide=guide
         )
     torch.testing.assert_close(value, reference, atol=0.03, rtol=0.0)
-
-
-def test_discrete_latent_without_a_guide_is_refused_by_name():
-    model, _, x, _ = _discrete_mixture()
-    with pytest.raises(NotApplicableError, match=r"(?s)'c'.*Categorical.*importance"):
-        MPTLoss(conditionals="auto").loss(model, None, x)
 
 
 # --------------------------------------------------------------------------------------

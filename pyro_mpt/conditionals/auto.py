@@ -209,6 +209,9 @@ class Auto(Conditionals):
         if prepared is not None:
             return self._choose(self._strategy("exact"), key, model, "linear-Gaussian", prepared)
         best = self._best_rule(call)
+        if best is not None and best.prepared.latent_dim == 0:
+            reason = "exact: its discrete latents are summed over every value"
+            return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if best is not None and best.gap.worst < CONVERGENCE_TOL:
             reason = (
                 f"converged: 1.5 times its nodes change log p(x) by at most "
@@ -362,13 +365,17 @@ def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nestin
 
 def _refine(rule, prepared, call, state, key):
     dim = prepared.latent_dim
+    if dim == 0:  # discrete latents only: summed over every value, exactly
+        return _Rule(rule, prepared, RuleGap(0.0, 0.0))
+    # Each continuous node is repeated for every combination of discrete values.
+    combinations = prepared.log_prob_width // rule.num_points**dim
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // prepared.likelihood_entries_per_node)
     with torch.no_grad():
         log_marginal = prepared.log_marginal()
     gap = RuleGap(math.inf, math.inf)
     while True:
         num_points = math.ceil(1.5 * rule.num_points)
-        if num_points**dim > budget or num_points > MAX_POINTS:
+        if num_points**dim * combinations > budget or num_points > MAX_POINTS:
             return _Rule(rule, prepared, gap)
         finer = Quadrature(
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center

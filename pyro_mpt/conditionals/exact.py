@@ -33,6 +33,7 @@ from torch.distributions import LowRankMultivariateNormal, MultivariateNormal
 
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.ops.autograd_graph import gradients, leaf_tensors
 from pyro_mpt.ops.conditional_sampling import (
     dense_gaussian_block_sample,
     dense_gaussian_marginal_sample,
@@ -225,8 +226,11 @@ def extract_gaussian_form(model, args, kwargs, structure):
     # structure (the check reads the device); on later calls its outcome stays on the
     # device, for MPTLoss to read with the loss (GaussianSelfPredictive.pending_check).
     once = not is_validation_enabled() and not _EVERY_CALL.get()
-    if layout is None or layout not in _VERIFIED or not once:
+    first = layout is None or layout not in _VERIFIED
+    if first or not once:
         _verify_affine(form, locs, scales, checks)
+        if first or _EVERY_CALL.get():
+            _verify_derivatives(form, locs, scales, checks)
         if layout is not None:
             _VERIFIED.add(layout)
     else:
@@ -319,6 +323,46 @@ def _verify_affine(form, locs, scales, checks):
             f"The scale of observed site {observed.name!r} depends on the latent sites "
             f"{latents}; exact conditionals need a noise scale that does not. Use "
             f"conditionals='quadrature' or 'importance'."
+        )
+
+
+def _verify_derivatives(form, locs, scales, checks):
+    """Raises :class:`NotGaussianError` when the form holds at the parameters' values but
+    not near them, so that its gradient would be wrong: a loc with a nonlinear term whose
+    coefficient is 0 for now (``W z + c z**2`` at ``c = 0``, an output layer initialised at
+    zero) is affine in value, but its derivative in ``c`` is not. The departure of the locs
+    at the check points from the affine form's prediction, and of the scales from the
+    first, must have no derivative in any parameter: one backward pass over a random
+    combination of them, compared in size with that of the locs and scales themselves (a
+    form that holds everywhere departs by rounding only). Nothing to check where no
+    gradient is taken."""
+    if not (torch.is_grad_enabled() and (locs.requires_grad or scales.requires_grad)):
+        return
+    num_fitted = locs.shape[0] - checks.shape[0]
+    predicted = form.loc + torch.einsum("...dk,ck->c...d", form.weight, checks.to(locs.dtype))
+    departures = [locs[num_fitted:] - predicted, scales - scales[:1]]
+    values = [locs[num_fitted:], scales]
+    weights = [torch.randn(t.shape, generator=_CHECK_DRAWS).to(t) for t in values]
+    departure = sum((w * t).sum() for w, t in zip(weights, departures))
+    reference = sum((w * t).sum() for w, t in zip(weights, values))
+    params = [p for p in leaf_tensors(reference) if p.requires_grad]
+    if not params:
+        return
+    moved = gradients(departure, params, retain_graph=True)
+    scale = gradients(reference, params, retain_graph=True)
+
+    def size(grads):
+        return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+
+    tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
+    if size(moved) > tol * (size(scale) + 1):
+        observed, latents = form.observed, list(form.latent_names)
+        raise NotGaussianError(
+            f"The loc or scale of observed site {observed.name!r} is affine (constant) in the "
+            f"latent sites {latents} at the parameters' present values but not near them (a "
+            f"nonlinear term whose coefficient is 0 for now, e.g. a layer initialised at "
+            f"zero): exact conditionals would give the right value with a wrong gradient. "
+            f"Use conditionals='auto', 'quadrature' or 'importance'."
         )
 
 
@@ -436,5 +480,12 @@ class Exact(Conditionals):
             # The model's one run is the structure trace itself.
             structure = read_structure(model, args, kwargs, structure.max_plate_nesting)
             return GaussianSelfPredictive(no_latent_form(structure), factor_log_prob(structure))
+        discrete = [latent.name for latent in structure.latents if latent.num_values]
+        if discrete:
+            raise NotGaussianError(
+                f"Latent sites {discrete} are discrete; exact conditionals need Gaussian "
+                f"latents. Quadrature sums discrete latents over every value, exactly "
+                f"(conditionals='auto' or Quadrature())."
+            )
         form, extra_log_prob = extract_gaussian_form(model, args, kwargs, structure)
         return GaussianSelfPredictive(form, extra_log_prob)

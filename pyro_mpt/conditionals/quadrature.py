@@ -20,14 +20,19 @@ from pyro_mpt.errors import NotApplicableError, check_positive_int, joint_likeli
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
-from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
+from pyro_mpt.ops.quadrature_nodes import adapted_nodes, enumerated_nodes, gauss_hermite_grid
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
 from pyro_mpt.trace.guide_centres import whitened_guide
 from pyro_mpt.trace.remembered_structure import RememberedStructure
 from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
-from pyro_mpt.trace.whitened_latents import point_parameter, run_at_points
+from pyro_mpt.trace.whitened_latents import (
+    enumerated_log_prob,
+    point_parameter,
+    run_at_points,
+)
 
 __all__ = [
+    "MAX_ENUMERATED",
     "MAX_POINTS",
     "MEMORY_FRACTION",
     "BernoulliQuadratureSelfPredictive",
@@ -61,23 +66,27 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     :param extra_log_prob: the model's ``pyro.factor`` terms (see
         :class:`~pyro_mpt.conditionals.SelfPredictive`).
     :param torch.Tensor nodes: the whitened nodes, ``(G, K)`` shared by every observation
-        or ``(G,) + batch + (K,)`` placed per observation.
+        or ``(G,) + batch + (K,)`` placed per observation (the coordinates of discrete
+        latents hold indices of their values, see
+        :func:`~pyro_mpt.trace.whitened_latents.whiten`).
+    :param int latent_dim: how many of the ``K`` coordinates are continuous, integrated by
+        the rule's nodes rather than enumerated (all of them by default).
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
         ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
         draws the observations there; ``None`` for nodes that cannot serve draws (see
         :meth:`check_draws`).
     """
 
-    def __init__(self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at):
+    def __init__(
+        self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at, latent_dim=None
+    ):
         super().__init__(observed, scale, extra_log_prob)
         self.log_weights = log_weights
         self.nodes = nodes
         self.run_at = run_at
-
-    @property
-    def latent_dim(self):
-        """``K``, the total dimension of the latents the rule integrates over."""
-        return self.nodes.shape[-1]
+        # The dimension of the continuous latents, which the rule's nodes integrate over
+        # (discrete ones are summed over every value, exactly).
+        self.latent_dim = nodes.shape[-1] if latent_dim is None else latent_dim
 
     @property
     def log_prob_width(self):
@@ -169,10 +178,8 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
 class QuadratureSelfPredictive(QuadratureRuleSelfPredictive):
     """Conditionals from the per-feature log-likelihoods at every quadrature node."""
 
-    def __init__(
-        self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0, *, nodes, run_at
-    ):
-        super().__init__(observed, scale, log_weights, extra_log_prob, nodes=nodes, run_at=run_at)
+    def __init__(self, observed, scale, log_weights, log_likelihoods, extra_log_prob=0.0, **rule):
+        super().__init__(observed, scale, log_weights, extra_log_prob, **rule)
         self.log_likelihoods = log_likelihoods
 
     @property
@@ -208,11 +215,9 @@ class TabulatedQuadratureSelfPredictive(QuadratureRuleSelfPredictive):
         log_table,
         indicators,
         extra_log_prob=0.0,
-        *,
-        nodes,
-        run_at,
+        **rule,
     ):
-        super().__init__(observed, scale, log_weights, extra_log_prob, nodes=nodes, run_at=run_at)
+        super().__init__(observed, scale, log_weights, extra_log_prob, **rule)
         self.log_table = log_table
         self.indicators = indicators
 
@@ -236,11 +241,9 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
     ``(G, D)`` shared by every observation, by
     :func:`~pyro_mpt.ops.quadrature_bernoulli.bernoulli_log_conditionals`."""
 
-    def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0, *, nodes, run_at):
+    def __init__(self, observed, scale, log_weights, logits, extra_log_prob=0.0, **rule):
         # The table and indicators serve log_marginal only: built when it is called.
-        super().__init__(
-            observed, scale, log_weights, None, None, extra_log_prob, nodes=nodes, run_at=run_at
-        )
+        super().__init__(observed, scale, log_weights, None, None, extra_log_prob, **rule)
         self.logits = logits
 
     def log_prob(self, masks):
@@ -263,7 +266,7 @@ def _log_marginal_of(prepared, context):
     return prepared.log_marginal()
 
 
-def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None):
+def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None, latent_dim=None):
     """The :class:`SelfPredictive` of a model run at the nodes.
 
     :param run: the :class:`~pyro_mpt.trace.whitened_latents.PointsRun` at the nodes.
@@ -272,9 +275,11 @@ def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=Non
     :param callable run_at: ``run_at(points)``, the model run at whitened points, for draws.
     :param memory_check: if given, called as ``memory_check(num_nodes, dtype)`` before the
         log-likelihood of every observation at every node is formed (it may raise).
+    :param int latent_dim: how many coordinates of the nodes are continuous (all of them
+        by default; see :class:`QuadratureRuleSelfPredictive`).
     """
     observed, scale, fn, extra = run.observed, run.scale, run.fn, run.extra_log_prob
-    rule = dict(nodes=nodes, run_at=run_at)
+    rule = dict(nodes=nodes, run_at=run_at, latent_dim=latent_dim)
     if log_weights.dim() == 1:
         tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule)
         if tabulated is not None:
@@ -356,6 +361,9 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule):
 
 #: The most nodes per dimension: Gauss-Hermite weights underflow beyond a few hundred.
 MAX_POINTS = 200
+#: The most combinations of the discrete latents' values per observation that a rule sums
+#: over (each multiplies the continuous nodes).
+MAX_ENUMERATED = 4096
 #: The share of the memory available on the device that a run evaluating the likelihood of
 #: every observation at every node may need, by the estimate, unless ``max_memory_gb`` says.
 MEMORY_FRACTION = 0.5
@@ -419,9 +427,17 @@ class Quadrature(Conditionals):
         (the default): :data:`MEMORY_FRACTION` of the memory available on the data's device
         when the run starts.
 
-    .. note:: Latents must have ``Normal``, ``MultivariateNormal`` or transformed-normal
-        (e.g. ``LogNormal``) priors, possibly depending on other latents, and sit inside
-        the data plate. For larger latents use ``conditionals="importance"``.
+    Discrete latents of finitely many values with scalar events (``Categorical``,
+    ``Bernoulli``, ``Binomial``: a mixture's assignment) are summed over every value: each
+    node is repeated for every combination of their values (at most
+    :data:`MAX_ENUMERATED` per observation), weighted by their prior's probability at its
+    parents' values. A model whose latents are all discrete is thus integrated exactly,
+    whatever ``num_points``, and with no guide.
+
+    .. note:: Continuous latents must have ``Normal``, ``MultivariateNormal`` or
+        transformed-normal (e.g. ``LogNormal``) priors, discrete ones a finite support, possibly
+        depending on other latents, and all sit inside the data plate. For larger latents
+        use ``conditionals="importance"``.
 
     Example::
 
@@ -494,6 +510,8 @@ class Quadrature(Conditionals):
         at the limit, a sign that it is still moving, not a measure of its own error.
         ``context``, booleans ``batch + (D,)``: ``log p`` of those entries only (the ones a
         draw rests on), rather than of every observed entry."""
+        if prepared.latent_dim == 0:
+            return RuleGap(0.0, 0.0)  # discrete latents only: summed over every value, exactly
         num_points = max(1, math.ceil(factor * self.num_points))
         if num_points > MAX_POINTS:
             return RuleGap.unmeasured()
@@ -530,27 +548,34 @@ class Quadrature(Conditionals):
             plan = self._plan(structure)
             if layout is not None:
                 self._plans[layout] = plan
-        nodes, log_weights, memory_check = plan
+        nodes, log_weights, memory_check, latent_dim = plan
         if self.center == "guide":
             if guide is None:
                 raise NotApplicableError("quadrature with center='guide' needs a guide.")
             center, scale = whitened_guide(model, guide, args, kwargs, structure)
             nodes, log_weights = adapted_nodes(nodes, log_weights, center, scale)
         run = run_at_points(model, args, kwargs, structure, nodes, memory_check)
+        if latent_dim < nodes.shape[-1]:
+            # Each value of the discrete latents weighs as much as their prior gives it.
+            log_weights = _with_prior_of_values(log_weights, structure, run)
         # Draws run the model again at the nodes they pick, with the structure read here;
         # nodes placed by a guide that read the entries to draw serve none.
         run_at = None
         if self.center == "prior":
             run_at = functools.partial(run_at_points, model, args, kwargs, structure)
         # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
-        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check)
+        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check, latent_dim)
 
     def _plan(self, structure):
-        """What a structure's every call uses: the prior's nodes and log-weights and the
-        memory check of :meth:`_memory_check`, after checking that the rule applies.
+        """What a structure's every call uses: the prior's nodes and log-weights, the
+        memory check of :meth:`_memory_check` and the dimension of the continuous latents,
+        after checking that the rule applies. The coordinates of discrete latents are
+        enumerated (:func:`~pyro_mpt.ops.quadrature_nodes.enumerated_nodes`).
 
         :raises NotApplicableError: for a model without local latents, a likelihood that does
-            not factorise over features, or more than ``max_latent_dim`` latent dimensions.
+            not factorise over features, more than ``max_latent_dim`` continuous latent
+            dimensions, more than :data:`MAX_ENUMERATED` combinations of discrete values,
+            or discrete latents under ``center="guide"``.
         """
         observed = structure.observed
         if not structure.latents:
@@ -560,13 +585,30 @@ class Quadrature(Conditionals):
         base = unwrap_independent(structure.trace.nodes[observed.name]["fn"])
         if base.event_shape:
             raise joint_likelihood_error(observed.name, base, "quadrature")
-        latent_dim = structure.latent_dim
+        columns, num_values = _enumerated_coordinates(structure)
+        latent_dim = structure.latent_dim - len(columns)
         if latent_dim > self.max_latent_dim:
             raise NotApplicableError(
                 f"quadrature integrates over at most {self.max_latent_dim} latent dimensions "
                 f"({self.num_points}**K nodes) and the latent sites "
                 f"{list(structure.latent_names)} have K={latent_dim}. Use "
                 f"conditionals='importance' for larger latents."
+            )
+        num_combinations = math.prod(num_values)
+        if num_combinations > MAX_ENUMERATED:
+            discrete = [latent.name for latent in structure.latents if latent.num_values]
+            raise NotApplicableError(
+                f"quadrature sums the discrete latent sites {discrete} over every combination "
+                f"of their values, and they take {num_combinations} combinations per "
+                f"observation, more than MAX_ENUMERATED={MAX_ENUMERATED}. Use "
+                f"conditionals='importance' with a guide that samples them, or sum some of "
+                f"them out in the model (e.g. a MixtureSameFamily likelihood)."
+            )
+        if columns and self.center == "guide":
+            raise NotApplicableError(
+                "Quadrature(center='guide') places its nodes at the guide's Normal latents, "
+                "and the model has discrete latents, which are summed over their values. Use "
+                "Quadrature(center='prior')."
             )
         # Nodes follow the latents' dtype: observations may be integers (counts, classes).
         first = structure.trace.nodes[structure.latents[0].name]["value"]
@@ -575,9 +617,11 @@ class Quadrature(Conditionals):
         if grid is None:  # once per latent dimension, dtype and device
             grid = gauss_hermite_grid(self.num_points, *grid_key)
             self._grids[grid_key] = grid
-        return (*grid, self._memory_check(structure, latent_dim))
+        nodes, log_weights = enumerated_nodes(*grid, columns, num_values)
+        memory_check = self._memory_check(structure, latent_dim, num_combinations)
+        return nodes, log_weights, memory_check, latent_dim
 
-    def _memory_check(self, structure, latent_dim):
+    def _memory_check(self, structure, latent_dim, num_combinations=1):
         """A check, ``check(num_nodes, dtype)``, that raises before a run evaluates the
         likelihood of every observation at ``num_nodes`` nodes when its estimated memory is
         above the limit."""
@@ -601,7 +645,8 @@ class Quadrature(Conditionals):
                 )
             if needed <= limit:
                 return
-            fits = math.floor((limit / per_node) ** (1 / latent_dim) + 1e-9)
+            budget = limit / per_node / num_combinations
+            fits = math.floor(budget ** (1 / latent_dim) + 1e-9) if latent_dim else 0
             fewer = (
                 f"fewer nodes (num_points={min(fits, self.num_points - 1)} fits this batch)"
                 if fits >= 2
@@ -620,6 +665,30 @@ class Quadrature(Conditionals):
             )
 
         return check
+
+
+def _enumerated_coordinates(structure):
+    """The positions, among the latents' ``K`` coordinates, of those of discrete latents,
+    and how many values each takes: ``(columns, num_values)``."""
+    columns, num_values, offset = [], [], 0
+    for latent in structure.latents:
+        if latent.num_values is not None:
+            columns += range(offset, offset + latent.size)
+            num_values += [latent.num_values] * latent.size
+        offset += latent.size
+    return columns, num_values
+
+
+def _with_prior_of_values(log_weights, structure, run):
+    """The rule's log-weights plus the log-probability of the discrete latents' values at
+    each node (:func:`~pyro_mpt.trace.whitened_latents.enumerated_log_prob`): ``(G,)`` when
+    it is the same for every observation, else ``(G,) + batch``."""
+    prior = enumerated_log_prob(structure, run.trace)
+    if all(size == 1 for size in prior.shape[1:]):
+        return log_weights + prior.reshape(prior.shape[:1])
+    batch = structure.observed.batch_shape
+    log_weights = log_weights.reshape(log_weights.shape + (1,) * len(batch))
+    return (log_weights + prior).expand((prior.shape[0],) + batch)
 
 
 def _available_memory(device):

@@ -6,12 +6,13 @@ tensors it was built from. This module is pure tensor code: no Pyro effects.
 
 import torch
 
-__all__ = ["gradients", "leaves", "reaches", "with_zero_gradients"]
+__all__ = ["gradients", "leaf_tensors", "leaves", "reaches", "with_zero_gradients"]
 
 
-def leaves(loss):
-    """The ``id`` s of the leaf tensors that ``loss``'s autograd graph was built from."""
-    found, stack, seen = set(), [loss.grad_fn], set()
+def leaf_tensors(loss):
+    """The leaf tensors that ``loss``'s autograd graph was built from (those that require a
+    gradient), each once."""
+    found, stack, seen = {}, [loss.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -19,9 +20,14 @@ def leaves(loss):
         seen.add(id(node))
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if variable is not None:
-            found.add(id(variable))
+            found[id(variable)] = variable
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return list(found.values())
+
+
+def leaves(loss):
+    """The ``id`` s of the leaf tensors that ``loss``'s autograd graph was built from."""
+    return {id(leaf) for leaf in leaf_tensors(loss)}
 
 
 def reaches(loss, params):

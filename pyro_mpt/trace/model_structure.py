@@ -31,6 +31,7 @@ __all__ = [
     "LatentSite",
     "ModelStructure",
     "PointLayout",
+    "enumerable_values",
     "latent_names_in",
     "observed_in_run",
     "read_structure",
@@ -44,11 +45,16 @@ class LatentSite(NamedTuple):
     :ivar str name: the site's name.
     :ivar int size: how many scalar coordinates it has per observation.
     :ivar int num_batch_dims: how many leading dims of its value index observations.
+    :ivar num_values: for a discrete latent whose every coordinate takes one of finitely
+        many values (``Categorical``, ``Bernoulli``, ``Binomial``: an enumerable support
+        and scalar events), how many; None otherwise. Quadrature sums such a latent out
+        exactly, over every value.
     """
 
     name: str
     size: int
     num_batch_dims: int
+    num_values: int | None = None
 
 
 class ModelStructure(NamedTuple):
@@ -93,6 +99,18 @@ class PointLayout:
     def __init__(self):
         self.shared = None
         self.site_shapes = {}
+
+
+def enumerable_values(fn):
+    """How many values each coordinate of a latent with prior ``fn`` takes, for a discrete
+    prior with an enumerable support and scalar events; None for any other prior."""
+    base = unwrap_independent(fn)
+    if not (base.support.is_discrete and base.has_enumerate_support) or base.event_shape:
+        return None
+    try:
+        return base.enumerate_support(expand=False).numel()
+    except NotImplementedError:  # e.g. a Binomial whose total count differs between rows
+        return None
 
 
 def _is_sample(site):
@@ -344,7 +362,8 @@ def _read_structure(model, args, kwargs, what):
         site = trace.nodes[name]
         full = site["fn"].batch_shape + site["fn"].event_shape
         num_batch = _observation_dims(site, data_dims)
-        latents.append(LatentSite(name, math.prod(full[num_batch:]), num_batch))
+        size = math.prod(full[num_batch:])
+        latents.append(LatentSite(name, size, num_batch, enumerable_values(site["fn"])))
     check_latent_effects(trace, latents, observed, scale)
     nesting = _max_plate_nesting(trace)
     return ModelStructure(

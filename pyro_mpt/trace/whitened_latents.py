@@ -38,6 +38,7 @@ from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwr
 
 __all__ = [
     "PointsRun",
+    "enumerated_log_prob",
     "point_parameter",
     "run_at_points",
     "whiten",
@@ -103,8 +104,22 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
     :param check_shape: if given, called with the value's shape and dtype before the value
         is formed (a memory check may raise there).
     :raises NotApplicableError: for another distribution.
+
+    A discrete prior with an enumerable support and scalar events (``Categorical``,
+    ``Bernoulli``) has no whitened space: each coordinate of ``u`` holds the index of one of
+    its values, rounded and clipped into range (so any point gives a value the prior can
+    take), and the value is that element of its support. A rule over such coordinates
+    enumerates the indices and weighs each by the prior's probability of its value
+    (:func:`enumerated_log_prob`).
     """
     base = unwrap_independent(fn)
+    if base.support.is_discrete and base.has_enumerate_support and not base.event_shape:
+        try:
+            support = base.enumerate_support(expand=False).reshape(-1)
+        except NotImplementedError:
+            raise unsupported_prior_error(name, base) from None
+        index = u.round().clamp(0, support.numel() - 1).long()
+        return support[index]
     if isinstance(base, torch.distributions.Normal):
         loc, scale = narrow(base.loc), narrow(base.scale)
         if check_shape is not None:
@@ -321,6 +336,36 @@ def run_at_points(
         check_factors(structure, trace, "integrating the latents out")
     extra_log_prob = factor_log_prob(structure, trace)
     return PointsRun(fn, trace, observed, scale, extra_log_prob, rows_differ)
+
+
+def enumerated_log_prob(structure, trace):
+    """The log-probability under their priors of the values that a run at points (``trace``)
+    gave the discrete latents (see :func:`whiten`), summed over those latents and over each
+    observation's coordinates: ``(Q,) + batch``, with dims of size one where it is the same
+    for every observation. A rule that enumerates their values adds it to its log-weights:
+    the probability of each value under its prior at its parents' values at that point.
+    Rows are compared as :func:`_narrow_equal_rows` compares them (a read of the device)."""
+    batch = structure.observed.batch_shape
+    total = None
+    for latent in structure.latents:
+        if latent.num_values is None:
+            continue
+        site = trace.nodes[latent.name]
+        log_prob = site["fn"].log_prob(site["value"])
+        # Dims of the prior's batch right of those that index observations are coordinates
+        # of one observation (a feature plate): their probabilities multiply.
+        plain = structure.trace.nodes[latent.name]["fn"].batch_shape
+        within = len(plain) - latent.num_batch_dims
+        if within > 0:
+            log_prob = log_prob.sum(tuple(range(-within, 0)))
+        num_obs = latent.num_batch_dims
+        kept = log_prob.shape[log_prob.dim() - num_obs :] if num_obs else ()
+        kept = (1,) * (len(batch) - len(kept)) + tuple(kept)
+        log_prob = log_prob.reshape(log_prob.shape[:1] + kept)
+        total = log_prob if total is None else total + log_prob
+    # Equal for every observation (a prior broadcast along the data plate): one row, so
+    # that the rule's weights are shared and the likelihood can be tabulated.
+    return _narrow_equal_rows(total, range(1, total.dim()))
 
 
 def _unexpanded(tensor, num_dims):
