@@ -5,11 +5,11 @@ per-observation marginals) and the observed site's per-feature terms."""
 
 import pyro.distributions as dist
 import torch
-from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide import AutoContinuous, AutoGuideList
 
 from pyro_mpt.trace.trace_utils import flatten_tail, latent_sites, unwrap_independent
 
-__all__ = ["joint_auto_latent", "observed_tensor", "proposal_log_density", "sites_log_density"]
+__all__ = ["joint_latent_owner", "observed_tensor", "proposal_log_density", "sites_log_density"]
 
 
 def _per_observation(tensor, lead, tail, site_name):
@@ -41,17 +41,21 @@ def sites_log_density(trace, names, guided, lead):
     return total
 
 
-def joint_auto_latent(guide, site):
-    """Whether ``site`` is the joint latent of a Gaussian ``AutoContinuous`` guide, whose
-    marginal over each observation's coordinates is Gaussian and known."""
-    return (
-        isinstance(guide, AutoContinuous)
-        and bool(site["infer"].get("is_auxiliary"))
-        and isinstance(
-            unwrap_independent(site["fn"]),
-            (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal),
-        )
-    )
+def joint_latent_owner(guide, site):
+    """The Gaussian ``AutoContinuous`` guide whose joint latent ``site`` is (``guide``
+    itself, or a member of an ``AutoGuideList``), whose marginal over each observation's
+    coordinates is Gaussian and known; None for any other site."""
+    gaussian = (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)
+    if not (
+        site["infer"].get("is_auxiliary") and isinstance(unwrap_independent(site["fn"]), gaussian)
+    ):
+        return None
+    members = list(guide) if isinstance(guide, AutoGuideList) else [guide]
+    for member in members:
+        # An AutoContinuous guide samples its joint latent as "_{name}_latent".
+        if isinstance(member, AutoContinuous) and site["name"] == f"_{member._pyro_name}_latent":
+            return member
+    return None
 
 
 def proposal_log_density(guide_trace, guided, lead):
@@ -62,17 +66,19 @@ def proposal_log_density(guide_trace, guided, lead):
     marginal density of each observation's block of coordinates.
     """
     names = latent_sites(guide_trace)
-    joint = [n for n in names if joint_auto_latent(guided.guide, guide_trace.nodes[n])]
-    total = sites_log_density(guide_trace, [n for n in names if n not in joint], guided, lead)
-    for name in joint:
-        total = total + _block_marginal_log_density(guide_trace.nodes[name], guided, lead)
+    owners = {n: joint_latent_owner(guided.guide, guide_trace.nodes[n]) for n in names}
+    separate = [n for n in names if owners[n] is None]
+    total = sites_log_density(guide_trace, separate, guided, lead)
+    for name, owner in owners.items():
+        if owner is not None:
+            site = guide_trace.nodes[name]
+            total = total + _block_marginal_log_density(site, owner, guided, lead)
     return total
 
 
-def _observation_coordinates(guided, num_coordinates):
+def _observation_coordinates(guide, batch, num_coordinates):
     """Which coordinates of an ``AutoContinuous`` guide's joint latent belong to each
     observation: a long tensor ``batch + (K,)``."""
-    guide, batch = guided.guide, guided.local.observed.batch_shape
     positions = torch.arange(num_coordinates, dtype=torch.float64)
     blocks = []
     for _, value in guide._unpack_latent(positions):
@@ -80,11 +86,13 @@ def _observation_coordinates(guided, num_coordinates):
     return torch.cat(blocks, -1).round().long()
 
 
-def _block_marginal_log_density(site, guided, lead):
-    """The marginal log-density of each observation's block of the joint latent."""
+def _block_marginal_log_density(site, owner, guided, lead):
+    """The marginal log-density of each observation's block of the joint latent of the
+    ``AutoContinuous`` guide ``owner``."""
     fn, value = unwrap_independent(site["fn"]), site["value"]
     num = value.shape[-1]
-    index = _observation_coordinates(guided, num).to(value.device)
+    batch = guided.local.observed.batch_shape
+    index = _observation_coordinates(owner, batch, num).to(value.device)
     picked = value[..., index]  # lead + pad + batch + (K,)
     if isinstance(fn, dist.Normal):
         loc = fn.loc.reshape(-1, num)[0][index]

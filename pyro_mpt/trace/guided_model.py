@@ -22,7 +22,7 @@ from pyro.infer.autoguide import AutoGuide
 
 from pyro_mpt.errors import NotApplicableError, StaleStructureError, joint_likelihood_error
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
-from pyro_mpt.trace.guide_densities import joint_auto_latent
+from pyro_mpt.trace.guide_densities import joint_latent_owner
 from pyro_mpt.trace.model_structure import latent_names_in, read_structure
 from pyro_mpt.trace.observed_site import check_run_matches, read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
@@ -373,14 +373,15 @@ def _check_proposal(guide_trace, local, guide, what):
         )
     for name in names:
         site = guide_trace.nodes[name]
-        if not data_frames <= plate_frames(site) and not joint_auto_latent(guide, site):
+        if not data_frames <= plate_frames(site) and joint_latent_owner(guide, site) is None:
             raise NotApplicableError(
                 f"{what} weighs each observation's latents by their proposal density, but "
                 f"guide {describe_guide(guide)} samples site {name!r} outside the data plate, "
                 f"jointly for all observations. Use a guide with one distribution per "
                 f"observation (AutoNormal, an amortized encoder) or a Gaussian AutoContinuous "
                 f"guide (AutoDiagonalNormal, AutoLowRankMultivariateNormal, "
-                f"AutoMultivariateNormal), whose per-observation marginals are used."
+                f"AutoMultivariateNormal), alone or in an AutoGuideList, whose per-observation "
+                f"marginals are used."
             )
 
 
