@@ -291,3 +291,50 @@ def test_discrete_latents_are_refused_where_they_cannot_be_summed():
 
     with pytest.raises(NotApplicableError, match=r"(?s)'c'.*OneHotCategorical"):
         Quadrature().prepare(one_hot, None, (x,), {})
+
+
+def test_a_categorical_sampled_before_a_continuous_latent_leaves_the_nodes_continuous():
+    """The rule's nodes take the continuous latents' dtype, not the first latent's: an
+    integer Categorical first used to cut the Gauss-Hermite nodes and weights to integers
+    (weights summing to 1.77), nats off with no warning."""
+    generator = torch.Generator().manual_seed(0)
+    w, b = torch.randn(3, generator=generator), torch.randn(3, 3, generator=generator)
+    m, weights = torch.tensor([-1.0, 0.5, 2.0]), torch.tensor([0.2, 0.5, 0.3])
+    x = 2.0 * torch.randn(8, 3, generator=generator)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(weights))
+            z = pyro.sample("z", dist.Normal(m[c], 1.0))
+            pyro.sample("x", dist.Normal(z[..., None] * w + b[c], 0.5).to_event(1), obs=x)
+
+    covariance = torch.outer(w, w) + 0.25 * torch.eye(3)
+    terms = [
+        weights[c].log() + dist.MultivariateNormal(m[c] * w + b[c], covariance).log_prob(x)
+        for c in range(3)
+    ]
+    reference = torch.logsumexp(torch.stack(terms), 0)
+    prepared = Quadrature(100).prepare(model, None, (x,), {})
+    assert prepared.nodes.is_floating_point()
+    torch.testing.assert_close(prepared.log_marginal(), reference, atol=1e-2, rtol=0)
+
+
+def test_a_masked_discrete_prior_and_values_that_differ_by_row_are_refused_by_name():
+    x = torch.randn(4, 3)
+
+    def masked(x):
+        with pyro.plate("data", x.shape[0]):
+            keep = torch.tensor([True, False, True, True])
+            c = pyro.sample("c", dist.Bernoulli(0.3).mask(keep))
+            pyro.sample("x", dist.Normal(c[..., None] * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    with pytest.raises(NotApplicableError, match=r"(?s)\['c'\] are masked.*obs_mask"):
+        Quadrature().prepare(masked, None, (x,), {})
+
+    def uneven(x):
+        with pyro.plate("data", x.shape[0]):
+            k = pyro.sample("k", dist.Binomial(torch.tensor([2.0, 3.0, 2.0, 4.0]), 0.5))
+            pyro.sample("x", dist.Normal(k[..., None] * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    with pytest.raises(NotApplicableError, match=r"(?s)'k'.*Binomial.*cannot be enumerated"):
+        Quadrature().prepare(uneven, None, (x,), {})

@@ -144,7 +144,7 @@ def _grid_joint(likelihood, x, missing, values):
 def test_quadrature_joint_of_two_features_matches_grid(model, likelihood, x, values):
     missing = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
     n = 30000
-    draws = impute(model, x, missing=missing, num_samples=n, conditionals=Quadrature(60))
+    draws = impute(model, x, missing=missing, num_samples=n, conditionals=Quadrature(130))
     for i in range(2):
         table = _grid_joint(likelihood, x[i], missing[i], values)
         a, b = missing[i].nonzero().squeeze(-1).tolist()
@@ -235,7 +235,7 @@ def test_the_rule_check_of_impute_ignores_the_values_at_the_entries_to_draw():
         with warnings.catch_warnings():
             warnings.simplefilter("error", QuadratureAccuracyWarning)
             draws = impute(
-                model, given, missing=missing, num_samples=n, conditionals=Quadrature(40)
+                model, given, missing=missing, num_samples=n, conditionals=Quadrature(60)
             )
         for i in range(6):
             mean, block = _gaussian_conditional(
@@ -243,6 +243,54 @@ def test_the_rule_check_of_impute_ignores_the_values_at_the_entries_to_draw():
             )
             se = (block.diagonal() / n).sqrt()
             assert ((draws[:, i, :2].mean(0) - mean).abs() <= NUM_SE * se).all()
+
+
+def test_a_rule_that_draws_many_hidden_entries_from_too_few_nodes_warns():
+    """Two visible entries and 28 hidden Bernoulli(sigmoid(2 z)) ones: 20 nodes score the
+    visible entries well but draw the hidden ones jointly from a few nodes, so the count
+    of hidden ones is a comb, off its distribution (a grid over z) by many standard
+    errors. The check on the observations the draws complete says so; 100 nodes pass it,
+    and their draws are within 4.5 standard errors."""
+    num_features, num_samples, slope = 30, 20000, 2.0
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+            logits = (slope * z).unsqueeze(-1).expand(z.shape + (num_features,))
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    x = torch.zeros(1, num_features, dtype=torch.float64)
+    x[0, 0] = 1.0
+    missing = torch.ones(1, num_features, dtype=torch.bool)
+    missing[0, :2] = False
+    z = torch.linspace(-12, 12, 40001, dtype=torch.float64)[:, None]
+    visible = dist.Bernoulli(logits=slope * z).log_prob(torch.tensor([1.0, 0.0])).sum(-1)
+    posterior = torch.softmax(visible + dist.Normal(0.0, 1.0).log_prob(z[:, 0]), 0)
+    counts = torch.arange(num_features - 1, dtype=torch.float64)
+    binomial = dist.Binomial(num_features - 2, logits=slope * z).log_prob(counts).exp()
+    reference = posterior @ binomial  # p(number of hidden ones | x_R)
+
+    def worst_z(draws):
+        found = torch.bincount(draws[:, 0, 2:].sum(-1).long(), minlength=num_features - 1)
+        frequency = found.double() / num_samples
+        return (
+            ((frequency - reference) / (reference * (1 - reference) / num_samples).sqrt())
+            .abs()
+            .max()
+        )
+
+    pyro.set_rng_seed(1)
+    with pytest.warns(QuadratureAccuracyWarning, match="its own draws of x_S"):
+        coarse = impute(
+            model, x, missing=missing, num_samples=num_samples, conditionals=Quadrature(20)
+        )
+    assert worst_z(coarse) > 2 * NUM_SE  # the warning is due
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuadratureAccuracyWarning)
+        fine = impute(
+            model, x, missing=missing, num_samples=num_samples, conditionals=Quadrature(100)
+        )
+    assert worst_z(fine) < NUM_SE
 
 
 @pytest.mark.parametrize("function", ["impute", "gibbs"])

@@ -260,7 +260,8 @@ class Auto(Conditionals):
             + "\n".join(reasons)
             + "\nFix what stops the strategy that suits the model: 'exact' for a Normal "
             "likelihood affine in Normal latents, 'quadrature' for at most 3 latent dimensions "
-            "with Normal (or transformed Normal) priors, and otherwise 'importance', which "
+            "with Normal (or transformed Normal) priors and discrete latents of few values, "
+            "and otherwise 'importance', which "
             "needs a guide that samples every local latent of the model (an amortized "
             "q(z | x), or AutoNormal(model)): pass it to the SVI or MPTLoss call (guide= of "
             "log_marginal). Then call again (with conditionals='auto', or that strategy by "

@@ -197,6 +197,13 @@ def extract_gaussian_form(model, args, kwargs, structure):
     layout = structure.point_layout
     points = _PROBES.get(layout) if layout is not None else None
     if points is None:  # once per structure: the check and the points depend on nothing else
+        discrete = [latent.name for latent in structure.latents if latent.num_values]
+        if discrete:
+            raise NotGaussianError(
+                f"Latent sites {discrete} are discrete; exact conditionals need Gaussian "
+                f"latents. Use conditionals='auto' or Quadrature(), which sum discrete latents "
+                f"over every value, exactly."
+            )
         base = unwrap_independent(obs_site["fn"])
         if not isinstance(base, torch.distributions.Normal):  # before the run at the points
             raise _not_normal(base, observed.name)
@@ -480,12 +487,5 @@ class Exact(Conditionals):
             # The model's one run is the structure trace itself.
             structure = read_structure(model, args, kwargs, structure.max_plate_nesting)
             return GaussianSelfPredictive(no_latent_form(structure), factor_log_prob(structure))
-        discrete = [latent.name for latent in structure.latents if latent.num_values]
-        if discrete:
-            raise NotGaussianError(
-                f"Latent sites {discrete} are discrete; exact conditionals need Gaussian "
-                f"latents. Quadrature sums discrete latents over every value, exactly "
-                f"(conditionals='auto' or Quadrature())."
-            )
         form, extra_log_prob = extract_gaussian_form(model, args, kwargs, structure)
         return GaussianSelfPredictive(form, extra_log_prob)

@@ -23,8 +23,9 @@ from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, enumerated_nodes, gauss_hermite_grid
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
 from pyro_mpt.trace.guide_centres import whitened_guide
+from pyro_mpt.trace.model_structure import points_dtype
 from pyro_mpt.trace.remembered_structure import RememberedStructure
-from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
+from pyro_mpt.trace.trace_utils import distribution_mask, flatten_tail, unwrap_independent
 from pyro_mpt.trace.whitened_latents import (
     enumerated_log_prob,
     point_parameter,
@@ -107,6 +108,15 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     def log_marginal(self):
         """``log p(x)`` of each observation (of its observed entries) by the same rule."""
         return torch.logsumexp(self.node_log_joint(), dim=0)
+
+    def log_marginal_of(self, entries):
+        """``log p`` of the entries ``entries`` marks (booleans ``batch + (D,)``) by the same
+        rule; of every observed entry for ``None``."""
+        if entries is None:
+            return self.log_marginal()
+        restricted = copy.copy(self)
+        restricted.observed = self.observed._replace(entries=entries.to(torch.bool))
+        return restricted.log_marginal()
 
     def mask_average(self):
         """The rule's ``log p(x)``: its conditionals are those of the mixture over its
@@ -255,15 +265,6 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
         self.log_table = bernoulli_log_table(self.logits)
         self.indicators = _binary_indicators(self.observed.value.to(self.logits.dtype))
         return super().node_log_joint()
-
-
-def _log_marginal_of(prepared, context):
-    """``log p`` of the entries ``context`` marks by the rule of ``prepared`` (of every
-    observed entry for ``None``)."""
-    if context is not None:
-        prepared = copy.copy(prepared)
-        prepared.observed = prepared.observed._replace(entries=context.to(torch.bool))
-    return prepared.log_marginal()
 
 
 def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None, latent_dim=None):
@@ -512,32 +513,42 @@ class Quadrature(Conditionals):
         draw rests on), rather than of every observed entry."""
         if prepared.latent_dim == 0:
             return RuleGap(0.0, 0.0)  # discrete latents only: summed over every value, exactly
-        num_points = max(1, math.ceil(factor * self.num_points))
-        if num_points > MAX_POINTS:
+        finer = self.scaled(factor)
+        if finer is None:
             return RuleGap.unmeasured()
-        finer = Quadrature(
-            num_points=num_points,
-            max_latent_dim=self.max_latent_dim,
-            center=self.center,
-            max_memory_gb=self.max_memory_gb,
-        )
         try:
             with torch.no_grad():
                 if structure is None:
                     finer_prepared = finer.prepare(model, guide, args, kwargs)
                 else:
                     finer_prepared = finer.prepare_with(structure, model, guide, args, kwargs)
-                change = _log_marginal_of(finer_prepared, context) - _log_marginal_of(
-                    prepared, context
-                )
+                change = finer_prepared.log_marginal_of(context) - prepared.log_marginal_of(context)
         except NotApplicableError:
             return RuleGap.unmeasured()
         return RuleGap.of(change)
+
+    def scaled(self, factor):
+        """This rule with ``factor`` times its nodes per dimension (at least one), or None
+        past :data:`MAX_POINTS`."""
+        num_points = max(1, math.ceil(factor * self.num_points))
+        if num_points > MAX_POINTS:
+            return None
+        return Quadrature(
+            num_points=num_points,
+            max_latent_dim=self.max_latent_dim,
+            center=self.center,
+            max_memory_gb=self.max_memory_gb,
+        )
 
     def structure_for(self, signature):
         """The structure :meth:`prepare` read for calls of ``signature`` (the very object it
         was passed), or None: a caller that holds it calls :meth:`prepare_with`."""
         return self._structure.held(signature)
+
+    def structure(self, model, args, kwargs, max_plate_nesting=math.inf):
+        """The structure this rule reads for such a call: the one it holds when the call's
+        signature is that of its last call, else read afresh."""
+        return self._structure.get(model, args, kwargs, max_plate_nesting)
 
     def prepare_with(self, structure, model, guide, args, kwargs):
         """:meth:`prepare` for a call like the one ``structure`` was read from (the same
@@ -604,15 +615,28 @@ class Quadrature(Conditionals):
                 f"conditionals='importance' with a guide that samples them, or sum some of "
                 f"them out in the model (e.g. a MixtureSameFamily likelihood)."
             )
+        masked = [
+            latent.name
+            for latent in structure.latents
+            if latent.num_values
+            and distribution_mask(structure.trace.nodes[latent.name]["fn"]) is not None
+        ]
+        if masked:
+            raise NotApplicableError(
+                f"The priors of the discrete latent sites {masked} are masked (.mask(...)), "
+                f"and the sum over their values weighs each value by its prior everywhere. "
+                f"Mask the observation instead (obs_mask, or .mask(...) on the observed "
+                f"site), or use conditionals='importance' with a guide."
+            )
         if columns and self.center == "guide":
             raise NotApplicableError(
                 "Quadrature(center='guide') places its nodes at the guide's Normal latents, "
                 "and the model has discrete latents, which are summed over their values. Use "
                 "Quadrature(center='prior')."
             )
-        # Nodes follow the latents' dtype: observations may be integers (counts, classes).
-        first = structure.trace.nodes[structure.latents[0].name]["value"]
-        grid_key = (latent_dim, first.dtype, first.device)
+        # Nodes follow the continuous latents' dtype: observations may be integers (counts,
+        # classes), and so are the values of discrete latents.
+        grid_key = (latent_dim, *points_dtype(structure))
         grid = self._grids.get(grid_key)
         if grid is None:  # once per latent dimension, dtype and device
             grid = gauss_hermite_grid(self.num_points, *grid_key)

@@ -5,7 +5,7 @@ import math
 import torch
 
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
-from pyro_mpt.conditionals.rule_check import prepare_checked
+from pyro_mpt.conditionals.rule_check import check_completed, prepare_checked
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
@@ -39,7 +39,10 @@ def impute(
     * ``"quadrature"``: node ``g`` with probability proportional to ``w_g p(x_R | z_g)``,
       then ``x_S`` from the model's own likelihood at that node; exact for the rule.
     * ``"importance"``: sampling-importance-resampling of the guide's proposals on the
-      filled data; consistent as the strategy's ``num_samples`` grows.
+      filled data; consistent as the strategy's ``num_samples`` grows. The draws of one call
+      are resampled from the same ``S`` proposals (the strategy's ``num_samples``), so they
+      are dependent: an average over them is about as precise as one over ``S`` independent
+      draws at best. For more independent draws, raise ``S`` or call again.
     * ``"encode-decode"``: the chain of Rezende et al. (2014, appendix F) that encodes the
       current fill, decodes and *draws* the missing entries again, ``num_iterations`` times;
       an approximation.
@@ -55,8 +58,13 @@ def impute(
     :param callable guide: the guide, for ``"importance"`` and ``"encode-decode"``.
     :param bool check_rule: whether a quadrature rule given here measures its own error on
         the data before drawing, as in :func:`~pyro_mpt.log_marginal` (one more run of the
-        model; a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when
-        it is large).
+        model), and whether a quadrature rule (given here, or ``auto``'s choice) measures
+        the error of its draws: how far ``log p(x_S | x_R)`` of its first four draws moves
+        under a finer rule (eight more runs). Many hidden entries resting on few visible
+        ones make a sharp integrand, which a rule that scores the visible entries well can
+        still draw from too few nodes. A
+        :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when either
+        is large.
     :param kwargs: the model's keyword arguments.
     :returns: a tensor ``(num_samples,) + x.shape``: ``x`` with its missing entries drawn.
     :raises TypeError: if ``missing`` is not a boolean tensor.
@@ -92,7 +100,10 @@ def impute(
         hidden = flat_missing(missing.to(observed.value.device), observed)
         with torch.no_grad():
             draws = draw_hidden(prepared, hidden, num_samples, joint=True)
-    return draws.reshape((num_samples,) + tuple(observed.full_shape))
+        draws = draws.reshape((num_samples,) + tuple(observed.full_shape))
+        if check_rule:
+            check_completed(strategy, prepared, draws, hidden, call, "impute")
+    return draws
 
 
 def _visible(missing):

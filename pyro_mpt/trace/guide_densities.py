@@ -65,14 +65,17 @@ def proposal_log_density(guide_trace, guided, lead):
     ``AutoContinuous`` guide (all observations' coordinates in one vector) contributes the
     marginal density of each observation's block of coordinates.
     """
-    names = latent_sites(guide_trace)
-    owners = {n: joint_latent_owner(guided.guide, guide_trace.nodes[n]) for n in names}
-    separate = [n for n in names if owners[n] is None]
+    separate, joint = [], []
+    for name in latent_sites(guide_trace):
+        owner = joint_latent_owner(guided.guide, guide_trace.nodes[name])
+        if owner is None:
+            separate.append(name)
+        else:
+            joint.append((name, owner))
     total = sites_log_density(guide_trace, separate, guided, lead)
-    for name, owner in owners.items():
-        if owner is not None:
-            site = guide_trace.nodes[name]
-            total = total + _block_marginal_log_density(site, owner, guided, lead)
+    for name, owner in joint:
+        site = guide_trace.nodes[name]
+        total = total + _block_marginal_log_density(site, owner, guided, lead)
     return total
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "PointLayout",
     "enumerable_values",
     "latent_names_in",
+    "points_dtype",
     "observed_in_run",
     "read_structure",
     "shared_reads",
@@ -99,6 +100,20 @@ class PointLayout:
     def __init__(self):
         self.shared = None
         self.site_shapes = {}
+
+
+def points_dtype(structure):
+    """The dtype and device of points in the latents' whitened space: those of the first
+    continuous latent's value; with discrete latents only (integer values), those of the
+    data if floating, else torch's default dtype on the data's device."""
+    for latent in structure.latents:
+        if latent.num_values is None:
+            value = structure.trace.nodes[latent.name]["value"]
+            if value.is_floating_point():
+                return value.dtype, value.device
+    value = structure.observed.value
+    dtype = value.dtype if value.is_floating_point() else torch.get_default_dtype()
+    return dtype, value.device
 
 
 def enumerable_values(fn):

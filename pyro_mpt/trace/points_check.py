@@ -7,6 +7,7 @@ import torch
 from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.trace.model_structure import points_dtype
 from pyro_mpt.trace.trace_utils import (
     RandomState,
     check_points,
@@ -56,10 +57,10 @@ def check_model_at_points(model, args, kwargs, structure, run):
         (:func:`~pyro_mpt.trace.whitened_latents.run_at_points`, passed in so that this
         module does not import the one that calls it).
     """
-    first = structure.trace.nodes[structure.latents[0].name]["value"]
+    dtype, device = points_dtype(structure)
     points = check_points(_NUM_CHECK_POINTS, structure.latent_dim)
     points[1] *= _FAR_RADIUS / points[1].norm()
-    points = points.to(dtype=first.dtype, device=first.device)
+    points = points.to(dtype=dtype, device=device)
     # With a subsampled plate, another random state would draw another subsample.
     subsamples = _subsamples(structure)
     with torch.no_grad(), same_random_state():
@@ -69,7 +70,7 @@ def check_model_at_points(model, args, kwargs, structure, run):
             # From one random state a subsampled plate draws the same subsample.
             start.restore()
             if not same_state:
-                _advance_random_state(first.device)
+                _advance_random_state(device)
             return run(
                 model,
                 args,

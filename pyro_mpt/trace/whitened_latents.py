@@ -116,8 +116,13 @@ def whiten(fn, u, name="latent", narrow=_narrow_broadcast_dims, check_shape=None
     if base.support.is_discrete and base.has_enumerate_support and not base.event_shape:
         try:
             support = base.enumerate_support(expand=False).reshape(-1)
-        except NotImplementedError:
-            raise unsupported_prior_error(name, base) from None
+        except NotImplementedError as error:
+            raise NotApplicableError(
+                f"Latent site {name!r} has a {type(base).__name__} prior whose values cannot be "
+                f"enumerated here ({error}): summing a discrete latent over its values needs "
+                f"the same values for every observation. Use conditionals='importance' with a "
+                f"guide that samples {name!r}."
+            ) from None
         index = u.round().clamp(0, support.numel() - 1).long()
         return support[index]
     if isinstance(base, torch.distributions.Normal):
