@@ -577,7 +577,9 @@ class MPTLoss(ELBO):
         form, weights = self._pending_check, self._pending_weights
         self._pending_weights = None
         pending = [loss.detach().double()]
-        pending += [p.double() for p in (form, weights and weights[0]) if p is not None]
+        for check in (form, weights and weights[0]):
+            if check is not None:
+                pending.append(check.double())
         if len(pending) == 1:
             return loss.item()
         value, *failed = torch.stack(pending).tolist()

@@ -305,3 +305,18 @@ def test_a_scale_that_varies_across_features_is_still_refused():
     model = _feature_plate_model(scale, torch.ones(4))
     with pytest.raises(ValueError, match=r"varies across the features of an observation"):
         log_marginal(model, torch.randn(6, 4))
+
+
+def test_a_latent_outside_a_plate_that_holds_another_is_named_as_global():
+    """``mu`` per feature only, ``z`` per observation and feature: ``mu`` is shared by every
+    observation. The error names it, not the plate over observations (which holds ``z``)."""
+
+    def model(x):
+        with pyro.plate("features", x.shape[-1], dim=-1):
+            mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+            with pyro.plate("data", x.shape[0], dim=-2):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+                pyro.sample("x", dist.Normal(z + mu, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match=r"(?s)\['mu'\] are outside plate 'data'.*\['z'\]"):
+        MPTLoss().loss(model, None, torch.randn(5, 3))

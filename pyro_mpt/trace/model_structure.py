@@ -265,13 +265,25 @@ def _data_dims(trace, obs_name, latent_names):
     return sorted(dim for _, dim in common)
 
 
-def _check_feature_plates(trace, obs_name, data_dims):
+def _check_feature_plates(trace, obs_name, data_dims, latent_names=()):
     """A plate of the observed site that no latent is in holds features: it must sit right
-    of the data plates, whose dims and those left of them index observations."""
+    of the data plates, whose dims and those left of them index observations. One that
+    holds some latents but not others makes those others global across it."""
     frames = plate_frames(trace.nodes[obs_name])
     data = sorted(name for name, dim in frames if dim in data_dims)
     for name, dim in sorted(frames, key=lambda frame: frame[1]):
         if data_dims and dim < max(data_dims) and dim not in data_dims:
+            inside = [n for n in latent_names if (name, dim) in plate_frames(trace.nodes[n])]
+            if inside:
+                outside = [n for n in latent_names if n not in inside]
+                raise ValueError(
+                    f"Latent sites {outside} are outside plate {name!r} (dim {dim}), which "
+                    f"holds latent sites {inside} and observed site {obs_name!r}: each of "
+                    f"{outside} is shared by every member of {name!r}, a global latent, which "
+                    f"MPTLoss cannot integrate out (it integrates local latents, one set per "
+                    f"observation). Make {outside} parameters (pyro.param / PyroParam), or "
+                    f"move them inside {name!r}."
+                )
             raise ValueError(
                 f"Plate {name!r} (dim {dim}) of observed site {obs_name!r} holds no latent "
                 f"site and sits left of the data plate {data} (dim {max(data_dims)}). MPTLoss "
@@ -367,7 +379,7 @@ def _read_structure(model, args, kwargs, what):
     for name in [obs_name, *latent_names]:
         check_plates_cover_batch(trace.nodes[name])
     data_dims = _data_dims(trace, obs_name, latent_names)
-    _check_feature_plates(trace, obs_name, data_dims)
+    _check_feature_plates(trace, obs_name, data_dims, latent_names)
     fn = obs_site["fn"]
     num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
     observed = read_observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
