@@ -27,6 +27,14 @@ def write_vocab(folder, letters):
     return folder
 
 
+def letter_tokenizer(folder, letters):
+    """A ``BertTokenizer`` over the special tokens and ``letters`` (one token per letter),
+    its vocabulary written to ``folder``."""
+    return transformers.BertTokenizer.from_pretrained(
+        write_vocab(folder, letters), do_lower_case=False
+    )
+
+
 def _width(width):
     """Hidden and feed-forward sizes of a tiny model ``width`` wide, with two heads."""
     return dict(hidden_size=width, num_attention_heads=2, intermediate_size=2 * width)

@@ -1,7 +1,7 @@
 """Files the ``pyro-mpt`` commands cannot use are refused before any work, with status 2, one
 line naming the option or file and the fix, and nothing created or written: an ``--out``
 folder that cannot be made (checked before ``reproduce`` runs, whose results would otherwise
-be lost at its end) and a result JSON that ``render-results`` cannot decode."""
+be lost at its end) and a result JSON that ``render-results`` cannot decode or cannot find."""
 
 import os
 import shutil
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments import render
 from pyro_mpt.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +146,35 @@ def test_render_results_names_a_corrupt_manifest(checkout, capsys):
         )
     assert manifest.read_text() == ""
     assert _snapshot(checkout) == before
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda argv: main(["render-results", *argv]),
+        render.main,  # python -m experiments.render
+    ],
+    ids=["pyro-mpt", "experiments.render"],
+)
+@pytest.mark.parametrize("check", [False, True], ids=["render", "check"])
+def test_a_missing_result_file_is_named_with_the_command_that_writes_it(
+    checkout, capsys, run, check
+):
+    # mlm-generation.json is rendered into docs/cli.rst only, after the README, whose table
+    # is made stale here: nothing may be written before the missing file is found.
+    readme = checkout / "README.md"
+    text = readme.read_text()
+    start = text.index("<!-- results:ppca-table1 -->\n") + len("<!-- results:ppca-table1 -->\n")
+    readme.write_text(text[:start] + "a stale table\n" + text[start:])
+    missing = checkout / "docs" / "results" / "mlm-generation.json"
+    missing.unlink()
+    before = _snapshot(checkout)
+    assert run(["--root", str(checkout)] + (["--check"] if check else [])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: {missing} is missing; write it with "
+        "`pyro-mpt render-results --rerun mlm-generation`.\n"
+    )
+    assert _snapshot(checkout) == before
+    assert not missing.exists()

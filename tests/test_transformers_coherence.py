@@ -12,12 +12,11 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertTokenizer  # noqa: E402
 
 from pyro_mpt import OrderingLogLikelihoods  # noqa: E402
 from pyro_mpt.ops.orderings import random_orderings  # noqa: E402
 from pyro_mpt.transformers import mlm_ordering_log_likelihoods  # noqa: E402
-from tests._tiny_transformers import SPECIAL, tiny_bert, write_vocab  # noqa: E402
+from tests._tiny_transformers import SPECIAL, letter_tokenizer, tiny_bert  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -26,8 +25,7 @@ PAD, CLS, SEP, MASK = (SPECIAL.index(t) for t in ("[PAD]", "[CLS]", "[SEP]", "[M
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    folder = write_vocab(tmp_path_factory.mktemp("vocab"), LETTERS)
-    return BertTokenizer.from_pretrained(folder, do_lower_case=False)
+    return letter_tokenizer(tmp_path_factory.mktemp("vocab"), LETTERS)
 
 
 def _bert(tokenizer, dtype=torch.float32, seed=0):

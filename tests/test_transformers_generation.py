@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertModel, BertTokenizer  # noqa: E402
+from transformers import BertModel  # noqa: E402
 
 from pyro_mpt.transformers import (  # noqa: E402
     GenerationDiagnostics,
@@ -24,7 +24,7 @@ from pyro_mpt.transformers import (  # noqa: E402
     stutter_rate,
     token_frequency_distance,
 )
-from tests._tiny_transformers import SPECIAL, tiny_bert, write_vocab  # noqa: E402
+from tests._tiny_transformers import SPECIAL, letter_tokenizer, tiny_bert  # noqa: E402
 
 DEVICE = os.environ.get("PYRO_MPT_TEST_DEVICE", "cpu")
 LETTERS = "abcdef"
@@ -34,8 +34,7 @@ A, B, C, D, E, F = range(5, 11)
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    folder = write_vocab(tmp_path_factory.mktemp("vocab"), LETTERS)
-    return BertTokenizer.from_pretrained(folder, do_lower_case=False)
+    return letter_tokenizer(tmp_path_factory.mktemp("vocab"), LETTERS)
 
 
 @pytest.fixture(scope="module")

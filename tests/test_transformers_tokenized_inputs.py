@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertTokenizer  # noqa: E402
 
 from pyro_mpt.transformers import (  # noqa: E402
     mlm_mpt_curve,
@@ -17,7 +16,7 @@ from pyro_mpt.transformers import (  # noqa: E402
     sample_mlm,
 )
 from pyro_mpt.transformers._padding import read_encoding  # noqa: E402
-from tests._tiny_transformers import SPECIAL, tiny_bert, write_vocab  # noqa: E402
+from tests._tiny_transformers import SPECIAL, letter_tokenizer, tiny_bert  # noqa: E402
 
 LETTERS = "abc"
 CLS, SEP, MASK = (SPECIAL.index(t) for t in ("[CLS]", "[SEP]", "[MASK]"))
@@ -25,8 +24,7 @@ CLS, SEP, MASK = (SPECIAL.index(t) for t in ("[CLS]", "[SEP]", "[MASK]"))
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    folder = write_vocab(tmp_path_factory.mktemp("vocab"), LETTERS)
-    return BertTokenizer.from_pretrained(folder, do_lower_case=False)
+    return letter_tokenizer(tmp_path_factory.mktemp("vocab"), LETTERS)
 
 
 @pytest.fixture(scope="module")
