@@ -612,8 +612,8 @@ class Quadrature(Conditionals):
                 f"quadrature sums the discrete latent sites {discrete} over every combination "
                 f"of their values, and they take {num_combinations} combinations per "
                 f"observation, more than MAX_ENUMERATED={MAX_ENUMERATED}. Use "
-                f"conditionals='importance' with a guide that samples them, or sum some of "
-                f"them out in the model (e.g. a MixtureSameFamily likelihood)."
+                f"conditionals='importance' with a guide that samples them, or a model with "
+                f"fewer discrete coordinates per observation."
             )
         masked = [
             latent.name
