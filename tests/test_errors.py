@@ -216,6 +216,47 @@ def test_a_latent_per_feature_over_an_inner_data_plate_is_named_as_global_too():
     assert "global latents" in message and "pyro.param" in message
 
 
+@pytest.mark.parametrize("conditionals", ["auto", "importance"])
+def test_a_latent_plate_left_of_the_data_plate_is_named_with_its_fix(conditionals):
+    # z holds 3 components per observation in a plate left of the data plate: read as
+    # observation dims, it was a 1-dim latent over a (3, N) batch, and the runs at points
+    # failed with a reshape error blaming the model's broadcasting.
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            with pyro.plate("groups", 3, dim=-2):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.sum(-2).unsqueeze(-1).expand(z.shape[:-2] + x.shape)
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            with pyro.plate("groups", 3, dim=-2):
+                pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError) as caught:
+        MPTLoss(conditionals=conditionals).loss(model, guide, torch.randn(5, 4))
+    message = str(caught.value)
+    assert "Latent site 'z' sits in plate 'groups' (dim -2), left of the data plate" in message
+    assert "data plate at dim=-2 and 'groups' at dim=-1" in message
+
+
+def test_the_advised_layout_of_a_latent_plate_gives_the_closed_form():
+    # The fix the error above gives: the data plate at dim=-2, the latent's plate at dim=-1.
+    # Three unit latents summed into every feature: x ~ N(0, I + 3 11^T).
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            with pyro.plate("groups", 3, dim=-1):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.sum(-1, keepdim=True).unsqueeze(-1).expand(z.shape[:-1] + (1, 4))
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x.unsqueeze(-2))
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    covariance = torch.eye(4) + 3.0 * torch.ones(4, 4)
+    expected = dist.MultivariateNormal(torch.zeros(4), covariance).log_prob(x)
+    actual = log_marginal(model, x, conditionals="auto").reshape(-1)
+    assert torch.allclose(actual, expected, atol=1e-5)
+
+
 def test_one_hot_features_are_pointed_to_categorical_integers():
     from pyro_mpt.conditionals import Quadrature
 

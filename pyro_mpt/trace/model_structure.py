@@ -296,6 +296,27 @@ def _check_feature_plates(trace, obs_name, data_dims, latent_names=()):
             )
 
 
+def _check_latent_plates(trace, obs_name, data_dims, latent_names):
+    """A plate that a latent sits in beside the data plates holds the latent's components:
+    like a plate over features, it must sit right of the data plates, whose dims and those
+    left of them index observations."""
+    if not data_dims:
+        return
+    data = sorted(n for n, dim in plate_frames(trace.nodes[obs_name]) if dim in data_dims)
+    for latent in latent_names:
+        for name, dim in sorted(plate_frames(trace.nodes[latent]), key=lambda frame: frame[1]):
+            if dim < max(data_dims) and dim not in data_dims:
+                raise ValueError(
+                    f"Latent site {latent!r} sits in plate {name!r} (dim {dim}), left of the "
+                    f"data plate {data} (dim {max(data_dims)}), and observed site "
+                    f"{obs_name!r} does not. MPTLoss reads the dims from the data plate "
+                    f"leftwards as indexing observations, so a plate over a latent's "
+                    f"components must sit right of it: put the data plate at dim=-2 and {name!r} at "
+                    f"dim=-1 (one dim further left each if the observation has a feature "
+                    f"plate), or make {latent!r} a vector with .to_event(1)."
+                )
+
+
 def _observation_dims(site, data_dims):
     """How many leading dims of the site's batch and event shape index observations."""
     fn = site["fn"]
@@ -380,6 +401,7 @@ def _read_structure(model, args, kwargs, what):
         check_plates_cover_batch(trace.nodes[name])
     data_dims = _data_dims(trace, obs_name, latent_names)
     _check_feature_plates(trace, obs_name, data_dims, latent_names)
+    _check_latent_plates(trace, obs_name, data_dims, latent_names)
     fn = obs_site["fn"]
     num_batch = _observation_dims(obs_site, data_dims) if data_dims else len(fn.batch_shape)
     observed = read_observed_site(obs_site, fn.batch_shape + fn.event_shape, num_batch)
