@@ -14,7 +14,7 @@ import pytest
 import torch
 from pyro.infer import SVI
 
-from pyro_mpt import MPTLoss, log_marginal
+from pyro_mpt import MPTLoss, impute, log_marginal
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
 from pyro_mpt.conditionals.importance_diagnostics import _CHECKS, MAX_PARETO_K
 from pyro_mpt.errors import ImportanceAccuracyWarning
@@ -333,9 +333,18 @@ def test_a_fresh_loss_warns_at_its_own_first_failing_call():
 
 
 def test_counts_of_a_model_go_with_it():
-    # The functions count failures per model; a model that is gone leaves no count behind,
-    # so a new model (which may take the old one's id) warns at its first failing call.
+    # Outside one evaluation, failures are counted per model; a model that is gone leaves no
+    # count behind, so a new model (which may take the old one's id) warns at its first
+    # failing call.
+    from pyro_mpt.conditionals.importance_diagnostics import (
+        ImportanceDiagnostics,
+        warn_if_unreliable,
+    )
+
     x = _data()
+    log_w = torch.zeros(8, 10)
+    log_w[0] = 20.0  # every row rests on one draw
+    failing = ImportanceDiagnostics.of(log_w)
 
     def make_model():
         def model(x):
@@ -349,7 +358,8 @@ def test_counts_of_a_model_go_with_it():
         warnings.simplefilter("always")
         for _ in range(3):
             model = make_model()
-            log_marginal(model, x, guide=_far_guide, conditionals=ImportanceSampling(64))
+            warn_if_unreliable(failing, "Draws", model, (x,))
+            warn_if_unreliable(failing, "Draws", model, (x,))  # its second failure: silent
             alive = weakref.ref(model)
             del model
             gc.collect()
@@ -358,31 +368,128 @@ def test_counts_of_a_model_go_with_it():
     assert len(_CHECKS) == counted
 
 
-def test_the_functions_count_each_guide_and_strategy_apart():
-    # One model evaluated with another guide, or another number of samples, is a new
-    # estimate: its first failing call warns even though the model's earlier calls failed.
+def test_every_log_marginal_call_warns_of_its_failing_weights():
+    # Each call of log_marginal is an evaluation of its own, whose numbers the user reads:
+    # the same estimate made again warns again, as does one with another guide or number
+    # of samples. (They were counted per model and shapes, and a repeated call was silent
+    # while its estimate was off by nats.)
     x = _data()
 
-    def model(x):  # its own function: counts are kept per model
+    def model(x):  # its own function: counts were kept per model
         _model(x)
 
     def another_far_guide(x):
         with pyro.plate("data", x.shape[-2]):
             pyro.sample("z", dist.Normal(-3.0, 0.3))
 
-    calls = [
-        (_far_guide, 64),
-        (_far_guide, 64),  # the same estimate again: its second failure is silent
-        (_far_guide, 128),
-        (another_far_guide, 64),
-    ]
+    calls = [(_far_guide, 64), (_far_guide, 64), (_far_guide, 128), (another_far_guide, 64)]
+    exact = log_marginal(model, x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for guide, samples in calls:
-            log_marginal(model, x, guide=guide, conditionals=ImportanceSampling(samples))
+            value = log_marginal(model, x, guide=guide, conditionals=ImportanceSampling(samples))
+            assert (value - exact).abs().mean() > 1.0  # each warning is deserved
     flagged = [str(w.message) for w in _flagged(caught)]
-    assert len(flagged) == 3
+    assert len(flagged) == 4
     assert all("calls so far failed" not in message for message in flagged)
+
+
+def _gamma_poisson(x):
+    """``lam ~ Gamma(2, 1)`` per observation, ``x_j ~ Poisson(lam c_j)``."""
+    with pyro.plate("data", x.shape[-2]):
+        lam = pyro.sample("lam", dist.Gamma(2.0, 1.0))
+        pyro.sample("x", dist.Poisson(lam.unsqueeze(-1) * RATES).to_event(1), obs=x)
+
+
+RATES = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.8])
+
+
+def _gamma_poisson_log_marginal(x):
+    """The closed form: a negative-binomial mixture, ``a = 2``, ``b = 1``."""
+    a, b, total = 2.0, 1.0, x.sum(-1)
+    return (
+        a * math.log(b)
+        - math.lgamma(a)
+        + (x * RATES.log()).sum(-1)
+        - torch.lgamma(x + 1).sum(-1)
+        + torch.lgamma(a + total)
+        - (a + total) * torch.log(b + RATES.sum())
+    )
+
+
+def test_one_observation_resting_on_one_draw_is_flagged_by_log_marginal():
+    # Nine observations, each with a guide at its exact posterior (moment-matched
+    # LogNormal), and an outlier whose guide is a typical one: its weights rest on one draw
+    # and its log p(x) is off by tens of nats, while the batch's shares pass (one row in
+    # ten). A training step sums such rows and may tolerate it; log_marginal returns each
+    # observation's value, and warns.
+    generator = torch.Generator().manual_seed(0)
+    x = torch.poisson(2.0 * RATES.expand(10, 5), generator=generator)
+    x[0] = torch.tensor([40.0, 80.0, 160.0, 120.0, 64.0])
+    shape, rate = 2.0 + x.sum(-1), 1.0 + RATES.sum()
+    # LogNormal with the posterior Gamma's mean and variance; the outlier gets row 1's.
+    sigma2 = torch.log1p(1.0 / shape)
+    mu = torch.log(shape / rate) - sigma2 / 2
+    mu[0], sigma2[0] = mu[1], sigma2[1]
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("lam", dist.LogNormal(mu, sigma2.sqrt()))
+
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = log_marginal(_gamma_poisson, x, guide=guide, conditionals=ImportanceSampling(64))
+    exact = _gamma_poisson_log_marginal(x)
+    assert (value[0] - exact[0]).abs() > 10.0  # the outlier: off by tens of nats
+    assert (value[1:] - exact[1:]).abs().max() < 0.1  # the others: fine
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 1
+    assert "1 of the 10 (observation, mask) pairs rest on a single draw" in flagged[0]
+    # impute resamples the same weights: each call warns, the second as the first (they
+    # were counted per model and shapes, so the second call was silent).
+    missing = torch.zeros_like(x, dtype=torch.bool)
+    missing[:, -1] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            impute(
+                _gamma_poisson,
+                x,
+                missing=missing,
+                guide=guide,
+                conditionals=ImportanceSampling(64),
+                num_samples=10,
+            )
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 2
+    assert all("rest on a single draw" in message for message in flagged)
+
+
+def test_one_row_with_k_hat_above_one_fails_on_its_own_from_a_thousand_draws():
+    # k-hat from a tail of a hundred weights or more: a row whose weights have no finite
+    # mean fails on its own where the result is read row by row; from 64 draws, whose
+    # k-hat is noisy, it does not.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    generator = torch.Generator().manual_seed(2)
+
+    def diagnostics(num_samples):
+        # Draws z ~ N(0, 1). Rows 1..9: weights exp(-z^2 / 4), a proposal wider than the
+        # target (k below 0); row 0: weights exp(0.7 z^2), whose tail P(w > t) = P(z^2 >
+        # log t / 0.7) falls as t^(-1 / 1.4): k = 1.4, no finite mean.
+        z = torch.randn(num_samples, 10, generator=generator)
+        log_w = -(z**2) / 4
+        log_w[:, 0] = 0.7 * z[:, 0] ** 2
+        return ImportanceDiagnostics.of(log_w)
+
+    many = diagnostics(2000)
+    assert many.pareto_k[0] > 1.0 and many.ess[0] >= 2.0 and (many.pareto_k[1:] < 0.7).all()
+    assert many.reliable() and not many.reliable(each_row=True)
+    # From 64 draws a row's k-hat above 1 is common by chance; it fails no row alone.
+    drawn = (diagnostics(64) for _ in range(100))
+    few = next(d for d in drawn if d.pareto_k[0] > 1.0 and d.ess[0] >= 2.0)
+    assert few.reliable(each_row=True)
 
 
 def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():

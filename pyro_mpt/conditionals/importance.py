@@ -315,7 +315,8 @@ class ImportanceSelfPredictive(SelfPredictive):
         # Resampling is only as good as the weights: the same figures as the conditionals'.
         what = "Draws of hidden features"
         diagnostics = ImportanceDiagnostics.of(log_w)
-        warn_if_unreliable(diagnostics, what, guided.model, guided.args, 6, None, guided.guide)
+        model, args, guide = guided.model, guided.args, guided.guide
+        warn_if_unreliable(diagnostics, what, model, args, 6, None, guide, each_row=True)
         if not joint:
             log_w = log_w.unsqueeze(-1).expand(log_w.shape + (observed.num_features,))
         index = mixture_component_sample(log_w, (num_samples,))

@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from pyro_mpt.conditionals.importance_diagnostics import counted_per_call
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.generation._arguments import check_count
@@ -88,7 +89,8 @@ def gibbs(
     strategy = conditionals_for(conditionals, model)
     rest = tuple(args[1:])
     # The param store is left as it was found (a guide sized by this x creates parameters).
-    with param_store_rollback(always=True):
+    # One call counts its failing importance weights afresh (warns at its first).
+    with param_store_rollback(always=True), counted_per_call():
         # Prepared with gradients on: some strategies check their guide by differentiating it.
         call = (model, guide, args, kwargs, max_plate_nesting)
         prepared = prepare_checked(

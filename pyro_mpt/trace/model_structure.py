@@ -311,9 +311,9 @@ def _check_latent_plates(trace, obs_name, data_dims, latent_names):
                     f"data plate {data} (dim {max(data_dims)}), and observed site "
                     f"{obs_name!r} does not. MPTLoss reads the dims from the data plate "
                     f"leftwards as indexing observations, so a plate over a latent's "
-                    f"components must sit right of it: put the data plate at dim=-2 and {name!r} at "
-                    f"dim=-1 (one dim further left each if the observation has a feature "
-                    f"plate), or make {latent!r} a vector with .to_event(1)."
+                    f"components must sit right of it: put the data plate at dim=-2 and "
+                    f"{name!r} at dim=-1 (one dim further left each if the observation has a "
+                    f"feature plate), or make {latent!r} a vector with .to_event(1)."
                 )
 
 
