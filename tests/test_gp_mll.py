@@ -284,3 +284,102 @@ def test_a_covariance_not_positive_definite_with_jitter_names_noise_dtype_and_fi
     with tiny_jitter, gpytorch.settings.cholesky_max_tries(1):
         with pytest.warns(NumericalWarning), pytest.raises(NotPSDError, match=message):
             mll(model(x), y)
+
+
+class _KernelGP(gpytorch.models.ExactGP):
+    """An exact GP with the covariance ``kernel`` (a kernel, or a function of the inputs)."""
+
+    def __init__(self, x, y, likelihood, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.kernel = kernel
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.kernel(x))
+
+
+def _kernel_problem(kernel, num_data=20):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.sort(torch.rand(num_data, 1, generator=generator), 0).values * 4
+    y = torch.sin(2 * x[:, 0]) + 0.05 * torch.randn(num_data, generator=generator)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood()
+    likelihood.noise = 0.01
+    model = _KernelGP(x, y, likelihood, kernel).double()
+    model.train()
+    return x.double(), y.double(), likelihood.double(), model
+
+
+def _kiss_gp():
+    from gpytorch.kernels import GridInterpolationKernel, RBFKernel, ScaleKernel
+
+    kernel = ScaleKernel(GridInterpolationKernel(RBFKernel(), grid_size=8, num_dims=1))
+    kernel.base_kernel.base_kernel.lengthscale = 0.7
+    return kernel
+
+
+def _sgpr():
+    from gpytorch.kernels import InducingPointKernel, RBFKernel, ScaleKernel
+
+    inducing = torch.linspace(0, 4, 5).unsqueeze(-1)
+    return InducingPointKernel(ScaleKernel(RBFKernel()), inducing, likelihood=None)
+
+
+@pytest.mark.parametrize("make_kernel", [_kiss_gp, _sgpr], ids=["kiss-gp", "sgpr"])
+def test_a_kernel_fitted_to_all_its_inputs_gives_the_conditionals_of_its_whole_covariance(
+    make_kernel,
+):
+    # KISS-GP's grid is fitted to the inputs it is given, so evaluated on a subset of them
+    # its entries differ (by 0.19 here): the blocks were, and the conditionals were off, or
+    # NaN where the blocks did not fit together. SGPR's kernel refused unequal inputs while
+    # training. The reference: the covariance ExactMarginalLogLikelihood factorises.
+    x, y, likelihood, model = _kernel_problem(make_kernel())
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    marginal = likelihood(model(x))
+    cov, loc = marginal.covariance_matrix, marginal.mean
+    for size in (1, 6, 19, 20):
+        mask = torch.zeros(20, dtype=torch.bool)
+        mask[torch.randperm(20, generator=torch.Generator().manual_seed(size))[:size]] = True
+        log_p = mll.masked_log_prob(model(x), y, mask)
+        expected = dense_schur_log_conditionals(y, loc, cov, mask)
+        torch.testing.assert_close(log_p, torch.stack(list(expected.values())), rtol=0, atol=1e-8)
+
+
+def test_every_output_hidden_scores_the_marginals_whatever_the_covariance():
+    # With every output hidden there is no context; a covariance written as a sum of two
+    # kernel calls was indexed with an empty index and failed inside linear_operator (1
+    # step in N under the uniform rate).
+    from gpytorch.kernels import PeriodicKernel, RBFKernel, ScaleKernel
+
+    first, second = RBFKernel(), ScaleKernel(PeriodicKernel())
+    x, y, likelihood, model = _kernel_problem(lambda x: first(x) + second(x), num_data=6)
+    model.first, model.second = first.double(), second.double()
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=1.0)
+    marginal = likelihood(model(x))
+    expected = normal_log_prob(y, marginal.mean, marginal.covariance_matrix.diagonal())
+    log_p = mll.masked_log_prob(model(x), y, torch.ones(6, dtype=torch.bool))
+    torch.testing.assert_close(log_p, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mll(model(x), y), expected.mean(), rtol=0, atol=1e-12)
+
+
+def test_a_negative_predictive_variance_in_float32_raises_the_documented_error():
+    # Noise 1e-9 in float32: the context block takes GPyTorch's jitter, and a held-out
+    # output's predictive variance rounds below zero, where its log density was NaN.
+    x = torch.linspace(0, 1, 60, dtype=torch.float32).unsqueeze(-1)
+    y = torch.sin(x.squeeze(-1))
+    constraint = gpytorch.constraints.GreaterThan(1e-10)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=constraint).float()
+    likelihood.noise = 1e-9
+    model = _GP(x, y, likelihood).float()
+    model.covar_module.base_kernel.lengthscale = 5.0
+    model.train()
+    mll = MaskedPredictiveLogLikelihood(likelihood, model, rate=0.1)
+    message = (
+        r"A held-out output's predictive variance came out at -?\d\.\de-\d\d\. The covariance "
+        r"of the held-out outputs given the 54 context outputs .*noise=1.0e-09, dtype "
+        r"torch.float32\) is not positive definite in this precision\. Train in float64"
+    )
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        with pytest.raises(NotPSDError, match=message):
+            mll(model(x), y)

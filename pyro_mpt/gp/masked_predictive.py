@@ -3,6 +3,7 @@
 import torch
 from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.kernels import GridKernel, InducingPointKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
@@ -16,26 +17,50 @@ from pyro_mpt.ops.masks import as_rate_schedule, check_num_masks, sample_masks
 __all__ = ["MaskedPredictiveLogLikelihood"]
 
 
+#: Kernels whose value at a pair of inputs depends on the other inputs they are given
+#: (KISS-GP's grid is fitted to its inputs; SGPR's kernel refuses unequal inputs while
+#: training): a covariance that holds one is evaluated whole and then indexed.
+_WHOLE_INPUT_KERNELS = (GridKernel, InducingPointKernel)
+
+
 def _covariance_blocks(covariance, context, target):
     """``Sigma_RR``, ``Sigma_TR`` and ``diag(Sigma_TT)`` of a (lazy) covariance.
 
     Each summand is indexed lazily, so a kernel matrix is evaluated on the ``R x R`` and
     ``T x R`` blocks only; a diagonal summand (the likelihood's noise) adds to the context
-    block's diagonal and to the target variances without any matrix.
+    block's diagonal and to the target variances without any matrix. A kernel that must see
+    every input (:data:`_WHOLE_INPUT_KERNELS`) is evaluated whole, as
+    ``ExactMarginalLogLikelihood`` evaluates it, and then indexed. With no context (every
+    output hidden), the blocks are empty and no operator is indexed.
     """
     summands = covariance.linear_ops if isinstance(covariance, SumLinearOperator) else (covariance,)
     context_cov = cross_cov = target_var = 0
+    empty = context.shape[-1] == 0
     for summand in summands:
+        if _sees_every_input(summand):
+            summand = summand.to_dense()
         diagonal = summand.diagonal(dim1=-2, dim2=-1)
         target_var = target_var + diagonal[..., target]
+        if empty:
+            continue
         if isinstance(summand, DiagLinearOperator):
             context_cov = context_cov + torch.diag_embed(diagonal[..., context])
             continue
         context_cov = context_cov + _block(summand, context, context)
         cross_cov = cross_cov + _block(summand, target, context)
+    if not torch.is_tensor(context_cov):
+        context_cov = target_var.new_zeros(target_var.shape[:-1] + context.shape * 2)
     if not torch.is_tensor(cross_cov):
         cross_cov = target_var.new_zeros(target_var.shape + context.shape)
     return context_cov, cross_cov, target_var
+
+
+def _sees_every_input(summand):
+    """Whether ``summand`` is a lazily evaluated kernel matrix of a kernel that holds one of
+    :data:`_WHOLE_INPUT_KERNELS` (as itself or inside a ``ScaleKernel``, a sum, ...)."""
+    if not isinstance(summand, LazyEvaluatedKernelTensor):
+        return False
+    return any(isinstance(module, _WHOLE_INPUT_KERNELS) for module in summand.kernel.modules())
 
 
 def _block(covariance, rows, cols):
@@ -105,7 +130,10 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     ``LeaveOneOutPseudoLikelihood``. With a fixed rate it is the stochastic active-set
     objective (Moreno-Muñoz et al., 2022): biased, but a step costs one ``|R| x |R|``
     Cholesky factor and ``O(M |R|)`` kernel entries instead of an ``N x N`` factor. Only the
-    blocks a mask needs are read from the (lazy) kernel matrix.
+    blocks a mask needs are read from the (lazy) kernel matrix, except from a kernel whose
+    entries depend on all the inputs it is given (KISS-GP's ``GridInterpolationKernel``,
+    SGPR's ``InducingPointKernel``, alone or inside another kernel): that one is evaluated
+    whole, as ``ExactMarginalLogLikelihood`` evaluates it, and then indexed.
 
     **Multitask GPs.** With a ``MultitaskMultivariateNormal`` output (``n`` inputs, ``t``
     tasks, targets of shape ``(..., n, t)`` as for ``ExactMarginalLogLikelihood``) the tokens
@@ -121,6 +149,7 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     float32, jitter is added to its diagonal with a ``NumericalWarning``
     (``gpytorch.settings.cholesky_jitter``, ``cholesky_max_tries``); if that is not enough,
     ``NotPSDError`` names the noise, the dtype and the fixes (float64, a noise constraint).
+    So does a held-out output whose predictive variance rounds to zero or below.
 
     :param likelihood: a Gaussian likelihood (``gpytorch.likelihoods.GaussianLikelihood`` or
         another of GPyTorch's Gaussian likelihoods, ``MultitaskGaussianLikelihood`` included).
@@ -253,15 +282,30 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
                 cholesky=psd_safe_cholesky,
             )
         except NotPSDError as error:
-            raise NotPSDError(
-                f"{error} The covariance of the {context.shape[-1]} context outputs (the "
-                f"kernel matrix plus the likelihood's noise; {_noise_text(self.likelihood)}"
-                f"dtype {context_cov.dtype}) is not positive definite in this precision. "
-                f"Train in float64 (model.double(), likelihood.double() and float64 inputs "
-                f"and targets), or bound the noise away from zero, e.g. "
-                f"GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-4))."
-            ) from error
+            subject = f"The covariance of the {context.shape[-1]} context outputs"
+            raise self._not_positive_definite(str(error), subject, context_cov.dtype) from error
+        # Rounding can leave a held-out output's predictive variance at or below zero where
+        # the context block needed jitter (a tiny noise in float32): its log density is NaN.
+        if not bool((var > 0).all()):
+            smallest = float(var.detach().min())
+            found = f"A held-out output's predictive variance came out at {smallest:.1e}."
+            subject = (
+                f"The covariance of the held-out outputs given the {context.shape[-1]} "
+                f"context outputs"
+            )
+            raise self._not_positive_definite(found, subject, var.dtype)
         return normal_log_prob(target[..., targets], mean[..., targets] + mean_offset, var)
+
+    def _not_positive_definite(self, found, subject, dtype):
+        """The error for a covariance (``subject``, in words) that is not positive definite
+        in ``dtype``, with the fixes."""
+        return NotPSDError(
+            f"{found} {subject} (the kernel matrix plus the likelihood's noise; "
+            f"{_noise_text(self.likelihood)}dtype {dtype}) is not positive definite in this "
+            f"precision. Train in float64 (model.double(), likelihood.double() and float64 "
+            f"inputs and targets), or bound the noise away from zero, e.g. "
+            f"GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-4))."
+        )
 
     def forward(self, function_dist, target, *params, **kwargs):
         """The estimate, shape ``batch_shape`` of the GP, divided by the number of outputs.
