@@ -282,3 +282,34 @@ def test_a_dense_normal_observation_with_latents_is_told_why_exact_refuses_it():
 
     with pytest.raises(NotGaussianError, match="exact only in a model with no local latents"):
         log_marginal(model, torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("function", [log_marginal, mpt_curve], ids=["log_marginal", "curve"])
+def test_a_subsampling_data_plate_is_refused_where_every_observation_is_returned(function):
+    # Under subsample_size each run scores a random tenth of the data: log_marginal returned
+    # its ten values as if they were the data's (a sum a tenth of the data's).
+    weight = torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
+
+    def model(x, subsample_size=None, subsample=None):
+        plate = pyro.plate("data", x.shape[0], subsample_size=subsample_size, subsample=subsample)
+        with plate as index:
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 0.5).to_event(1), obs=x[index])
+
+    x = torch.randn(100, 4, generator=torch.Generator().manual_seed(1))
+    message = r"plate 'data' subsamples 10 of its 100 members on each run of the model"
+    with pytest.raises(ValueError, match=message):
+        function(model, x, 10, conditionals="exact")
+    with pytest.raises(ValueError, match=message):
+        function(model, x, None, torch.arange(10), conditionals="exact")
+    # The whole plate, in either form, is evaluated.
+    covariance = weight @ weight.T + 0.25 * torch.eye(4)
+    expected = dist.MultivariateNormal(torch.zeros(4), covariance).log_prob(x)
+    if function is log_marginal:
+        for size in (None, 100):
+            actual = log_marginal(model, x, size, conditionals="exact")
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-10)
+    else:
+        curve = mpt_curve(model, x, 100, conditionals="exact", num_masks=20)
+        assert curve.sizes.shape == (100, 4)  # every observation, every size
+        assert abs(curve.area - expected.mean().item()) < 4 * curve.area_stderr

@@ -5,6 +5,7 @@ import math
 from pyro_mpt.conditionals.importance_diagnostics import counted_per_call, warn_if_unreliable
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
+from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["log_marginal"]
@@ -72,11 +73,14 @@ def log_marginal(
     # Each call is an evaluation of its own: it warns of its failing weights whatever
     # earlier calls found, and of any one observation whose value rests on a single draw.
     with param_store_rollback(always=True), counted_per_call():
-        prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "log_marginal")
-        try:
-            result = prepared.log_marginal()
-        except NotImplementedError as error:
-            raise ValueError(f"conditionals={strategy!r}: {error}") from None
+        with refusing_subsampled_plates("log_marginal returns one value per observation"):
+            prepared = prepare_checked(
+                strategy, *call, max_plate_nesting, check_rule, "log_marginal"
+            )
+            try:
+                result = prepared.log_marginal()
+            except NotImplementedError as error:
+                raise ValueError(f"conditionals={strategy!r}: {error}") from None
         diagnostics, what = prepared.diagnostics, "log_marginal"
         warn_if_unreliable(
             diagnostics, what, model, args, 4, None, guide, strategy.in_use, each_row=True

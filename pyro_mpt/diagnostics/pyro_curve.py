@@ -11,6 +11,7 @@ from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["mpt_curve"]
@@ -95,7 +96,10 @@ def mpt_curve(
     check_positive_int("num_masks", num_masks, "It is the number of random masks per size.")
     strategy = conditionals_for(conditionals, model)
     # The param store is left as it was found (a guide sized by this x creates parameters).
-    with param_store_rollback(always=True):
+    with (
+        param_store_rollback(always=True),
+        refusing_subsampled_plates("mpt_curve scores every observation"),
+    ):
         call = (model, guide, args, kwargs)
         prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
         if prepared.observed.entries is not None:
