@@ -8,7 +8,7 @@ import pytest
 import torch
 from pyro.nn import PyroModule, PyroParam
 
-from pyro_mpt import MPTLoss, log_marginal, mpt_curve
+from pyro_mpt import MPTLoss, gibbs, impute, log_marginal, mpt_curve
 from pyro_mpt.conditionals import Conditionals, Exact
 from pyro_mpt.errors import NotApplicableError
 from pyro_mpt.models import LinearVAE
@@ -284,7 +284,21 @@ def test_a_dense_normal_observation_with_latents_is_told_why_exact_refuses_it():
         log_marginal(model, torch.randn(4, 3))
 
 
-@pytest.mark.parametrize("function", [log_marginal, mpt_curve], ids=["log_marginal", "curve"])
+def _impute_last(model, x, *args, **kwargs):
+    missing = torch.zeros_like(x, dtype=torch.bool)
+    missing[:, -1] = True
+    return impute(model, x, *args, missing=missing, num_samples=2, **kwargs)
+
+
+def _gibbs_two_steps(model, x, *args, **kwargs):
+    return gibbs(model, x, *args, block_size=2, num_steps=2, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "function",
+    [log_marginal, mpt_curve, _impute_last, _gibbs_two_steps],
+    ids=["log_marginal", "curve", "impute", "gibbs"],
+)
 def test_a_subsampling_data_plate_is_refused_where_every_observation_is_returned(function):
     # Under subsample_size each run scores a random tenth of the data: log_marginal returned
     # its ten values as if they were the data's (a sum a tenth of the data's).
@@ -309,7 +323,9 @@ def test_a_subsampling_data_plate_is_refused_where_every_observation_is_returned
         for size in (None, 100):
             actual = log_marginal(model, x, size, conditionals="exact")
             torch.testing.assert_close(actual, expected, rtol=0, atol=1e-10)
-    else:
+    elif function is mpt_curve:
         curve = mpt_curve(model, x, 100, conditionals="exact", num_masks=20)
         assert curve.sizes.shape == (100, 4)  # every observation, every size
         assert abs(curve.area - expected.mean().item()) < 4 * curve.area_stderr
+    else:
+        assert function(model, x, 100, conditionals="exact").shape[-2:] == x.shape

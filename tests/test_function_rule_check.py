@@ -6,11 +6,10 @@ import warnings
 
 import pyro
 import pyro.distributions as dist
-import pytest
 import torch
 
 from experiments.zoo.references import grid_log_marginal_1d
-from pyro_mpt import log_marginal, mpt_curve
+from pyro_mpt import MPTLoss, log_marginal, mpt_curve
 from pyro_mpt.conditionals import Quadrature
 from pyro_mpt.conditionals.auto import ACCURACY_TOL
 from pyro_mpt.conditionals.quadrature import MAX_POINTS
@@ -91,9 +90,7 @@ def test_an_accurate_rule_is_silent():
             pyro.sample("x", dist.Normal(BIAS + z.unsqueeze(-1), 2.0).to_event(1), obs=x)
 
     x = _data(3)
-    value, found = _quadrature_warnings(
-        lambda: log_marginal(model, x, conditionals=Quadrature(20))
-    )
+    value, found = _quadrature_warnings(lambda: log_marginal(model, x, conditionals=Quadrature(20)))
     exact = dist.MultivariateNormal(BIAS, torch.ones(4, 4) + 4.0 * torch.eye(4)).log_prob(x)
     torch.testing.assert_close(value, exact, atol=1e-6, rtol=0)
     assert found == []
@@ -114,31 +111,22 @@ def test_check_rule_false_skips_the_check_and_its_run():
     assert runs[True] == runs[False] + 1  # the finer rule's one run
 
 
-@pytest.mark.parametrize("subsample_size", [5])
-def test_the_finer_rule_sees_the_same_subsample(subsample_size):
-    # A subsampled plate: the check must compare the rules on one subsample, else its figure
-    # would measure the difference between two subsamples.
+def test_the_finer_rule_of_a_loss_sees_the_same_subsample():
+    # A subsampled plate (which MPTLoss scales, as Trace_ELBO does): the check must compare
+    # the rules on one subsample, else its figure would measure the difference between two
+    # subsamples. 20 nodes are exact to 1e-6 here.
     def model(x):
-        with pyro.plate("data", x.shape[-2], subsample_size=subsample_size) as idx:
+        with pyro.plate("data", x.shape[-2], subsample_size=5) as idx:
             z = pyro.sample("z", dist.Normal(torch.tensor(0.0), 1.0))
             loc = BIAS + z.unsqueeze(-1)
             pyro.sample("x", dist.Normal(loc, 2.0).to_event(1), obs=x[idx])
 
     x = _data(4, num_obs=40)
     pyro.set_rng_seed(5)
-    state = torch.get_rng_state()
-    _, found = _quadrature_warnings(lambda: log_marginal(model, x, conditionals=Quadrature(20)))
-    # 20 nodes are exact to 1e-6 here: a gap would come from another subsample.
+    loss = MPTLoss(conditionals=Quadrature(20))
+    _, found = _quadrature_warnings(lambda: [loss.loss(model, None, x) for _ in range(2)])
     assert found == []
-    assert torch.equal(torch.get_rng_state(), _state_after_one_run(model, x, state))
-
-
-def _state_after_one_run(model, x, state):
-    """The random state after one plain run of ``log_marginal`` without the check, from
-    ``state``: the check leaves the caller's random state as the call alone would."""
-    torch.set_rng_state(state)
-    log_marginal(model, x, conditionals=Quadrature(20), check_rule=False)
-    return torch.get_rng_state()
+    assert loss.rule_check["step"] == 2 and loss.rule_check["mean_gap"] < 1e-4
 
 
 def test_mpt_curve_checks_its_rule_and_draws_the_same_masks():

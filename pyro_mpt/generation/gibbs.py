@@ -11,6 +11,7 @@ from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["gibbs"]
@@ -90,12 +91,14 @@ def gibbs(
     rest = tuple(args[1:])
     # The param store is left as it was found (a guide sized by this x creates parameters).
     # One call counts its failing importance weights afresh (warns at its first).
-    with param_store_rollback(always=True), counted_per_call():
+    subsampled = refusing_subsampled_plates("gibbs draws every observation")
+    with param_store_rollback(always=True), counted_per_call(), subsampled as plates:
         # Prepared with gradients on: some strategies check their guide by differentiating it.
         call = (model, guide, args, kwargs, max_plate_nesting)
         prepared = prepare_checked(
             strategy, *call, check_rule, "gibbs", lambda prepared: prepared.check_draws()
         )
+        plates.refuse()
         observed = prepared.observed
         _check_state(data, observed)
         num_features = observed.num_features

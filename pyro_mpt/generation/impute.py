@@ -10,6 +10,7 @@ from pyro_mpt.conditionals.rule_check import check_completed, prepare_checked
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
+from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
 __all__ = ["impute"]
@@ -94,10 +95,12 @@ def impute(
     strategy = conditionals_for(conditionals, model)
     # The param store is left as it was found (a guide sized by this x creates parameters).
     # One call counts its failing importance weights afresh (warns at its first).
-    with param_store_rollback(always=True), counted_per_call():
+    subsampled = refusing_subsampled_plates("impute returns every observation")
+    with param_store_rollback(always=True), counted_per_call(), subsampled as plates:
         # Prepared with gradients on: some strategies check their guide by differentiating it.
         call = (model, guide, args, kwargs, max_plate_nesting)
-        prepared = prepare_checked(strategy, *call, check_rule, "impute", _visible(missing))
+        scored = _visible(missing, plates)
+        prepared = prepare_checked(strategy, *call, check_rule, "impute", scored)
         observed = prepared.observed
         hidden = flat_missing(missing.to(observed.value.device), observed)
         with torch.no_grad():
@@ -108,12 +111,15 @@ def impute(
     return draws
 
 
-def _visible(missing):
+def _visible(missing, plates):
     """What the rule check of :func:`impute` scores: the entries the draws rest on, after
-    refusing conditionals that cannot serve draws (the values at the entries to draw are
-    ignored, so they must not move the check)."""
+    refusing a plate that subsamples (``plates``, a
+    :class:`~pyro_mpt.trace.subsampled_plates.SubsampledPlates`) and conditionals that
+    cannot serve draws (the values at the entries to draw are ignored, so they must not
+    move the check)."""
 
     def scored(prepared):
+        plates.refuse()
         prepared.check_draws()
         observed = prepared.observed
         return prepared.context(flat_missing(missing.to(observed.value.device), observed))

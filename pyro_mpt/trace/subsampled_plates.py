@@ -1,7 +1,8 @@
-"""Refusing plates that subsample, for the functions that return one value per observation
-of the data they are given (:func:`~pyro_mpt.log_marginal`, :func:`~pyro_mpt.mpt_curve`):
-under ``subsample_size`` a run of the model scores a random subset of the data, whose
-values would pass for the data's."""
+"""Refusing plates that subsample, for the functions that return figures or draws of every
+observation of the data they are given (:func:`~pyro_mpt.log_marginal`,
+:func:`~pyro_mpt.mpt_curve`, :func:`~pyro_mpt.impute`, :func:`~pyro_mpt.gibbs`): under
+``subsample_size`` a run of the model sees a random subset of the data, whose results would
+pass for the data's."""
 
 import contextlib
 
@@ -12,11 +13,16 @@ __all__ = ["SubsampledPlates", "refusing_subsampled_plates"]
 
 
 class SubsampledPlates(Messenger):
-    """Records, while active, every plate that subsamples: ``{name: (size, subsample)}``
-    in :attr:`found`, the plate's size and how many of its members a run kept."""
+    """Records, while active, every plate that subsamples: ``{name: (size, kept)}`` in
+    :attr:`found`, the plate's size and how many of its members a run kept.
 
-    def __init__(self):
+    :param str what: what the caller returns, in words (``"log_marginal returns one value
+        per observation"``), for :meth:`refuse`'s message.
+    """
+
+    def __init__(self, what):
         super().__init__()
+        self.what = what
         self.found = {}
 
     def _pyro_post_sample(self, msg):
@@ -27,21 +33,26 @@ class SubsampledPlates(Messenger):
         if 0 <= kept < size:
             self.found[msg["name"]] = (size, kept)
 
+    def refuse(self):
+        """Raises ``ValueError`` if a run so far subsampled a plate."""
+        if not self.found:
+            return
+        name, (size, kept) = next(iter(self.found.items()))
+        raise ValueError(
+            f"{self.what} of the data, but plate {name!r} subsamples {kept} of its {size} "
+            f"members on each run of the model: the result would be that of a random subset, "
+            f"in no order you are given. Evaluate with the whole plate (subsample_size=None, "
+            f"e.g. through an argument of the model), or pass the rows to evaluate as the "
+            f"data."
+        )
+
 
 @contextlib.contextmanager
 def refusing_subsampled_plates(what):
-    """Raises ``ValueError`` after the block if a model run in it subsampled a plate:
-    ``what`` (what the caller returns, in words, e.g. ``"log_marginal returns one value per
-    observation"``) would be that of a random subset of the data."""
-    plates = SubsampledPlates()
+    """Watches the model runs in the block (yields the :class:`SubsampledPlates`, whose
+    :meth:`~SubsampledPlates.refuse` a caller may call as soon as the model has run) and
+    refuses a plate that subsampled when the block ends."""
+    plates = SubsampledPlates(what)
     with plates:
-        yield
-    if plates.found:
-        name, (size, kept) = next(iter(plates.found.items()))
-        raise ValueError(
-            f"{what} of the data, but plate {name!r} subsamples {kept} of its {size} "
-            f"members on each run of the model: the result would be that of a random subset, "
-            f"in no order you are given. Evaluate with the "
-            f"whole plate (subsample_size=None, e.g. through an argument of the model), or "
-            f"pass the rows to evaluate as the data."
-        )
+        yield plates
+    plates.refuse()
