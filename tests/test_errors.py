@@ -329,3 +329,36 @@ def test_a_subsampling_data_plate_is_refused_where_every_observation_is_returned
         assert abs(curve.area - expected.mean().item()) < 4 * curve.area_stderr
     else:
         assert function(model, x, 100, conditionals="exact").shape[-2:] == x.shape
+
+
+def test_a_mask_over_event_entries_is_refused_with_the_masks_that_work():
+    # poutine.mask with an (N, D) mask around a .to_event(1) site: Pyro counts whole events
+    # with such a mask; the library failed with a bare reshape error.
+    weight = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(1))
+    observed = torch.rand(20, 5, generator=torch.Generator().manual_seed(2)) > 0.3
+
+    def masked_events(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            with pyro.poutine.mask(mask=observed):
+                pyro.sample("x", dist.Normal(z @ weight.T, 1.0).to_event(1), obs=x)
+
+    message = (
+        r"Observed site 'x' has a mask of shape \(20, 5\) .*does not broadcast to its batch "
+        r"shape \(20,\).*dist.Normal\(loc, scale\).mask\(observed\).to_event\(1\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        log_marginal(masked_events, x)
+
+    def masked_entries(x):  # the fix the message gives
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            likelihood = dist.Normal(z @ weight.T, 1.0).mask(observed).to_event(1)
+            pyro.sample("x", likelihood, obs=x)
+
+    covariance = weight @ weight.T + torch.eye(5)
+    values = log_marginal(masked_entries, x)
+    for value, row, entries in zip(values, x, observed):
+        seen = dist.MultivariateNormal(torch.zeros(5)[entries], covariance[entries][:, entries])
+        torch.testing.assert_close(value, seen.log_prob(row[entries]), rtol=0, atol=1e-10)

@@ -58,7 +58,7 @@ class ObservedSite(NamedTuple):
         return self.entries.sum(-1).to(self.value.dtype)
 
 
-def _entry_mask(mask, inner, event_shape, full_shape, num_feature_dims):
+def _entry_mask(name, mask, inner, event_shape, full_shape, num_feature_dims):
     """The site's ``mask`` combined with the mask ``inner`` of ``.mask(...)`` wrappers of its
     distribution, as booleans ``batch + (D,)``; ``None`` when every entry counts."""
     if inner is not None and inner.dim() > len(full_shape):
@@ -68,6 +68,18 @@ def _entry_mask(mask, inner, event_shape, full_shape, num_feature_dims):
     elif mask is False:
         mask = torch.zeros((), dtype=torch.bool)
     mask = torch.as_tensor(mask, dtype=torch.bool)
+    batch_shape = full_shape[: len(full_shape) - len(event_shape)]
+    try:
+        torch.broadcast_shapes(mask.shape, batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"Observed site {name!r} has a mask of shape {tuple(mask.shape)} (poutine.mask or "
+            f"pyro.sample(..., mask=...)), which does not broadcast to its batch shape "
+            f"{tuple(batch_shape)}: such a mask counts or drops whole events, here of shape "
+            f"{tuple(event_shape)}. To mark single entries missing, pass obs_mask=..., or mask "
+            f"the distribution before making the features an event: "
+            f"dist.Normal(loc, scale).mask(observed).to_event({len(event_shape)})."
+        ) from None
     mask = mask.reshape(mask.shape + (1,) * len(event_shape))
     mask = mask.reshape(mask.shape[max(0, mask.dim() - len(full_shape)) :]).expand(full_shape)
     if inner is not None:
@@ -115,7 +127,7 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     mask, inner = site["mask"], distribution_mask(fn)  # inner: from .mask(...) on fn
     entries = None
     if not (mask is None or mask is True) or inner is not None:
-        entries = _entry_mask(mask, inner, fn.event_shape, full_shape, num_feature_dims)
+        entries = _entry_mask(name, mask, inner, fn.event_shape, full_shape, num_feature_dims)
     # The data checks read the data back (a device synchronisation): like Pyro's own checks
     # of observations, they run while validation is enabled (the default).
     if validate and value.is_floating_point():
