@@ -234,9 +234,10 @@ def _jsonable(value):
     return str(value)
 
 
-def _replace_atomically(out_dir, final_name, write):
-    """Writes through ``write(path)`` into a temporary file of ``out_dir`` and renames it to
-    ``final_name``, so a crash or interrupt never leaves a truncated output behind."""
+def _written_temporary(out_dir, final_name, write):
+    """Writes through ``write(path)`` into a temporary file of ``out_dir`` (named after
+    ``final_name``, with the permissions ``open`` would give) and returns its path; removes
+    it if the write fails."""
     fd, tmp_path = tempfile.mkstemp(dir=out_dir, prefix=f".{final_name}.", suffix=".tmp")
     os.close(fd)
     umask = os.umask(0)
@@ -244,12 +245,11 @@ def _replace_atomically(out_dir, final_name, write):
     os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give what open() would
     try:
         write(tmp_path)
-        os.replace(tmp_path, os.path.join(out_dir, final_name))
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp_path)
         raise
-    return os.path.join(out_dir, final_name)
+    return tmp_path
 
 
 def save_outputs(out_dir, name, results, fig):
@@ -257,9 +257,21 @@ def save_outputs(out_dir, name, results, fig):
     ``<name>.png`` (``fig``) into ``out_dir``, creating the folder if needed, then records
     both paths in ``results["outputs"]``.
 
+    Both are written to temporary files first and renamed only once both are complete, so
+    a crash, an interrupt or a failing write leaves the earlier outputs as they were: never
+    a truncated file, nor a new JSON beside an old figure.
+
     :returns: ``results``, with ``"outputs"`` set to ``{"json": ..., "png": ...}``.
+    :raises IsADirectoryError: if an output's path is a folder (nothing is written).
     """
     os.makedirs(out_dir, exist_ok=True)
+    paths = {kind: os.path.join(out_dir, f"{name}.{kind}") for kind in ("json", "png")}
+    for path in paths.values():
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                f"{path} is a folder, where the results file would go; nothing was written. "
+                f"Move the folder away, or pass another --out."
+            )
     payload = json.dumps(_jsonable(results), indent=2, allow_nan=False)
 
     def write_json(path):
@@ -268,11 +280,18 @@ def save_outputs(out_dir, name, results, fig):
             handle.flush()
             os.fsync(handle.fileno())
 
-    json_path = _replace_atomically(out_dir, f"{name}.json", write_json)
-    png_path = _replace_atomically(
-        out_dir, f"{name}.png", lambda path: fig.savefig(path, format="png", dpi=120)
-    )
-    results["outputs"] = dict(json=json_path, png=png_path)
+    writers = dict(json=write_json, png=lambda path: fig.savefig(path, format="png", dpi=120))
+    written = {}
+    try:
+        for kind, write in writers.items():
+            written[kind] = _written_temporary(out_dir, os.path.basename(paths[kind]), write)
+        for kind in list(written):
+            os.replace(written.pop(kind), paths[kind])
+    finally:
+        for tmp_path in written.values():
+            with contextlib.suppress(OSError):
+                os.remove(tmp_path)
+    results["outputs"] = dict(paths)
     return results
 
 

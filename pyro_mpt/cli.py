@@ -140,9 +140,12 @@ def _non_negative_int(text):
 
 
 def _positive_int(text):
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
@@ -381,6 +384,9 @@ def main(argv=None):
     except _MissingPackage as error:
         print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
+    except IsADirectoryError as error:  # an output's path taken by a folder: nothing written
+        print(f"error: pyro-mpt {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ def test_list(capsys):
         (["reproduce"], "give an experiment NAME or --list"),
         (["reproduce", "ppca-curve", "--smoke", "--full"], "not allowed with argument"),
         (["reproduce", "ppca-curve", "--seed", "-3"], "expected a non-negative integer"),
+        (["reproduce", "ppca-curve", "--threads", "-2"], "expected a positive integer, got -2"),
+        (["reproduce", "ppca-curve", "--threads", "0"], "expected a positive integer, got 0"),
         (["reproduce", "ppca-curve", "--data-noise", "model"], "does not apply to ppca-curve"),
         (["reproduce", "ppca-curve", "--device", "tpu"], "invalid choice: 'tpu'"),
     ],
@@ -212,4 +214,18 @@ def test_outputs_replaced_atomically(tmp_path):
         save_outputs(tmp_path, "exp", failed, Broken())
     assert failed == {"value": 1.0}
     assert (tmp_path / "exp.png").read_bytes() == before
+    # The JSON written before the figure failed is not put in place either: the outputs stay
+    # a pair from one run.
+    assert json.loads((tmp_path / "exp.json").read_text()) == {"value": None, "t": [1.0, 1.0]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.json", "exp.png"]
+
+
+def test_an_output_path_that_is_a_folder_is_named_and_nothing_is_written(tmp_path):
+    from matplotlib.figure import Figure
+
+    (tmp_path / "exp.json").write_text("earlier")
+    (tmp_path / "exp.png").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"exp.png is a folder.*nothing was written"):
+        save_outputs(tmp_path, "exp", {"value": 1.0}, Figure())
+    assert (tmp_path / "exp.json").read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.json", "exp.png"]
