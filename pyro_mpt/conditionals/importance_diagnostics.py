@@ -153,10 +153,10 @@ class ImportanceDiagnostics(NamedTuple):
         first-order bias of the conditionals' ratios within :data:`MAX_RATIO_BIAS` nats per
         observation on average.
 
-        :param bool each_row: whether every row must pass on its own too: none may rest on
-            one draw. For results read row by row (``log_marginal`` of each observation,
-            imputed draws), where one observation off by tens of nats matters whatever the
-            others do: none may rest on one draw, and from :data:`MIN_SAMPLES_FOR_ROW_K`
+        :param bool each_row: whether every row must pass on its own too. For results read
+            row by row (``log_marginal`` of each observation, imputed draws), where one
+            observation off by tens of nats matters whatever the others do: none may rest
+            on one draw, and from :data:`MIN_SAMPLES_FOR_ROW_K`
             draws none may have k-hat above :data:`MAX_ROW_PARETO_K`. A training step sums
             its rows, where the shares above decide."""
         figures = self.summary()
