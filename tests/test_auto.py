@@ -213,3 +213,38 @@ def test_a_rule_chosen_at_the_node_limit_is_still_checked_as_training_goes_on():
     assert loss.rule_check["compared_with"] == "coarser"
     assert loss.rule_check["worst_gap"] > 0.1
     assert abs(value - grid_loss()) > 0.5  # the rule is that far off: the warning is due
+
+
+def test_a_fall_back_on_failing_weights_names_the_rule_it_passed_over():
+    # Posteriors with two modes (z and -z give the same likelihood), a guide in one of them:
+    # the finest rule moves by more than auto's limit under refinement, and importance
+    # sampling's weights fail. The warning said importance sampling was "the only strategy
+    # that applies"; it names the rule and its measured gap.
+    import warnings
+
+    from pyro_mpt import log_marginal
+    from pyro_mpt.errors import ImportanceAccuracyWarning
+
+    scales = torch.linspace(0.5, 1.5, 4)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.unsqueeze(-1) ** 2 * scales, 0.5).to_event(1), obs=x)
+
+    def one_mode_guide(x):
+        loc = (x / scales).mean(-1).clamp(min=0.01).sqrt()
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(loc, 0.02))
+
+    generator = torch.Generator().manual_seed(13)
+    z = 1.5 + 0.3 * torch.randn(20, generator=generator)
+    x = z[:, None] ** 2 * scales + 0.5 * torch.randn(20, 4, generator=generator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log_marginal(model, x, guide=one_mode_guide, conditionals="auto")
+    messages = [str(w.message) for w in caught if w.category is ImportanceAccuracyWarning]
+    (fallback,) = [m for m in messages if m.startswith("conditionals='auto'")]
+    assert "the only strategy that applies" not in fallback
+    assert "as Quadrature(num_points=" in fallback and "measured itself coarse" in fallback
+    assert "past 0.5)" in fallback

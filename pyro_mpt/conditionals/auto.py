@@ -249,7 +249,13 @@ class Auto(Conditionals):
             reason = "coarse, and nothing more accurate applies"
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
         if diagnostics is not None:
-            what = "conditionals='auto' (importance sampling, the only strategy that applies)"
+            if best is None:
+                what = "conditionals='auto' (importance sampling, the only strategy that applies)"
+            else:
+                what = (
+                    f"conditionals='auto' (importance sampling, as {best.rule!r} measured "
+                    f"itself coarse: {_gap_text(best)}, past {COARSE_RULE_TOL:g})"
+                )
             stacklevel = user_stacklevel() + 1  # warn_if_unreliable's own frame
             warn_if_unreliable(diagnostics, what, model, args, stacklevel, None, guide, importance)
             reason = "its weights fail, and nothing more accurate applies"
