@@ -397,3 +397,17 @@ def test_roberta_positions_start_after_the_padding_index(tokenizer):
     assert curve.num_features.tolist() == [31]
     with pytest.raises(ValueError, match=r"texts\[0\] is 34 tokens long .* the 33 positions"):
         mlm_mpt_curve(model, tokenizer, [[2] + [5] * 32 + [3]], progress=False)
+
+
+def test_the_model_s_mode_is_restored_after_a_curve_and_after_a_failing_one(tokenizer):
+    # The curve runs in eval mode: a model in train mode went back to training left in
+    # eval mode (dropout off), whether the call returned or raised.
+    model = _bert(len(tokenizer)).train()
+    mlm_mpt_curve(model, tokenizer, _texts(2, 3, 5), rates=[0.5], num_masks=2)
+    assert model.training
+    with pytest.raises(ValueError):
+        mlm_mpt_curve(model, tokenizer, _texts(2, 3, 5), rates=[1.5])
+    assert model.training
+    model.eval()
+    mlm_mpt_curve(model, tokenizer, _texts(2, 3, 5), rates=[0.5], num_masks=2)
+    assert not model.training

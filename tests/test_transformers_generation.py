@@ -338,3 +338,35 @@ def test_starts_the_model_cannot_read_raise_clear_errors(model, tokenizer):
         sample_mlm(model, tokenizer, [[CLS, MASK, A, SEP]], attention_mask=[[1, 1, 1]])
     with pytest.raises(ValueError, match="input_ids is a mapping with keys \\['ids'\\]"):
         sample_mlm(model, tokenizer, {"ids": [[CLS, MASK, SEP]]})
+
+
+def _left_padded(rows, attention):
+    """Each row with its padding moved to the front (as a tokenizer with
+    ``padding_side="left"`` pads)."""
+    moved_rows, moved_attention = [], []
+    for row, att in zip(rows, attention):
+        length = sum(att)
+        moved_rows.append([PAD] * (len(row) - length) + row[:length])
+        moved_attention.append([0] * (len(row) - length) + [1] * length)
+    return moved_rows, moved_attention
+
+
+def test_left_padded_rows_score_and_draw_as_unpadded(model, tokenizer):
+    """BERT's positions count from column 0 whatever the attention mask says: a left-padded
+    row read as it is sits at shifted positions. Its pseudo-log-likelihood was off (by 1.9
+    nats in a probe) and its draws came from other conditionals; it scores as the row
+    right-padded and draws the same tokens, returned in its own layout."""
+    ids = _ids(START).masked_fill(_ids(START) == MASK, E)
+    right = pseudo_log_likelihood(model, tokenizer, ids, _ids(ATTENTION))
+    rows, attention = _left_padded(ids.tolist(), ATTENTION)
+    left = pseudo_log_likelihood(model, tokenizer, _ids(rows), _ids(attention))
+    torch.testing.assert_close(left, right, rtol=0, atol=1e-10)
+
+    options = dict(method="sequential", num_steps=2)
+    expected = sample_mlm(model, tokenizer, _ids(START), generator=_gen(5), **options)
+    rows, attention = _left_padded(START, ATTENTION)
+    given = dict(attention_mask=_ids(attention), generator=_gen(5))
+    out = sample_mlm(model, tokenizer, _ids(rows), **given, **options)
+    assert torch.equal(out.attention_mask, _ids(attention))
+    moved_back, _ = _left_padded(expected.sequences.tolist(), ATTENTION)
+    assert out.sequences.tolist() == moved_back

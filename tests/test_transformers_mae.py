@@ -231,3 +231,18 @@ def test_train_mae_schedule_arguments_are_checked():
         train_mae(_mae(), images, warmup_steps=5)
     with pytest.raises(ValueError, match="steps must be at least 1"):
         train_mae(_mae(), images, steps=0)
+
+
+def test_the_model_s_mode_is_restored_by_the_curve_and_by_training():
+    # The curve runs in eval mode and training in train mode; each left the model in eval
+    # mode whatever mode it came in.
+    images = torch.rand(4, 1, 8, 8, device=DEVICE)
+    model = _mae(seed=3).train()
+    mae_mpt_curve(model, images, rates=[0.5], num_masks=2, progress=False)
+    assert model.training
+    model.eval()
+    train_mae(model, images, batch_size=4, steps=1, progress=False)
+    assert not model.training
+    model.train()
+    train_mae(model, images, batch_size=4, steps=1, progress=False)
+    assert model.training

@@ -12,6 +12,24 @@ __all__ = []
 _PAD_VALUES = {"attention_mask": 0, "special_tokens_mask": 1, "word_ids": -1, "labels": -100}
 
 
+def left_aligned(ids, attention):
+    """Rows with leading padding (attention 0) rolled so that their tokens start at position
+    0, the padding moved to the end: absolute position embeddings (BERT's) read a left-padded
+    row at shifted positions, where it does not score as the row unpadded. Returns
+    ``(ids, attention, first)``, ``first`` the shift of each row, which
+    :func:`realigned` undoes."""
+    first = attention.bool().long().argmax(-1)  # the first attended position
+    columns = torch.arange(ids.shape[-1], device=ids.device)
+    index = (columns + first[:, None]) % ids.shape[-1]
+    return ids.gather(1, index), attention.gather(1, index), first
+
+
+def realigned(tensor, first):
+    """``tensor`` ``(B, L)`` rolled back to the layout :func:`left_aligned` took it from."""
+    columns = torch.arange(tensor.shape[-1], device=tensor.device)
+    return tensor.gather(1, (columns - first[:, None]) % tensor.shape[-1])
+
+
 def read_encoding(value, attention_mask, name):
     """``(input_ids, attention_mask)`` of ``value`` when it is a tokenizer's output (a
     ``BatchEncoding`` or any mapping with ``input_ids``), else ``(value, attention_mask)``.

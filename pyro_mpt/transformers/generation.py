@@ -20,7 +20,12 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.progress import progress_bar
-from pyro_mpt.transformers._padding import pad_examples, read_encoding
+from pyro_mpt.transformers._padding import (
+    left_aligned,
+    pad_examples,
+    read_encoding,
+    realigned,
+)
 from pyro_mpt.transformers.mlm_curve import _attended_rows, _check_token_ids, _model_limits
 from pyro_mpt.transformers.mlm_sampling_steps import (
     TokenConditionals,
@@ -300,6 +305,9 @@ def sample_mlm(
     block_size = check_positive_int("block_size", block_size)
     ids, attention = _start(tokenizer, input_ids, attention_mask, length, num_sequences, device)
     _check_start(model, ids, attention, length)
+    # Left-padded rows are drawn with their tokens from position 0, as unpadded, and
+    # returned in the layout they came in.
+    ids, attention, shift = left_aligned(ids, attention)
     masked = (ids == mask_id) & attention.bool()
     free = (
         masked
@@ -339,6 +347,7 @@ def sample_mlm(
                     gibbs_step(cond, ids, attention, free, block_size, mask_id, sequential)
         finally:
             model.train(training)
+    ids, attention = realigned(ids, shift), realigned(attention, shift)
     if ids.is_cuda:
         torch.cuda.synchronize(ids.device)
     return MLMSamples(ids, attention, cond.passes, time.perf_counter() - start)

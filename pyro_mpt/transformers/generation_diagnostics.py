@@ -9,6 +9,7 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.transformers._padding import left_aligned
 from pyro_mpt.transformers.generation import (
     MLMSamples,
     check_mask_token,
@@ -103,6 +104,8 @@ def pseudo_log_likelihood(
     device = next(model.parameters()).device
     ids = ids.to(device)
     attention = default_attention(ids, tokenizer) if attention is None else attention.to(device)
+    # Left-padded rows are scored with their tokens from position 0, as unpadded.
+    ids, attention, _ = left_aligned(ids, attention)
     rows, cols = content_positions(ids, tokenizer, attention).nonzero(as_tuple=True)
     total = torch.zeros(ids.shape[0], dtype=torch.float64)
     training = model.training

@@ -65,7 +65,8 @@ def train_mae(
 ):
     """Trains a ViT-MAE on ``images`` with :func:`mae_loss` and AdamW.
 
-    :param model: a :class:`transformers.ViTMAEForPreTraining`.
+    :param model: a :class:`transformers.ViTMAEForPreTraining`; trained in ``train()``
+        mode, its mode restored afterwards.
     :param torch.Tensor images: ``(N, C, H, W)`` on the model's device.
     :param rate: the rate schedule (``"uniform"``, ``0.75``, ``(lo, hi)``).
     :param int epochs: passes over the shuffled images (when ``steps`` is None).
@@ -102,20 +103,23 @@ def train_mae(
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda k: min(1.0, (k + 1) / warmup)
         )
+    training = model.training
     model.train()
     losses = []
-    with progress_bar(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
-        while len(losses) < steps:
-            order = torch.randperm(num_images, generator=generator).to(images.device)
-            for index in order.split(batch_size):
-                if len(losses) == steps:
-                    break
-                loss = mae_loss(model, images[index], rate).loss
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                losses.append(float(loss.detach()))
-                bar.update()
-    model.eval()
+    try:
+        with progress_bar(total=steps, desc=f"MAE rate {rate}", disable=not progress) as bar:
+            while len(losses) < steps:
+                order = torch.randperm(num_images, generator=generator).to(images.device)
+                for index in order.split(batch_size):
+                    if len(losses) == steps:
+                        break
+                    loss = mae_loss(model, images[index], rate).loss
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    schedule.step()
+                    losses.append(float(loss.detach()))
+                    bar.update()
+    finally:
+        model.train(training)
     return losses

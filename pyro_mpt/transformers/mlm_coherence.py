@@ -9,7 +9,7 @@ from pyro_mpt.diagnostics.coherence import OrderingLogLikelihoods
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import prefix_masks, random_orderings
 from pyro_mpt.progress import progress_bar
-from pyro_mpt.transformers._padding import pad_examples, read_encoding
+from pyro_mpt.transformers._padding import left_aligned, pad_examples, read_encoding
 from pyro_mpt.transformers.generation import content_positions, default_attention
 from pyro_mpt.transformers.mlm_curve import (
     _attended_rows,
@@ -31,17 +31,6 @@ def _mask_id(tokenizer):
             "the chain rule of a masked language model needs its tokenizer, e.g. BERT's."
         )
     return mask_id
-
-
-def _left_aligned(ids, attention):
-    """Rows with leading padding (attention 0) rolled so that their tokens start at position
-    0, the padding moved to the end: absolute position embeddings would otherwise read a
-    left-padded row at shifted positions, and it would not score as the row unpadded."""
-    first = attention.bool().long().argmax(-1)  # the first attended position
-    if not first.any():
-        return ids, attention
-    index = (torch.arange(ids.shape[1]) + first[:, None]) % ids.shape[1]
-    return ids.gather(1, index), attention.gather(1, index)
 
 
 def _truncated_rows(tokenizer, ids, attention, max_length):
@@ -80,7 +69,7 @@ def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
                     f"got {tuple(attention.shape)}."
                 )
             attention = attention.reshape(ids.shape)
-        ids, attention = _left_aligned(ids, attention)
+        ids, attention, _ = left_aligned(ids, attention)
         return _truncated_rows(tokenizer, ids, attention, max_length)
     if attention_mask is not None:  # lists of ids: drop what the mask leaves out
         sequences = {"input_ids": sequences, "attention_mask": attention_mask}

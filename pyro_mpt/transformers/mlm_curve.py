@@ -303,15 +303,18 @@ def mlm_mpt_curve(
 
         \\mathcal{S}(x; r) = \\mathbb{E}_{|\\mathcal{M}| = M}\\Big[\\frac{1}{M}
             \\sum_{j \\in \\mathcal{M}} \\log q(x_j \\mid x_\\mathcal{R})\\Big],
-        \\qquad \\text{area} = D \\cdot \\operatorname{mean}_r \\mathcal{S}(x; r)
-            \\approx \\sum_{M=1}^{D} \\mathcal{S}(x; M) = \\log p(x).
+        \\qquad \\text{area} = \\sum_{M=1}^{D} \\mathcal{S}(x; M) = \\log p(x),
+
+    where sizes that no rate gives are interpolated between the nearest given ones
+    (:func:`~pyro_mpt.diagnostics.curve.area_weights`; ``D`` times the mean over the rates
+    would weigh each size by how many rates round to it).
 
     Masked copies of all sequences are packed into batches of ``batch_size`` rows (longest
     sequences first, padded within a batch) and run under :func:`torch.no_grad` on the
     model's device, in its dtype; the log-softmax of the masked positions runs in float32.
 
-    :param model: a masked language model, e.g. :class:`transformers.BertForMaskedLM`; it
-        is put in ``eval()`` mode.
+    :param model: a masked language model, e.g. :class:`transformers.BertForMaskedLM`; run
+        in ``eval()`` mode, restored afterwards.
     :param tokenizer: its tokenizer; needs a mask token.
     :param texts: a list of strings (tokenized with special tokens), of lists of token ids
         or a ``(B, L)`` tensor (used as given; the padding token at either end is dropped
@@ -344,14 +347,18 @@ def mlm_mpt_curve(
     plan = _Plan(tokenizer, texts, rates, num_masks, max_length)
     _check_token_ids(model, plan.ids)
     device = _model_device(model)
-    model.eval()
     scores = torch.zeros(len(plan.ids), plan.rows_per_sequence, dtype=torch.float64)
     total = math.ceil(plan.num_rows / batch_size)
-    for input_ids, attention, targets, owners in progress_bar(
-        plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
-    ):
-        logits = model(input_ids=input_ids, attention_mask=attention).logits
-        row_scores = _mean_masked_log_probs(logits, targets).double().cpu()
-        scores[owners[:, 0], owners[:, 1]] = row_scores
+    training = model.training
+    model.eval()
+    try:
+        for input_ids, attention, targets, owners in progress_bar(
+            plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
+        ):
+            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            row_scores = _mean_masked_log_probs(logits, targets).double().cpu()
+            scores[owners[:, 0], owners[:, 1]] = row_scores
+    finally:
+        model.train(training)
     scores = scores.reshape(len(plan.ids), len(plan.rates), plan.num_masks)
     return MPTCurve.from_scores(scores, plan.rates, plan.sizes, plan.num_features)

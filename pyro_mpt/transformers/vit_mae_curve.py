@@ -45,14 +45,17 @@ def mae_mpt_curve(
         \\mathcal{S}(x; r) = \\mathbb{E}_{|\\mathcal{M}| = M}\\Big[\\frac{1}{M}
             \\sum_{j \\in \\mathcal{M}} \\log \\mathcal{N}(x_j \\mid \\hat{x}_j(x_\\mathcal{R}),
             \\sigma^2 I)\\Big],
-        \\qquad \\text{area} = L \\cdot \\operatorname{mean}_r \\mathcal{S}(x; r).
+        \\qquad \\text{area} = \\sum_{M=1}^{L} \\mathcal{S}(x; M),
+
+    with the sizes that no rate gives interpolated between the nearest given ones
+    (:func:`~pyro_mpt.diagnostics.curve.area_weights`).
 
     The score is an affine function of the mean squared error of the masked patches, the
     MAE loss: ``S = -(n/2) log(2 pi sigma^2) - n MSE / (2 sigma^2)`` for patches of ``n``
     values, so ``scale`` sets the units, not the shape, of the curve. With
     ``config.norm_pix_loss`` the targets are the per-patch normalised pixels.
 
-    :param model: a ``ViTMAEForPreTraining``; it is put in ``eval()`` mode.
+    :param model: a ``ViTMAEForPreTraining``; run in ``eval()`` mode, restored afterwards.
     :param torch.Tensor pixel_values: images ``(N, C, H, W)`` on the model's device.
     :param rates: masking rates in ``(0, 1)`` (default: 5%, 10%, ..., 95%).
     :param int num_masks: random masks per image and rate.
@@ -88,23 +91,27 @@ def mae_mpt_curve(
             f"pixel_values must be a batch of images (N, C, H, W), got shape "
             f"{tuple(pixel_values.shape)}."
         )
-    model.eval()
     num_images = pixel_values.shape[0]
     rows = num_images * num_masks
     scores = torch.zeros(num_images, len(rates), num_masks, dtype=torch.float64)
     steps = len(rates) * math.ceil(rows / batch_size)
-    with progress_bar(total=steps, desc="MAE curve", disable=not progress) as bar:
-        for k, size in enumerate(sizes.tolist()):
-            for start in range(0, rows, batch_size):
-                index = torch.arange(start, min(rows, start + batch_size))
-                images = pixel_values[index // num_masks]
-                count = torch.full((len(index),), size, device=images.device)
-                masks = masks_of_sizes(count, total)
-                output = masked_forward(model, images, masks)
-                target = reconstruction_targets(model, images)
-                log_lik = patch_log_likelihood(output.logits, target, scale)
-                row = (log_lik * masks).sum(1) / size
-                scores[index // num_masks, k, index % num_masks] = row.double().cpu()
-                bar.update()
+    training = model.training
+    model.eval()
+    try:
+        with progress_bar(total=steps, desc="MAE curve", disable=not progress) as bar:
+            for k, size in enumerate(sizes.tolist()):
+                for start in range(0, rows, batch_size):
+                    index = torch.arange(start, min(rows, start + batch_size))
+                    images = pixel_values[index // num_masks]
+                    count = torch.full((len(index),), size, device=images.device)
+                    masks = masks_of_sizes(count, total)
+                    output = masked_forward(model, images, masks)
+                    target = reconstruction_targets(model, images)
+                    log_lik = patch_log_likelihood(output.logits, target, scale)
+                    row = (log_lik * masks).sum(1) / size
+                    scores[index // num_masks, k, index % num_masks] = row.double().cpu()
+                    bar.update()
+    finally:
+        model.train(training)
     features = torch.full((num_images,), total)
     return MPTCurve.from_scores(scores, rates, sizes.expand(num_images, -1), features)
