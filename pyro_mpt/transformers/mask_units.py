@@ -67,7 +67,21 @@ def uniform_subsets(counts, sizes, width, generator=None):
     keys = torch.rand(shape, dtype=torch.float32, device=device, generator=generator)
     keys = keys.masked_fill(~valid, 2.0)  # never among the smallest ``sizes`` of a row
     threshold = sort_rows(keys).gather(-1, (sizes - 1).clamp(min=0).unsqueeze(-1))
-    return (keys <= threshold) & valid & (sizes > 0).unsqueeze(-1)
+    masks = (keys <= threshold) & valid & (sizes > 0).unsqueeze(-1)
+    # A key tied with the row's threshold would mask one unit too many (float32 keys: about
+    # 1 row in 60,000 of 512 tokens): those rows are drawn again with float64 keys, whose
+    # ties are 2**29 times rarer.
+    tied = masks.sum(-1) > sizes
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(-1)
+        redrawn = torch.rand(
+            (len(rows), width), dtype=torch.float64, device=device, generator=generator
+        )
+        redrawn = redrawn.masked_fill(~valid[rows], 2.0)
+        index = (sizes[rows] - 1).clamp(min=0).unsqueeze(-1)
+        threshold = redrawn.sort(-1).values.gather(-1, index)
+        masks[rows] = (redrawn <= threshold) & valid[rows] & (sizes[rows] > 0).unsqueeze(-1)
+    return masks
 
 
 def geometric_spans(counts, sizes, width, p, max_length, generator=None):
