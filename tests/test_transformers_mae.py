@@ -177,7 +177,7 @@ def test_training_lowers_the_loss_and_raises_the_curve():
     torch.manual_seed(5)
     before = mae_mpt_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
     losses = train_mae(model, images, rate=(0.2, 0.8), epochs=30, batch_size=32, lr=3e-3)
-    assert len(losses) == 60 and not model.training
+    assert len(losses) == 60 and model.training  # built in train mode, and left so
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     torch.manual_seed(5)
     after = mae_mpt_curve(model, images, rates=[0.25, 0.5], num_masks=2, progress=False)
