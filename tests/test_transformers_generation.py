@@ -247,6 +247,8 @@ def test_bad_input_errors(model, tokenizer):
         sample_mlm(model, tokenizer, start, num_steps=1, block_size=3)
     with pytest.raises(ValueError, match="block_size must be at least 1"):
         sample_mlm(model, tokenizer, start, num_steps=1, block_size=0)
+    with pytest.raises(ValueError, match="with keep_unmasked=True only its mask tokens are"):
+        sample_mlm(model, tokenizer, start, num_steps=1, keep_unmasked=True)
     with pytest.raises(ValueError, match="top_k must be at most 6"):
         sample_mlm(model, tokenizer, start, top_k=7)
     with pytest.raises(ValueError, match="give exactly one of input_ids"):

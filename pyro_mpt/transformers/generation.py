@@ -322,6 +322,13 @@ def sample_mlm(
         )
     if method != "mask-predict" and num_steps > 0:
         fewest = int(free.sum(1).min())
+        if fewest == 0:
+            what = "mask tokens" if keep_unmasked else "ordinary tokens or mask tokens"
+            raise ValueError(
+                f"num_steps={num_steps} resamples free positions, but a start sequence has "
+                f"none: with keep_unmasked={keep_unmasked} only its {what} are resampled. Put "
+                f"the tokenizer's mask token where tokens are to be drawn, or pass num_steps=0."
+            )
         if block_size > fewest:
             raise ValueError(
                 f"block_size must be between 1 and {fewest} (the free positions of the "
