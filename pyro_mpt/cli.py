@@ -129,24 +129,23 @@ def _check_requirements(name):
     )
 
 
-def _non_negative_int(text):
+def _integer_from(text, lowest, what):
+    """``text`` as an integer of at least ``lowest``, for argparse (``what``: its words)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def _non_negative_int(text):
+    return _integer_from(text, 0, "a non-negative integer")
 
 
 def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _integer_from(text, 1, "a positive integer")
 
 
 def build_parser():
