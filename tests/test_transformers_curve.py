@@ -411,3 +411,15 @@ def test_the_model_s_mode_is_restored_after_a_curve_and_after_a_failing_one(toke
     model.eval()
     mlm_mpt_curve(model, tokenizer, _texts(2, 3, 5), rates=[0.5], num_masks=2)
     assert not model.training
+
+
+def test_a_sentence_pair_is_refused_rather_than_scored_as_one_segment(tokenizer):
+    # The curve feeds input_ids and attention_mask only: a pair's second segment was scored
+    # with token type 0, the conditionals of another input (-3.99 for -3.93 in a probe).
+    model = _bert(len(tokenizer))
+    pair = tokenizer(["a b"], ["c d"], return_tensors="pt")
+    assert pair["token_type_ids"].any()
+    with pytest.raises(ValueError, match=r"texts\['token_type_ids'\] marks a second segment"):
+        mlm_mpt_curve(model, tokenizer, pair, rates=[0.5], progress=False)
+    single = tokenizer(["a b c d"], return_tensors="pt")  # token types all 0: accepted
+    mlm_mpt_curve(model, tokenizer, single, rates=[0.5], num_masks=1, progress=False)
