@@ -249,6 +249,14 @@ def test_bad_input_errors(model, tokenizer):
         sample_mlm(model, tokenizer, start, num_steps=1, block_size=0)
     with pytest.raises(ValueError, match="with keep_unmasked=True only its mask tokens are"):
         sample_mlm(model, tokenizer, start, num_steps=1, keep_unmasked=True)
+    # Float ids were cast (4.7 to 4, the mask token, then filled); an id outside the
+    # vocabulary failed with a bare IndexError.
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got a torch"):
+        sample_mlm(model, tokenizer, start.double())
+    with pytest.raises(TypeError, match="sequences must be a long .* got a torch.float64"):
+        pseudo_log_likelihood(model, tokenizer, start.double())
+    with pytest.raises(ValueError, match=r"sequences\[0\] holds token id 99 at position 1"):
+        pseudo_log_likelihood(model, tokenizer, _ids([[CLS, 99, B, SEP]]))
     with pytest.raises(ValueError, match="top_k must be at most 6"):
         sample_mlm(model, tokenizer, start, top_k=7)
     with pytest.raises(ValueError, match="give exactly one of input_ids"):

@@ -132,6 +132,12 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() not in (1, 2):
             raise ValueError(f"input_ids must be (L,) or (B, L), got {tuple(input_ids.shape)}.")
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise TypeError(
+                f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor (a cast "
+                f"would turn 4.7 into 4, another token); pass the tokenizer's ids, e.g. "
+                f"tokenizer(texts, return_tensors='pt')['input_ids']."
+            )
         ids = input_ids.long().reshape(-1, input_ids.shape[-1])
         if attention_mask is None:
             attention_mask = default_attention(ids, tokenizer)

@@ -17,6 +17,7 @@ from pyro_mpt.transformers.generation import (
     content_positions,
     default_attention,
 )
+from pyro_mpt.transformers.mlm_curve import _attended_rows, _check_token_ids
 
 __all__ = [
     "GenerationDiagnostics",
@@ -51,10 +52,18 @@ def _ids(sequences, attention_mask=None):
     """``(ids (B, L), attention (B, L) or None)`` from a tensor or :class:`MLMSamples`."""
     if isinstance(sequences, MLMSamples):
         return sequences.sequences, sequences.attention_mask
-    if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
+    if (
+        not isinstance(sequences, torch.Tensor)
+        or sequences.dim() != 2
+        or sequences.is_floating_point()
+        or sequences.is_complex()
+    ):
+        got = type(sequences).__name__
+        if isinstance(sequences, torch.Tensor):
+            got = f"a {sequences.dtype} tensor of shape {tuple(sequences.shape)}"
         raise TypeError(
-            "sequences must be a long (B, L) tensor of token ids or the MLMSamples of "
-            f"sample_mlm, got {type(sequences).__name__}."
+            f"sequences must be a long (B, L) tensor of token ids or the MLMSamples of "
+            f"sample_mlm, got {got}."
         )
     return sequences, attention_mask
 
@@ -104,6 +113,8 @@ def pseudo_log_likelihood(
     device = next(model.parameters()).device
     ids = ids.to(device)
     attention = default_attention(ids, tokenizer) if attention is None else attention.to(device)
+    fix = "cut the sequence to at most {} tokens, special tokens included"
+    _check_token_ids(model, _attended_rows(ids, attention), "sequences", fix)
     # Left-padded rows are scored with their tokens from position 0, as unpadded.
     ids, attention, _ = left_aligned(ids, attention)
     rows, cols = content_positions(ids, tokenizer, attention).nonzero(as_tuple=True)
