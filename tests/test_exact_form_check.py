@@ -170,3 +170,37 @@ def test_a_form_that_holds_only_at_the_present_parameters_is_refused_where_a_gra
         log_marginal(model, x, conditionals="auto").sum(), unconstrained
     )
     torch.testing.assert_close(gradient, expected, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("noise", ["per_observation", "per_entry"])
+def test_a_noise_scale_that_differs_by_observation_is_exact(noise):
+    # Heteroscedastic noise, or known measurement errors per entry, with a loc shared by
+    # every observation: the noise had more rows than the loc, and the form failed with a
+    # RuntimeError from expand (which also kept auto from trying anything else).
+    generator = torch.Generator().manual_seed(0)
+    weight, loc = torch.randn(6, 2, generator=generator), torch.randn(6, generator=generator)
+    x = torch.randn(10, 6, generator=generator)
+    if noise == "per_observation":
+        scale = 0.6 * (torch.rand(10, 1, generator=generator) + 0.5)
+    else:
+        scale = torch.rand(10, 6, generator=generator) + 0.3
+    noise_scale = pyro.param("noise_scale", scale.clone())
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T + loc, noise_scale).to_event(1), obs=x)
+
+    variances = (scale**2).expand(10, 6)
+    covariance = weight @ weight.T + torch.diag_embed(variances)
+    expected = -dist.MultivariateNormal(loc, covariance).log_prob(x).sum()
+    for conditionals in ("exact", "auto"):
+        loss = MPTLoss(num_masks="all", conditionals=conditionals)
+        value = loss.differentiable_loss(model, None, x)
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-10)
+        (grad,) = torch.autograd.grad(value, noise_scale)
+        closed_form = dist.MultivariateNormal(
+            loc, weight @ weight.T + torch.diag_embed((noise_scale**2).expand(10, 6))
+        )
+        (expected_grad,) = torch.autograd.grad(-closed_form.log_prob(x).sum(), noise_scale)
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)

@@ -225,7 +225,9 @@ def extract_gaussian_form(model, args, kwargs, structure):
     # locs[q] = bias + weight @ points[q]: bias from the origin, weight from unit vectors.
     bias = locs[0]
     weight = (locs[1 : num_latent + 1] - bias).movedim(0, -1)  # batch + (D, K)
-    noise_var = scales[0].expand(bias.shape) ** 2 if scales.shape[0] == 1 else scales[0] ** 2
+    # A noise scale per observation (heteroscedastic noise, known measurement errors) can
+    # have more rows than a loc shared by every observation: the broadcast shape of both.
+    noise_var = scales[0].expand(torch.broadcast_shapes(bias.shape, scales.shape[1:])) ** 2
     latents = tuple(structure.latent_names)
     form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, latents)
     checks = points[num_latent + 1 :]
