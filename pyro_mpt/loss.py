@@ -504,17 +504,21 @@ class MPTLoss(ELBO):
         its gradient is the MPT gradient for the model's parameters and the guide loss's for
         the guide's.
         """
-        loss, prepared, _ = self._mpt_loss(model, guide, args, kwargs)
-        mode = self.guide_loss
-        if mode == "auto":
-            mode = self._steady[2]  # that of the strategy that prepared the call
-        proposal_loss = prepared.proposal_loss() if mode == "wake" else None
-        if mode == "wake" and proposal_loss is None:
-            raise ValueError(
-                f"guide_loss='wake' trains the guide on importance samples, but "
-                f"{self.conditionals.in_use!r} draws none from the guide. Use "
-                f"conditionals='importance', or guide_loss='elbo'."
-            )
+        # A call refused for its guide loss leaves no parameter it created behind.
+        wake = self.guide_loss == "wake"
+        with param_store_rollback() if wake else contextlib.nullcontext():
+            loss, prepared, _ = self._mpt_loss(model, guide, args, kwargs)
+            mode = self.guide_loss
+            if mode == "auto":
+                mode = self._steady[2]  # that of the strategy that prepared the call
+            proposal_loss = prepared.proposal_loss() if mode == "wake" else None
+            if mode == "wake" and proposal_loss is None:
+                self._last_call = None
+                raise ValueError(
+                    f"guide_loss='wake' trains the guide on importance samples, but "
+                    f"{self.conditionals.in_use!r} draws none from the guide. Use "
+                    f"conditionals='importance', or guide_loss='elbo'."
+                )
         if mode is None:
             if not self._warned_untrained_guide:
                 self._warn_if_guide_untrained(model, guide, args, kwargs, loss)

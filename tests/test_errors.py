@@ -99,6 +99,12 @@ def test_nan_observations_raise_and_change_no_parameter():
         svi.step(x)
     assert torch.equal(model.w.detach(), before)
     assert len(pyro.get_param_store()) == 0
+    # An infinite value gave a NaN loss and wrote NaN into every parameter.
+    x[2, 1] = -float("inf")
+    with pytest.raises(ValueError, match=r"contains 1 infinite values out of 18.*obs_mask"):
+        svi.step(x)
+    assert torch.equal(model.w.detach(), before)
+    assert len(pyro.get_param_store()) == 0
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,17 @@ def _check_value(name, value, fn, full_shape):
 
 
 def _check_nan(name, value, entries):
-    """Raises for NaN among the entries of ``value`` that count."""
+    """Raises for NaN or an infinite value among the entries of ``value`` that count."""
+    infinite = torch.isinf(value)
+    if entries is not None:
+        infinite = infinite & entries
+    if bool(infinite.any()):
+        raise ValueError(
+            f"Observed site {name!r} contains {int(infinite.sum())} infinite values out of "
+            f"{value.numel()} among the entries that count: no likelihood gives them a "
+            f"finite density, and the loss and every parameter would turn NaN. Clip or drop "
+            f"them, or mark them missing (pyro.sample(..., obs=x, obs_mask=torch.isfinite(x)))."
+        )
     stray = torch.isnan(value)
     if entries is not None:
         stray = stray & entries
