@@ -368,3 +368,22 @@ def test_a_mask_over_event_entries_is_refused_with_the_masks_that_work():
     for value, row, entries in zip(values, x, observed):
         seen = dist.MultivariateNormal(torch.zeros(5)[entries], covariance[entries][:, entries])
         torch.testing.assert_close(value, seen.log_prob(row[entries]), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float32])
+def test_the_ready_models_name_data_of_another_dtype_than_their_parameters(dtype):
+    # Their priors are built like their data (x.new_zeros): integer data failed inside
+    # torch ("normal_kernel_cpu" not implemented for 'Long'), float32 data in a float64
+    # model with a bare matmul dtype error.
+    from pyro_mpt.models import PPCA, VAE, LinearVAE
+
+    x = torch.bernoulli(torch.full((8, 6), 0.5)).to(dtype)  # parameters: float64 here
+    for model in (PPCA(6, 2), LinearVAE(6, latent_dim=2), VAE(6, latent_dim=2, hidden_dim=4)):
+        name = type(model).__name__
+        if dtype.is_floating_point:
+            match = rf"x is torch.float32 but the parameters of {name} are torch.float64"
+        else:
+            match = rf"{name} takes floating data, got x of dtype {dtype}; convert it"
+        with pytest.raises(TypeError, match=match):
+            MPTLoss().loss(model.model, model.guide, x)
+        assert len(pyro.get_param_store()) == 0

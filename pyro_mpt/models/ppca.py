@@ -6,6 +6,8 @@ import torch
 from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
+from pyro_mpt.models._data import check_data_dtype
+
 __all__ = ["PPCA", "FactorAnalysis"]
 
 
@@ -91,6 +93,7 @@ class PPCA(PyroModule):
     @pyro_method
     def model(self, x):
         """The generative model; ``x`` has shape ``(N, D)`` (extra leading dims broadcast)."""
+        check_data_dtype(x, self)
         with self._plate(x) as idx:
             z = pyro.sample(
                 "z",
@@ -104,6 +107,7 @@ class PPCA(PyroModule):
     @pyro_method
     def guide(self, x):
         """An amortized Gaussian encoder for ``z`` (used by ``Trace_ELBO``)."""
+        check_data_dtype(x, self)
         with self._plate(x) as idx:
             loc = (x.index_select(-2, idx) - self.loc) @ self.encoder_weight.T + self.encoder_bias
             if self.guide_covariance == "full":

@@ -27,6 +27,7 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
 from pyro_mpt.errors import check_positive_int
+from pyro_mpt.models._data import check_data_dtype
 
 __all__ = ["LinearVAE", "VAE"]
 
@@ -52,6 +53,7 @@ class _AutoEncoderModel(PyroModule):
         return x if self.subsample_size is None else x.index_select(-2, idx)
 
     def _check_data(self, x):
+        check_data_dtype(x, self)
         if x.dim() < 2 or x.shape[-1] != self.num_features:
             raise ValueError(
                 f"x must have shape (N, {self.num_features}) (num_features={self.num_features}),"
