@@ -263,3 +263,24 @@ def test_log_marginal_leaves_the_param_store_as_it_found_it():
         del store["q_loc"]
         with torch.no_grad():
             beta.copy_(beta0)
+
+
+@pytest.mark.parametrize("conditionals", ["importance", "encode-decode"])
+def test_a_max_plate_nesting_above_the_models_own_is_a_bound_as_for_trace_elbo(conditionals):
+    # Trace_ELBO takes any bound; the check of the guide's broadcasting read the dims of
+    # size one it adds as a guide sizing its plate from the left, and refused the guide.
+    import math
+    import warnings
+
+    from pyro_mpt.models import LinearVAE
+
+    vae = LinearVAE(6, latent_dim=2, init_scale=1.0)
+    x = vae.sample(10)
+    values = []
+    for nesting in (math.inf, 3):
+        pyro.set_rng_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = MPTLoss(conditionals=conditionals, num_masks=2, max_plate_nesting=nesting)
+            values.append(loss.loss(vae.model, vae.guide, x))
+    assert values[0] == pytest.approx(values[1], abs=1e-10)

@@ -433,8 +433,13 @@ def _check_guide_broadcasts(guided, drawn, data_shape):
         if site is None:
             continue  # the guide's own check names a missing site
         shape, expected = site["value"].shape, guided.local.trace.nodes[name]["value"].shape
+        # Dims of size one between the two leading ones and the model's shape: a
+        # max_plate_nesting above the model's own puts the leading dims further left.
+        rest = shape[2:]
+        while len(rest) > len(expected) and rest[0] == 1:
+            rest = rest[1:]
         try:
-            fits = torch.broadcast_shapes(shape[2:], expected) == expected
+            fits = torch.broadcast_shapes(rest, expected) == expected
         except RuntimeError:
             fits = False
         if not fits:
