@@ -98,7 +98,7 @@ class MPTLoss(ELBO):
         observation (the convention of the paper's scripts; higher variance).
     :param int max_plate_nesting: bound on the number of nested plates in the model;
         guessed from a trace of the model and guide on the first call when left at infinity,
-        and stored, as ``Trace_ELBO`` does.
+        and stored, as ``Trace_ELBO`` does (and guessed again for another model or guide).
     :param str guide_loss: what trains the guide's parameters (the model's always follow
         the MPT gradient). ``"wake"``: the wake-phase update of reweighted wake-sleep, which
         moves the guide toward ``p(z | x_R)`` with the importance samples already drawn and
@@ -203,6 +203,8 @@ class MPTLoss(ELBO):
         self._signature = None
         self._steady = None
         self._kept = None
+        # The (model, guide) whose traces gave the guessed max_plate_nesting, if guessed.
+        self._nesting_guessed_for = None
         # The model's and the guide's parameters, found once per call like the last.
         self._parameters = ParameterLists()
         # Calls so far, and the next at which the strategy checks its accuracy (see
@@ -431,6 +433,12 @@ class MPTLoss(ELBO):
         # once for all the places that read its structure.
         with param_store_rollback(), shared_reads():
             traces = None
+            if self._nesting_guessed_for is not None and not _same_callables(
+                self._nesting_guessed_for, (model, guide)
+            ):
+                # The nesting was guessed for another model or guide: guessed again here,
+                # as a loss given no bound takes any model.
+                self.max_plate_nesting = math.inf
             if self.max_plate_nesting == math.inf:
                 # Once, as Trace_ELBO does, leaving the random state as it was: a seeded
                 # first call draws the same masks as any later one. The model is read first
@@ -443,6 +451,7 @@ class MPTLoss(ELBO):
                     else:
                         traces = guide_and_model_traces(model, guide, args, kwargs, structure)
                 self.max_plate_nesting = guessed_plate_nesting(*traces)
+                self._nesting_guessed_for = (model, guide)
                 # Their param sites serve the parameter lists on this call.
                 self._parameters.offer(self._call_key(model, guide, args, kwargs), traces)
             # The traces of the guess serve the comparison of the guide's sites too.
@@ -628,6 +637,16 @@ class MPTLoss(ELBO):
 
 
 _logger = logging.getLogger("pyro_mpt")
+
+
+def _same_callables(first, second):
+    """Whether two sequences of callables are the same functions (or methods of the same
+    objects), compared by identity: a bound method is a new object at every access."""
+    return all(
+        getattr(a, "__func__", a) is getattr(b, "__func__", b)
+        and getattr(a, "__self__", None) is getattr(b, "__self__", None)
+        for a, b in zip(first, second)
+    )
 
 
 #: ``num_masks`` for the exact average over every mask.

@@ -291,3 +291,29 @@ def test_a_module_replaced_between_steps_with_module_local_params_gets_its_gradi
     assert weight.grad is not None and bias.grad is not None
     torch.testing.assert_close(weight.grad, expected[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(bias.grad, expected[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_loss_left_to_guess_its_plate_nesting_guesses_again_for_another_model():
+    # The nesting guessed for a one-plate model was kept, and the same loss refused a
+    # model with a feature plate, asking to "leave it unset", which it was. Both models
+    # have the same marginal: x ~ N(0, W W^T + 0.36 I).
+    weight = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(1))
+
+    def event_model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ weight.T, 0.6).to_event(1), obs=x)
+
+    def plate_model(x):
+        with pyro.plate("data", x.shape[-2], dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            with pyro.plate("features", x.shape[-1], dim=-1):
+                pyro.sample("x", dist.Normal((z @ weight.T).squeeze(-2), 0.6), obs=x)
+
+    covariance = weight @ weight.T + 0.36 * torch.eye(5)
+    expected = -dist.MultivariateNormal(torch.zeros(5), covariance).log_prob(x).sum().item()
+    loss = MPTLoss(num_masks="all")
+    for model in (event_model, plate_model, event_model):
+        assert loss.loss(model, None, x) == pytest.approx(expected, abs=1e-9)
+    assert loss.max_plate_nesting == 1  # guessed for the last model
