@@ -157,30 +157,32 @@ def _check_value(name, value, fn, full_shape):
         )
 
 
+#: What to do about each kind of non-finite observed value (see :func:`_check_nan`).
+_NON_FINITE_FIXES = {
+    "infinite": (
+        ": no likelihood gives them a finite density, and the loss and every parameter "
+        "would turn NaN. Clip or drop them, or mark them missing (pyro.sample(..., obs=x, "
+        "obs_mask=torch.isfinite(x)))."
+    ),
+    "NaN": (
+        ". Mark missing entries with a mask (pyro.sample(..., obs=x, "
+        "obs_mask=~torch.isnan(x)), or poutine.mask(mask=...)): MPTLoss then scores the "
+        "observed entries only. To impute NaN entries of a model without such a mask, pass "
+        "torch.nan_to_num(x) with missing=torch.isnan(x)."
+    ),
+}
+
+
 def _check_nan(name, value, entries):
-    """Raises for NaN or an infinite value among the entries of ``value`` that count."""
-    infinite = torch.isinf(value)
-    if entries is not None:
-        infinite = infinite & entries
-    if bool(infinite.any()):
-        raise ValueError(
-            f"Observed site {name!r} contains {int(infinite.sum())} infinite values out of "
-            f"{value.numel()} among the entries that count: no likelihood gives them a "
-            f"finite density, and the loss and every parameter would turn NaN. Clip or drop "
-            f"them, or mark them missing (pyro.sample(..., obs=x, obs_mask=torch.isfinite(x)))."
-        )
-    stray = torch.isnan(value)
-    if entries is not None:
-        stray = stray & entries
-    if bool(stray.any()):
-        raise ValueError(
-            f"Observed site {name!r} contains {int(stray.sum())} NaN values out of "
-            f"{value.numel()} among the entries that count. Mark missing entries with a "
-            f"mask (pyro.sample(..., obs=x, obs_mask=~torch.isnan(x)), or "
-            f"poutine.mask(mask=...)): MPTLoss then scores the observed entries only. To "
-            f"impute NaN entries of a model without such a mask, pass "
-            f"torch.nan_to_num(x) with missing=torch.isnan(x)."
-        )
+    """Raises for an infinite or NaN value among the entries of ``value`` that count."""
+    for kind, stray in (("infinite", torch.isinf(value)), ("NaN", torch.isnan(value))):
+        if entries is not None:
+            stray = stray & entries
+        if bool(stray.any()):
+            raise ValueError(
+                f"Observed site {name!r} contains {int(stray.sum())} {kind} values out of "
+                f"{value.numel()} among the entries that count{_NON_FINITE_FIXES[kind]}"
+            )
 
 
 def _parameter_dtype(fn):
