@@ -3,6 +3,7 @@
 import contextlib
 import logging
 import math
+import numbers
 import warnings
 
 import pyro.poutine as poutine
@@ -163,6 +164,16 @@ class MPTLoss(ELBO):
         guide_loss="auto",
         retain_graph=None,
     ):
+        if max_plate_nesting != math.inf and (
+            isinstance(max_plate_nesting, bool)
+            or not isinstance(max_plate_nesting, numbers.Integral)
+            or max_plate_nesting < 0
+        ):
+            raise ValueError(
+                f"max_plate_nesting must be a non-negative integer (a bound on the nested "
+                f"plates of the model), got {max_plate_nesting!r}; leave it unset to have it "
+                f"guessed."
+            )
         super().__init__(
             num_particles=1, max_plate_nesting=max_plate_nesting, retain_graph=retain_graph
         )
@@ -189,7 +200,12 @@ class MPTLoss(ELBO):
             hint = "It is the number of masks drawn per observation and step, or 'all'."
             self.num_masks = check_positive_int("num_masks", num_masks, hint)
         self.conditionals = as_conditionals(conditionals, every_mask=num_masks == ALL_MASKS)
-        self.share_masks = bool(share_masks)
+        if not isinstance(share_masks, bool):
+            raise TypeError(
+                f"share_masks must be True or False, got {share_masks!r}: True draws one mask "
+                f"per step for the whole batch, False one per observation."
+            )
+        self.share_masks = share_masks
         if guide_loss not in GUIDE_LOSSES:
             raise ValueError(
                 f"guide_loss must be one of {', '.join(map(repr, GUIDE_LOSSES))}, got "

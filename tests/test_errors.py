@@ -117,6 +117,9 @@ def test_nan_observations_raise_and_change_no_parameter():
         ({"rate": (0.9, 0.1)}, ValueError, r"lo > hi"),
         ({"conditionals": "magic"}, ValueError, r"'magic'.*'auto', 'exact', 'quadrature'"),
         ({"conditionals": 3}, TypeError, r"conditionals must be a strategy name.*got 3"),
+        ({"share_masks": "yes"}, TypeError, r"share_masks must be True or False, got 'yes'"),
+        ({"max_plate_nesting": 1.5}, ValueError, r"max_plate_nesting must be a non-negative"),
+        ({"max_plate_nesting": -1}, ValueError, r"integer \(a bound .*got -1; leave it unset"),
     ],
 )
 def test_bad_loss_arguments(kwargs, error, match):

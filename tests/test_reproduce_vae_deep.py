@@ -333,7 +333,6 @@ def test_rising_together_needs_both_curves_up_and_correlated():
     assert rising_together([1.0, 1.0], [2.0, 3.0]) == (False, None)  # a flat objective
 
 
-
 def test_rising_together_ranks_the_epochs():
     """Curves that both rise every epoch rise together, however large the first epoch's
     jump in one of them (Pearson's correlation of these is 0.78); one that falls back in

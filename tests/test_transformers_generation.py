@@ -257,6 +257,8 @@ def test_bad_input_errors(model, tokenizer):
         pseudo_log_likelihood(model, tokenizer, start.double())
     with pytest.raises(ValueError, match=r"sequences\[0\] holds token id 99 at position 1"):
         pseudo_log_likelihood(model, tokenizer, _ids([[CLS, 99, B, SEP]]))
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got 0"):
+        sample_mlm(model, tokenizer, start, generator=0)
     with pytest.raises(ValueError, match="top_k must be at most 6"):
         sample_mlm(model, tokenizer, start, top_k=7)
     with pytest.raises(ValueError, match="give exactly one of input_ids"):

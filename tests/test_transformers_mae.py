@@ -147,6 +147,9 @@ def test_curve_refuses_rates_that_hide_every_patch_and_non_image_batches():
         mae_mpt_curve(model, images, rates=[0.5, 1.0])
     with pytest.raises(ValueError, match="pixel_values must be a batch of images"):
         mae_mpt_curve(model, images[0], rates=[0.5])
+    other = torch.float32 if images.dtype == torch.float64 else torch.float64
+    with pytest.raises(TypeError, match=rf"pixel_values is {other} but the model's parameters"):
+        mae_mpt_curve(model, images.to(other), rates=[0.5])
 
 
 def test_mae_loss_draws_mask_sizes_from_the_schedule():

@@ -306,6 +306,11 @@ def sample_mlm(
     check_model(model)
     mask_id = check_mask_token(tokenizer)
     device = next(model.parameters()).device
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {generator!r}; seed one, e.g. "
+            f"generator=torch.Generator(device={str(device)!r}).manual_seed(0)."
+        )
     banned = _special_ids(tokenizer, device)
     num_steps = _check_settings(method, temperature, top_k, len(tokenizer) - len(banned), num_steps)
     block_size = check_positive_int("block_size", block_size)

@@ -91,6 +91,13 @@ def mae_mpt_curve(
             f"pixel_values must be a batch of images (N, C, H, W), got shape "
             f"{tuple(pixel_values.shape)}."
         )
+    dtype = next(model.parameters()).dtype
+    if pixel_values.dtype != dtype:
+        raise TypeError(
+            f"pixel_values is {pixel_values.dtype} but the model's parameters are {dtype}: "
+            f"pass pixel_values.to({dtype}), or convert the model with model.to("
+            f"{pixel_values.dtype})."
+        )
     num_images = pixel_values.shape[0]
     rows = num_images * num_masks
     scores = torch.zeros(num_images, len(rates), num_masks, dtype=torch.float64)
