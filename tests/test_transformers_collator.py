@@ -321,6 +321,19 @@ def test_examples_without_input_ids_and_unequal_lengths_without_pad(tokenizer):
         collator([[2, 5, 3], [2, 5, 6, 3]])
 
 
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_ids_outside_the_vocabulary_raise(tokenizer, bad):
+    collator = MPTDataCollator(tokenizer)
+    with pytest.raises(ValueError, match=f"input_ids holds id {bad}, outside the tokenizer's"):
+        collator([[2, 5, bad, 3]])
+
+
+def test_float_ids_raise(tokenizer):
+    collator = MPTDataCollator(tokenizer)
+    with pytest.raises(ValueError, match="input_ids must be integer token ids, got dtype"):
+        collator([torch.tensor([2.0, 5.5, 3.0])])
+
+
 def test_per_example_scalars_are_stacked(tokenizer):
     examples = [dict(tokenizer("a b"), label=1), dict(tokenizer("c"), label=0)]
     batch = MPTDataCollator(tokenizer)(examples)

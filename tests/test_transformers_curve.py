@@ -423,3 +423,26 @@ def test_a_sentence_pair_is_refused_rather_than_scored_as_one_segment(tokenizer)
         mlm_mpt_curve(model, tokenizer, pair, rates=[0.5], progress=False)
     single = tokenizer(["a b c d"], return_tensors="pt")  # token types all 0: accepted
     mlm_mpt_curve(model, tokenizer, single, rates=[0.5], num_masks=1, progress=False)
+
+
+def test_a_model_without_token_logits_is_refused_by_name(tokenizer):
+    """A sequence classifier's logits have one row per sequence: the curve names the model
+    and the shape it needs rather than failing on a shape inside the scorer."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+    )
+    classifier = BertForSequenceClassification(config).to(DEVICE).eval()
+    with pytest.raises(
+        ValueError,
+        match=r"model must be a masked language model .* got \(\d+, 2\) from "
+        r"BertForSequenceClassification",
+    ):
+        mlm_mpt_curve(classifier, tokenizer, ["a b c"], rates=[0.5], progress=False)

@@ -134,6 +134,13 @@ def test_shape_errors(logits_shape, weights_shape, match):
         mpt_mlm_loss(torch.zeros(logits_shape), labels, torch.ones(weights_shape))
 
 
+def test_labels_that_are_not_integer_ids_raise():
+    logits, labels, weights = _example()
+    match = "labels must be integer token ids .* got dtype torch.float32"
+    with pytest.raises(ValueError, match=match):
+        mpt_mlm_loss(logits, labels.float(), weights)
+
+
 def test_unknown_normalization_raises():
     logits, labels, weights = _example()
     with pytest.raises(ValueError, match="normalize must be 'sequences' or 'tokens', got 'batch'"):

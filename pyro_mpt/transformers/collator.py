@@ -54,6 +54,23 @@ def _rate_schedule(rate, mlm_probability):
     return as_rate_schedule(float(mlm_probability))
 
 
+def _check_ids(input_ids, vocab_size):
+    """Refuses token ids that are not integers of the tokenizer's vocabulary: they would
+    index the special-token table out of range, or be masked and scored as another token."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"input_ids must be integer token ids, got dtype {input_ids.dtype}; pass the ids "
+            f"the tokenizer returned."
+        )
+    outside = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(outside.any()):
+        bad = input_ids[outside][0].item()
+        raise ValueError(
+            f"input_ids holds id {bad}, outside the tokenizer's vocabulary of {vocab_size} "
+            f"ids; tokenize the examples with the tokenizer given to the collator."
+        )
+
+
 def _check_seed(seed):
     if seed is None:
         return None
@@ -236,6 +253,7 @@ class MPTDataCollator:
         word_ids = batch.pop("word_ids", None)
         offsets = batch.pop("offset_mapping", None)
         input_ids = batch["input_ids"]
+        _check_ids(input_ids, len(self._special_ids))
         if special is None:
             special = self._special_ids.to(input_ids.device)[input_ids.clamp(0, None)]
         maskable = ~special.bool() & batch["attention_mask"].bool()

@@ -18,7 +18,7 @@ from pyro_mpt.transformers.mlm_curve import (
     _encode,
     _model_device,
 )
-from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
+from pyro_mpt.transformers.mlm_loss import masked_token_log_probs, token_logits
 
 __all__ = ["mlm_ordering_log_likelihoods"]
 
@@ -296,7 +296,7 @@ def mlm_ordering_log_likelihoods(
             desc="orderings",
             disable=not progress,
         ):
-            logits = model(input_ids=input_ids, attention_mask=attention_rows).logits
+            logits = token_logits(model, input_ids, attention_rows)
             log_probs, scored_rows = masked_token_log_probs(logits, labels)
             values.index_add_(0, owners[scored_rows], log_probs.double())
             dtype = log_probs.dtype

@@ -12,7 +12,7 @@ from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers._padding import read_encoding
-from pyro_mpt.transformers.mlm_loss import masked_token_log_probs
+from pyro_mpt.transformers.mlm_loss import masked_token_log_probs, token_logits
 
 __all__ = ["mlm_mpt_curve"]
 
@@ -374,7 +374,7 @@ def mlm_mpt_curve(
         for input_ids, attention, targets, owners in progress_bar(
             plan.batches(batch_size, device), total=total, desc="MPT curve", disable=not progress
         ):
-            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            logits = token_logits(model, input_ids, attention)
             row_scores = _mean_masked_log_probs(logits, targets).double().cpu()
             scores[owners[:, 0], owners[:, 1]] = row_scores
     finally:

@@ -10,6 +10,7 @@ __all__ = [
     "masked_token_log_probs",
     "mpt_sequence_estimates",
     "mpt_mlm_loss",
+    "token_logits",
 ]
 
 
@@ -29,11 +30,32 @@ def _check_shapes(logits, labels, weights=None):
             f"logits must have shape labels.shape + (vocab,), got logits {tuple(logits.shape)} "
             f"and labels {tuple(labels.shape)}; pass the model output's .logits."
         )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(
+            f"labels must be integer token ids (-100 where a token is not scored), got dtype "
+            f"{labels.dtype}; pass the collator's 'labels'."
+        )
     if weights is not None and weights.shape != labels.shape[:1]:
         raise ValueError(
             f"weights must hold one value per sequence, shape ({labels.shape[0]},), got "
             f"{tuple(weights.shape)}; use the 'mpt_weights' of MPTDataCollator."
         )
+
+
+def token_logits(model, input_ids, attention_mask):
+    """The logits ``(B, L, V)`` of a masked language model's forward pass, after checking
+    that it gives one row per token: a model with another head (a sequence classifier, a
+    bare encoder) is refused by name rather than failing later on a shape."""
+    output = model(input_ids=input_ids, attention_mask=attention_mask)
+    logits = getattr(output, "logits", None)
+    if not torch.is_tensor(logits) or logits.shape[:-1] != input_ids.shape or logits.dim() != 3:
+        got = tuple(logits.shape) if torch.is_tensor(logits) else "no .logits"
+        raise ValueError(
+            f"model must be a masked language model whose output's .logits has shape "
+            f"(batch, length, vocab) = {tuple(input_ids.shape)} + (vocab,), got {got} from "
+            f"{type(model).__name__}; load one with AutoModelForMaskedLM.from_pretrained."
+        )
+    return logits
 
 
 def masked_token_log_probs(logits, labels):
