@@ -67,3 +67,19 @@ def test_mixing_diagnostics_errors():
         mixing_diagnostics({"a": torch.randn(2, 100), "b": torch.randn(2, 50)})
     with pytest.raises(ValueError, match="empty dict"):
         mixing_diagnostics({})
+
+
+def test_a_chain_that_never_moves_has_no_effective_sample_size():
+    # ArviZ counts every draw of constant chains as independent (ESS = C N); a stuck chain
+    # is the worst mixing, not the best: NaN figures and a warning naming it.
+    gen = torch.Generator().manual_seed(0)
+    moving = torch.randn(4, 100, generator=gen, dtype=torch.float64)
+    stuck = moving.clone()
+    stuck[2] = 1.5
+    match = r"statistic\(s\) \['stuck'\] never change within chain\(s\) \[2\]"
+    with pytest.warns(RuntimeWarning, match=match):
+        d = mixing_diagnostics({"moving": moving, "stuck": stuck})
+    assert torch.isfinite(d.ess[0]) and torch.isnan(d.ess[1]) and torch.isnan(d.rhat[1])
+    with pytest.warns(RuntimeWarning, match="never change"):
+        d = mixing_diagnostics(torch.ones(4, 100))
+    assert torch.isnan(d.ess) and torch.isnan(d.ess_per_step)

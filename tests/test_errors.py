@@ -107,6 +107,31 @@ def test_nan_observations_raise_and_change_no_parameter():
     assert len(pyro.get_param_store()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool])
+def test_bernoulli_data_that_are_not_floats_are_refused_by_name(dtype):
+    # Bernoulli's log-density does float arithmetic on the value: torch failed with a
+    # casting error of its own in impute, gibbs and MPTLoss.
+    x = torch.bernoulli(torch.full((5, 3), 0.5)).to(dtype)
+    missing = torch.zeros(5, 3, dtype=torch.bool)
+    missing[:, 0] = True
+    match = rf"Observed site 'x' holds {dtype} data under a Bernoulli likelihood.*x.float\(\)"
+    model = _model_factory("bernoulli")
+    with pytest.raises(TypeError, match=match):
+        impute(model, x, missing=missing, conditionals="quadrature")
+    with pytest.raises(TypeError, match=match):
+        MPTLoss().loss(model, None, x)
+
+
+def test_a_model_without_a_data_plate_is_told_to_add_one():
+    def single(x):
+        z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        pyro.sample("x", dist.Normal(z.sum(-1, keepdim=True).expand(3), 1.0).to_event(1), obs=x)
+
+    missing = torch.tensor([True, False, False])
+    with pytest.raises(ValueError, match=r"Observed site 'x' is in no plate.*x\[None\]"):
+        impute(single, torch.randn(3), missing=missing)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

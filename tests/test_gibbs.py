@@ -1,5 +1,7 @@
 """gibbs: block Gibbs chains against the model's joint distribution."""
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -132,6 +134,60 @@ def test_errors_name_argument_value_and_fix():
 
     with pytest.raises(ValueError, match=r"shape \(3, 2\) and the observed site 'x' has shape"):
         gibbs(padded, x[:, :2], x, block_size=1, num_steps=1)
+
+
+def test_a_first_argument_the_model_does_not_observe_as_it_is_is_refused():
+    # The chain feeds its draws back as the first argument: a model observing x / 10 would
+    # shrink the state tenfold at every step, and a covariate of the data's shape passed
+    # first would be replaced by draws of the data.
+    ppca = _ppca()
+    x = ppca.sample(3)
+
+    def scaled(x):
+        ppca.model(x / 10)
+
+    def covariate_first(u, x):
+        ppca.model(x + 0 * u)
+
+    match = "the observed site 'x' does not hold that argument's values"
+    with pytest.raises(ValueError, match=match):
+        gibbs(scaled, x, block_size=1, num_steps=2, progress=False)
+    with pytest.raises(ValueError, match=match):
+        gibbs(covariate_first, torch.randn(3, 4), x, block_size=1, num_steps=2, progress=False)
+
+
+def test_a_mask_fixed_by_the_model_is_refused_and_one_read_from_the_data_is_not():
+    # Entries that the model masks whatever the state are drawn but never context, so the
+    # chain's joint would not be p(x). A mask read from the data (NaN missing) covers the
+    # first step only: the chain draws those entries and they count from then on.
+    ppca = _ppca()
+    x = ppca.sample(3)
+    fixed = torch.ones(3, 4, dtype=torch.bool)
+    fixed[0, 1] = False
+
+    def fixed_mask(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            loc = z @ ppca.weight.T
+            likelihood = dist.Normal(loc, ppca.noise_scale).mask(fixed).to_event(1)
+            pyro.sample("x", likelihood, obs=x)
+
+    with pytest.raises(ValueError, match="masks entries of observed site 'x' whatever"):
+        gibbs(fixed_mask, x, block_size=1, num_steps=2, progress=False)
+
+    def read_mask(x):
+        observed = ~torch.isnan(x)
+        fixed_x = torch.nan_to_num(x)
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            loc = z @ ppca.weight.T
+            likelihood = dist.Normal(loc, ppca.noise_scale).mask(observed).to_event(1)
+            pyro.sample("x", likelihood, obs=fixed_x)
+
+    with_nan = x.clone()
+    with_nan[0, 1] = math.nan
+    chain = gibbs(read_mask, with_nan, block_size=1, num_steps=3, progress=False)
+    assert torch.isfinite(chain[1:]).all()
 
 
 def test_zero_steps_returns_the_data():

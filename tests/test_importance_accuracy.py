@@ -449,7 +449,8 @@ def test_one_observation_resting_on_one_draw_is_flagged_by_log_marginal():
     assert (value[1:] - exact[1:]).abs().max() < 0.1  # the others: fine
     flagged = [str(w.message) for w in _flagged(caught)]
     assert len(flagged) == 1
-    assert "1 of the 10 (observation, mask) pairs rest on a single draw" in flagged[0]
+    expected = "1 of the 10 (observation, mask) pairs fail on their own: they rest on a single"
+    assert expected in flagged[0]
     # impute resamples the same weights: each call warns, the second as the first (they
     # were counted per model and shapes, so the second call was silent).
     missing = torch.zeros_like(x, dtype=torch.bool)
@@ -490,10 +491,66 @@ def test_one_row_with_k_hat_above_one_fails_on_its_own_from_a_thousand_draws():
     many = diagnostics(2000)
     assert many.pareto_k[0] > 1.0 and many.ess[0] >= 2.0 and (many.pareto_k[1:] < 0.7).all()
     assert many.reliable() and not many.reliable(each_row=True)
-    # From 64 draws a row's k-hat above 1 is common by chance; it fails no row alone.
+    # From 64 draws a row's k-hat above 1 is common by chance; it fails no row alone
+    # unless its weights also rest on a few draws.
     drawn = (diagnostics(64) for _ in range(100))
-    few = next(d for d in drawn if d.pareto_k[0] > 1.0 and d.ess[0] >= 2.0)
+    few = next(d for d in drawn if d.pareto_k[0] > 1.0 and d.ess[0] >= 0.05 * 64)
     assert few.reliable(each_row=True)
+
+
+def test_a_heavy_tailed_row_resting_on_few_draws_fails_on_its_own_and_a_benign_one_does_not():
+    # Target N(0, 1), proposal N(0, s^2): the weights exp(z^2 (1/s^2 - 1) / 2) have Pareto
+    # k = 1 - s^2. At 256 draws a proposal much narrower than its target (k = 0.9) fails
+    # row by row in about 1 row in 7 (k-hat from 256 draws understates it); a benign one
+    # (k = 0.3) in none of 4000, and one at the edge of a finite variance (k = 0.5) in
+    # about 1 row in 400.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    generator = torch.Generator().manual_seed(0)
+
+    def failing_share(k, num_samples=256, rows=4000):
+        s2 = 1.0 - k
+        z = torch.randn(num_samples, rows, generator=generator, dtype=torch.float64) * s2**0.5
+        log_w = z**2 * (1.0 / s2 - 1.0) / 2
+        return float(ImportanceDiagnostics.of(log_w)._failing_rows().double().mean())
+
+    assert failing_share(0.3) == 0.0
+    # 4000 rows at 1/400: 10 expected; 4 standard errors (about 12.6 rows) above that.
+    assert failing_share(0.5) * 4000 <= 10 + 4 * 10**0.5
+    # About 0.14, with a standard error of 0.006 over 4000 rows.
+    assert failing_share(0.9) > 0.1
+
+
+def test_a_row_that_sees_nothing_measures_its_proposal_against_the_prior():
+    # A proposal fitted to the whole observation (a non-amortised guide at its posterior),
+    # asked for a row whose every entry is hidden: the target is the prior, which the
+    # narrow proposal covers in part, with weights that look healthy. The row's estimate of
+    # log p(nothing), exactly 0, shows it. Exact reference: the prior predictive mean of
+    # the hidden entries, sum_j a_j E[z] + b_j with E[z] = 0, against impute's draws.
+    x = torch.tensor([[3.0, -1.5, 2.4, 3.6, 0.9], [0.5, 0.1, 0.3, 0.9, -0.2]])
+    precision = 1.0 + (A**2 / PSI).sum()
+    post_mean = ((x - B) * A / PSI).sum(-1) / precision
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(post_mean, precision**-0.5))
+
+    missing = torch.zeros_like(x, dtype=torch.bool)
+    missing[0] = True  # the first row sees nothing; the second hides one entry
+    missing[1, 0] = True
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        draws = impute(
+            _model, x, missing=missing, guide=guide, conditionals=ImportanceSampling(256),
+            num_samples=2000,
+        )
+    # The prior predictive mean of row 0 is B; its draws lean toward the hidden values.
+    stderr = ((A**2 + PSI) / 2000) ** 0.5
+    assert ((draws[:, 0].mean(0) - B).abs() > 4 * stderr).any()
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 1
+    assert "the rows that see no entry (every one hidden) estimate log p(nothing)" in flagged[0]
 
 
 def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():
@@ -702,3 +759,34 @@ def test_the_ratios_first_order_bias_is_not_quoted_where_the_weights_fail():
     failing = passing._replace(pareto_k=rows + 1.5)
     assert not failing.reliable()
     assert "ratios bias" not in failing.describe() and "k-hat above 0.7" in failing.describe()
+
+
+def _linear_gaussian_log_marginal(x):
+    """log N(x; B, A A^T + diag(PSI)), the closed form of ``_model``."""
+    cov = A.outer(A) + torch.diag(PSI)
+    return dist.MultivariateNormal(B, cov).log_prob(x)
+
+
+def test_mpt_curve_warns_once_where_its_importance_weights_fail():
+    # A guide that reads no data, far from every posterior: the curve's area is many
+    # standard errors off the closed form, and mpt_curve says so, once per call (it
+    # scored its masks in silence).
+    from pyro_mpt import mpt_curve
+
+    x = _data(10) * 3.0
+    exact = _linear_gaussian_log_marginal(x).mean()
+
+    def far_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(4.0, 0.2))
+
+    for call in range(2):
+        pyro.set_rng_seed(call)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            curve = mpt_curve(
+                _model, x, guide=far_guide, num_masks=20, conditionals=ImportanceSampling(64)
+            )
+        assert abs(curve.area - exact) > 4 * curve.area_stderr
+        flagged = [str(w.message) for w in _flagged(caught)]
+        assert len(flagged) == 1 and flagged[0].startswith("mpt_curve by importance sampling")

@@ -210,17 +210,19 @@ class ImportanceSelfPredictive(SelfPredictive):
                     full = log_w.unsqueeze(1) + context_log_likelihoods(ll, contexts[-1:])
                     targets = torch.cat([targets, full], 1)
                 bias = ratio_bias(log_joint, ll.unsqueeze(1))
-                self._record(log_joint.detach(), targets.detach(), self._row_bias(bias, context))
+                bias = self._row_bias(bias, context)
+                self._record(log_joint.detach(), targets.detach(), bias, context)
                 return shared_sample_log_conditionals(log_joint, ll)
         filled, hidden = fill_masked(value, ~context, self.fill), ~context
         log_w, ll = self._sample(filled, hidden)
         # log p(z, x_R) - log q(z): the weights toward p(z | x_R).
         log_joint = log_w.detach() + masked_sum(ll.detach(), context)
         if self.debias == "jackknife":
-            self._record(log_joint, None, self._row_bias(ratio_bias(log_joint, ll), context))
+            bias = self._row_bias(ratio_bias(log_joint, ll), context)
+            self._record(log_joint, None, bias, context)
             return jackknife_importance_log_conditionals(log_w, ll, context)
         out, bias = importance_log_conditionals(log_w, ll, context, with_bias=True)
-        self._record(log_joint, None, self._row_bias(bias, context))
+        self._record(log_joint, None, self._row_bias(bias, context), context)
         return out
 
     def _wake_targets(self, full, log_w, ll):
@@ -244,14 +246,14 @@ class ImportanceSelfPredictive(SelfPredictive):
         contexts = log_w.unsqueeze(1) + context_log_likelihoods(ll, self.context(masks))
         return torch.cat([full, contexts.detach()], 1)
 
-    def _record(self, log_joint, targets=None, bias=None):
+    def _record(self, log_joint, targets=None, bias=None, context=None):
         """Keeps the weights' diagnostics of every mask (with ``bias``, the first-order bias
         of each row's score), and the log weights toward the posteriors that the proposals
         approximate, the targets of :meth:`proposal_loss`: ``targets`` (one column per
         proposal), or every mask's own."""
         entries = self.observed.entries
         counted = None if entries is None else entries.any(-1).expand(log_joint.shape[1:])
-        diagnostics = ImportanceDiagnostics.of(log_joint, counted)
+        diagnostics = ImportanceDiagnostics.of(log_joint, counted, context)
         self.diagnostics = diagnostics._replace(ratio_bias=bias)
         self._log_joint = log_joint if targets is None else targets
 
@@ -314,7 +316,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         log_w = (log_p - log_q + masked_sum(ll, context))[:, 0]  # (S',) + batch
         # Resampling is only as good as the weights: the same figures as the conditionals'.
         what = "Draws of hidden features"
-        diagnostics = ImportanceDiagnostics.of(log_w)
+        diagnostics = ImportanceDiagnostics.of(log_w, None, context)
         model, args, guide = guided.model, guided.args, guided.guide
         warn_if_unreliable(diagnostics, what, model, args, 6, None, guide, each_row=True)
         if not joint:

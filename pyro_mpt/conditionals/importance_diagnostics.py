@@ -22,6 +22,7 @@ __all__ = [
     "MAX_ROW_PARETO_K",
     "MAX_UNRELIABLE_SHARE",
     "MIN_EFFECTIVE_SAMPLES",
+    "MIN_ROW_ESS_SHARE",
     "MIN_SAMPLES_FOR_ROW_K",
     "SINGLE_DRAW_ESS",
     "counted_per_call",
@@ -50,6 +51,13 @@ SINGLE_DRAW_ESS = 2.0
 MAX_ROW_PARETO_K = 1.0
 #: The fewest draws from which one row's k-hat above :data:`MAX_ROW_PARETO_K` fails it.
 MIN_SAMPLES_FOR_ROW_K = 1000
+#: A row whose k-hat passes :data:`MAX_PARETO_K` fails on its own, from any number of draws,
+#: when its effective sample size is also below this share of them: its weights rest on a
+#: few draws of a heavy tail. A proposal narrower than its target (a guide fitted to the
+#: whole observation, asked for the posterior of a few of its entries) gives such rows,
+#: whose estimates were seen several nats off; from a proposal whose true k is 0.5, about 1
+#: row in 400 fails by chance at 64 to 1000 draws, and none at k = 0.3.
+MIN_ROW_ESS_SHARE = 0.05
 #: The most nats per observation, on average, by which the empty context's term of an
 #: average over every mask may miss its exact value 0 (see
 #: :attr:`ImportanceDiagnostics.empty_context`): the estimate carries that error whole, so
@@ -88,6 +96,11 @@ class ImportanceDiagnostics(NamedTuple):
         observation) row's score ``D / M sum_{j in mask} log p(x_j | x_R)``, in nats
         (:func:`~pyro_mpt.ops.importance_weights.ratio_bias`): the average over rows is
         about how far the estimate of ``log p(x)`` is off. None otherwise.
+    :ivar empty_rows: for rows whose context is empty (every entry hidden), the estimate of
+        ``log p(x_empty)`` from their weights, whose exact value is 0, and NaN at the other
+        rows: its value is that row's error, known exactly. A proposal narrower than the
+        prior (a guide fitted to the whole observation) misses part of the prior's mass
+        there with weights that look healthy. None where not recorded.
     """
 
     pareto_k: torch.Tensor
@@ -95,17 +108,42 @@ class ImportanceDiagnostics(NamedTuple):
     num_samples: int
     empty_context: torch.Tensor | None = None
     ratio_bias: torch.Tensor | None = None
+    empty_rows: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, log_weights, entries=None):
-        """The diagnostics of log-weights ``(S,) + rows``; rows where ``entries`` is False
-        (nothing to estimate) are NaN."""
+    def of(cls, log_weights, entries=None, context=None):
+        """The diagnostics of log-weights ``(S,) + rows`` toward ``p(z | x_R)``; rows where
+        ``entries`` is False (nothing to estimate) are NaN. With ``context`` (booleans
+        ``rows + (D,)``, the entries each row sees), the rows that see none estimate
+        ``log p(x_empty) = 0`` (:attr:`empty_rows`)."""
         log_weights = log_weights.detach()
         k, ess = pareto_shape(log_weights), effective_sample_size(log_weights)
+        empty = None
+        if context is not None:
+            sees_none = ~context.any(-1).expand(log_weights.shape[1:])
+            mean = torch.logsumexp(log_weights, 0) - math.log(log_weights.shape[0])
+            empty = torch.where(sees_none, mean, math.nan)
         if entries is not None:
             k = torch.where(entries, k, math.nan)
             ess = torch.where(entries, ess, math.nan)
-        return cls(k, ess, log_weights.shape[0])
+            empty = None if empty is None else torch.where(entries, empty, math.nan)
+        return cls(k, ess, log_weights.shape[0], empty_rows=empty)
+
+    @classmethod
+    def joined(cls, parts):
+        """The diagnostics of several batches of drawn masks' weights, with the same number of
+        samples and observations (e.g. one batch per mask size), as one: their rows side by
+        side along the leading (mask) dim. None when no part has any."""
+        parts = [part for part in parts if part is not None]
+        if not parts:
+            return None
+
+        def cat(name):
+            values = [getattr(part, name) for part in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        k, ess, bias, empty = (cat(n) for n in ("pareto_k", "ess", "ratio_bias", "empty_rows"))
+        return cls(k, ess, parts[0].num_samples, None, bias, empty)
 
     def summary(self):
         """Plain numbers for messages and logs: the share of rows with k-hat above
@@ -123,7 +161,14 @@ class ImportanceDiagnostics(NamedTuple):
         bias = nan
         if self.ratio_bias is not None:
             bias = float(self.ratio_bias.double().nanmean(0).nanmean())
+        rows_empty = None if self.empty_rows is None else finite(self.empty_rows)
+        if rows_empty is not None and rows_empty.numel():
+            empty_rows, worst_empty = float(rows_empty.mean()), float(rows_empty.min())
+        else:
+            empty_rows = worst_empty = nan
         return dict(
+            empty_rows=empty_rows,
+            worst_empty_row=worst_empty,
             empty_context=float(empty.mean()) if empty is not None and empty.numel() else nan,
             ratio_bias=bias,
             unreliable=float((k > MAX_PARETO_K).double().mean()) if k.numel() else nan,
@@ -137,9 +182,14 @@ class ImportanceDiagnostics(NamedTuple):
 
     def _failing_rows(self):
         """Which rows fail on their own: resting on one draw (ESS below
-        :data:`SINGLE_DRAW_ESS`), or, from :data:`MIN_SAMPLES_FOR_ROW_K` draws, with k-hat
-        above :data:`MAX_ROW_PARETO_K` (NaN rows pass)."""
+        :data:`SINGLE_DRAW_ESS`), with k-hat above :data:`MAX_PARETO_K` and ESS below
+        :data:`MIN_ROW_ESS_SHARE` of the draws, or, from :data:`MIN_SAMPLES_FOR_ROW_K`
+        draws, with k-hat above :data:`MAX_ROW_PARETO_K` (NaN rows pass)."""
         failing = self.ess < SINGLE_DRAW_ESS
+        heavy = self.pareto_k > MAX_PARETO_K
+        failing = failing | (heavy & (self.ess < MIN_ROW_ESS_SHARE * self.num_samples))
+        if self.empty_rows is not None:
+            failing = failing | (self.empty_rows.abs() > MAX_EMPTY_CONTEXT_ERROR)
         if self.num_samples >= MIN_SAMPLES_FOR_ROW_K:
             failing = failing | (self.pareto_k > MAX_ROW_PARETO_K)
         return failing
@@ -166,6 +216,7 @@ class ImportanceDiagnostics(NamedTuple):
             or (each_row and figures["failing_rows"] > 0)
             or figures["median_ess"] < MIN_EFFECTIVE_SAMPLES
             or abs(figures["empty_context"]) > MAX_EMPTY_CONTEXT_ERROR
+            or abs(figures["empty_rows"]) > MAX_EMPTY_CONTEXT_ERROR
             or abs(figures["ratio_bias"]) > MAX_RATIO_BIAS
         )
 
@@ -190,6 +241,9 @@ class ImportanceDiagnostics(NamedTuple):
         if self.ratio_bias is not None:
             bias = self.ratio_bias.double().nanmean(0).nanmean().abs()
             failing = failing | (bias > MAX_RATIO_BIAS)
+        if self.empty_rows is not None:
+            # NaN (no row sees nothing) fails no comparison.
+            failing = failing | (self.empty_rows.double().nanmean().abs() > MAX_EMPTY_CONTEXT_ERROR)
         return failing
 
     def describe(self):
@@ -202,15 +256,20 @@ class ImportanceDiagnostics(NamedTuple):
                 f"(effective sample size below {SINGLE_DRAW_ESS:g})"
             )
         elif f["failing_rows"]:
+            share = MIN_ROW_ESS_SHARE * self.num_samples
+            reasons = [
+                f"rest on a single draw (effective sample size below {SINGLE_DRAW_ESS:g})",
+                f"on a few draws of a heavy tail (k-hat above {MAX_PARETO_K} with an effective "
+                f"sample size below {share:g})",
+            ]
+            if self.num_samples >= MIN_SAMPLES_FOR_ROW_K:
+                reasons.append(f"have k-hat above {MAX_ROW_PARETO_K:g} (weights of no finite mean)")
+            if self.empty_rows is not None and abs(f["worst_empty_row"]) > MAX_EMPTY_CONTEXT_ERROR:
+                reasons.append("see no entry and miss part of the prior's mass (below)")
             ess += (
-                f", and {f['failing_rows']} of the {f['rows']} (observation, mask) pairs rest "
-                f"on a single draw (effective sample size below {SINGLE_DRAW_ESS:g})"
-                + (
-                    f" or have k-hat above {MAX_ROW_PARETO_K:g} (weights of no finite mean)"
-                    if self.num_samples >= MIN_SAMPLES_FOR_ROW_K
-                    else ""
-                )
-                + ": theirs may be off by tens of nats"
+                f", and {f['failing_rows']} of the {f['rows']} (observation, mask) pairs fail "
+                f"on their own: they {', or '.join(reasons)}; theirs may be off by nats, tens "
+                f"of them where one draw decides"
             )
         if not math.isnan(f["empty_context"]):
             ess += (
@@ -219,6 +278,16 @@ class ImportanceDiagnostics(NamedTuple):
                 f"observation on average, so the estimate is {-f['empty_context']:+.2f} nats "
                 f"from the importance-weighted bound of the same draws (a bound below "
                 f"log p(x) by an amount these draws do not measure)"
+            )
+        if abs(f["empty_rows"]) > MAX_EMPTY_CONTEXT_ERROR or (
+            f["failing_rows"] and abs(f["worst_empty_row"]) > MAX_EMPTY_CONTEXT_ERROR
+        ):
+            ess += (
+                f"; the rows that see no entry (every one hidden) estimate log p(nothing), "
+                f"exactly 0, which came out at {f['empty_rows']:.2f} nats on average (worst "
+                f"{f['worst_empty_row']:.2f}): the proposal misses part of the prior's mass, "
+                f"which the weights alone do not show, and the rows that see few entries "
+                f"lean the same way"
             )
         # A first-order figure means nothing where the weights themselves fail: there the
         # estimate was seen 17 to 80 nats off while the figure said 0.3 to 0.8.
@@ -281,9 +350,10 @@ _PER_CALL = contextvars.ContextVar("importance_warning_counts", default=None)
 @contextlib.contextmanager
 def counted_per_call():
     """Inside the block, :func:`warn_if_unreliable` counts failing calls afresh: one
-    evaluation (``log_marginal``, ``impute``, a ``gibbs`` chain) warns at its own first
-    failure, whatever earlier evaluations of the same model and shapes found, and a chain
-    of many draws is not flooded."""
+    evaluation (``log_marginal``, ``mpt_curve``, ``impute``, a ``gibbs`` chain) warns at its
+    own first failure, whatever earlier evaluations of the same model and shapes found, once
+    for ``auto``'s search and the estimate it then makes, and a chain of many draws is not
+    flooded."""
     token = _PER_CALL.set({})
     try:
         yield
@@ -308,7 +378,9 @@ def _counts(what, model, args, guide=None, strategy=None):
     guide_owner, guide_method = _owner_and_method(guide)
     per_call = _PER_CALL.get()
     if per_call is not None:
-        key = (what, id(owner), method, shapes, repr(strategy), id(guide_owner), guide_method)
+        # One count for the whole evaluation of this model: what auto's search found and
+        # what the function then estimates are one failure, told once.
+        key = (id(owner), method, shapes, id(guide_owner), guide_method)
         return per_call.setdefault(key, [0, 0])
     try:
         per_model = _CHECKS.setdefault(owner, {})

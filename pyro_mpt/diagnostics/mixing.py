@@ -100,7 +100,10 @@ def mixing_diagnostics(samples, evaluations_per_step=1, method="bulk"):
     ``ess_per_evaluation`` effective draws per pass.
 
     :param samples: one statistic as a ``(chains, draws)`` array or tensor, several as
-        ``(chains, draws, statistics)``, or a dict of name -> ``(chains, draws)``.
+        ``(chains, draws, statistics)``, or a dict of name -> ``(chains, draws)``. Chains
+        come first: a :func:`~pyro_mpt.gibbs` chain, ``(steps, observations, D)``, is
+        steps first, so pass ``chain.movedim(0, 1)`` (each observation's chain, a row).
+        A statistic that never changes within a chain gets NaN figures and a warning.
     :param evaluations_per_step: model evaluations per step of the chain, e.g. ``k`` for
         a sequential ``k``-block Gibbs step of a masked language model, 1 for a parallel one.
     :param str method: ArviZ's ESS method: ``"bulk"`` (rank-normalised, the default),
@@ -135,8 +138,28 @@ def mixing_diagnostics(samples, evaluations_per_step=1, method="bulk"):
             "chains of at least 4 draws. Run several chains from different starts."
         )
     az = _arviz()
-    ess = [float(az.ess(array[..., s], method=method)) for s in range(num_stats)]
-    rhat = [float(az.rhat(array[..., s])) for s in range(num_stats)]
+    # A chain whose statistic never moves is stuck (or the statistic is constant): ArviZ
+    # would count every draw of such chains as independent, so its figures are NaN here.
+    stuck = (array == array[:, :1]).all(axis=1)  # (C, S)
+    ess, rhat = [], []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for s in range(num_stats):
+            if stuck[:, s].any():
+                ess.append(math.nan)
+                rhat.append(math.nan)
+                continue
+            ess.append(float(az.ess(array[..., s], method=method)))
+            rhat.append(float(az.rhat(array[..., s])))
+    if stuck.any():
+        which = [names[s] if names else s for s in range(num_stats) if stuck[:, s].any()]
+        chains = sorted({int(c) for c in np.nonzero(stuck.any(axis=1))[0]})
+        warnings.warn(
+            f"statistic(s) {which} never change within chain(s) {chains}: a stuck chain, or a "
+            f"statistic that takes one value, has no effective sample size; their ess and "
+            f"rhat are NaN. Check that the sampler moves, or pick a statistic that varies.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     ess = torch.tensor(ess, dtype=torch.float64)
     rhat = torch.tensor(rhat, dtype=torch.float64)
     if squeeze:

@@ -5,6 +5,11 @@ import math
 
 import torch
 
+from pyro_mpt.conditionals.importance_diagnostics import (
+    ImportanceDiagnostics,
+    counted_per_call,
+    warn_if_unreliable,
+)
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
@@ -98,6 +103,7 @@ def mpt_curve(
     # The param store is left as it was found (a guide sized by this x creates parameters).
     with (
         param_store_rollback(always=True),
+        counted_per_call(),
         refusing_subsampled_plates("mpt_curve scores every observation"),
     ):
         call = (model, guide, args, kwargs)
@@ -111,7 +117,12 @@ def mpt_curve(
             )
         num_features = prepared.num_features
         sizes = _sizes_from(rates, sizes, num_features)
-        scores = _scores_by_size(prepared, sizes, num_masks, share_masks, progress)
+        scores, diagnostics = _scores_by_size(prepared, sizes, num_masks, share_masks, progress)
+        # Every (observation, mask) row of every size is a conditional the curve rests on:
+        # one warning for the call when the weights of any of them fail.
+        warn_if_unreliable(
+            diagnostics, "mpt_curve", model, args, 4, None, guide, strategy.in_use, each_row=True
+        )
     num_obs = scores.shape[0]
     return MPTCurve.from_scores(
         scores,
@@ -124,13 +135,14 @@ def mpt_curve(
 
 def _scores_by_size(prepared, sizes, num_masks, share_masks, progress):
     """The mask scores of ``num_masks`` random masks of each of ``sizes``, ``(N, R, P)``,
-    scored in chunks that keep ``log_prob``'s largest tensor near ``_CHUNK_ELEMENTS``."""
+    scored in chunks that keep ``log_prob``'s largest tensor near ``_CHUNK_ELEMENTS``, and
+    the importance diagnostics of every chunk joined (None for other strategies)."""
     num_features, batch_shape = prepared.num_features, prepared.batch_shape
     mask_batch = torch.Size() if share_masks else batch_shape
     value = prepared.observed.value
     per_mask = max(1, value.numel() * max(1, prepared.log_prob_width))
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
-    per_size = []
+    per_size, diagnostics = [], []
     for size in progress_bar(sizes.tolist(), desc="MPT curve", disable=not progress):
         scores = []
         for start in range(0, num_masks, chunk):
@@ -140,6 +152,8 @@ def _scores_by_size(prepared, sizes, num_masks, share_masks, progress):
             if share_masks:
                 masks = masks.reshape((count,) + (1,) * len(batch_shape) + (num_features,))
             scores.append(mask_scores(prepared.log_prob(masks), masks))
+            diagnostics.append(prepared.diagnostics)
         scores = torch.cat(scores).expand((num_masks,) + batch_shape)
         per_size.append(scores.reshape(num_masks, -1))
-    return torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)
+    scores = torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)
+    return scores, ImportanceDiagnostics.joined(diagnostics)

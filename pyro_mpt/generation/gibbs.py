@@ -12,7 +12,7 @@ from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
-from pyro_mpt.trace.trace_utils import param_store_rollback
+from pyro_mpt.trace.trace_utils import flatten_tail, param_store_rollback
 
 __all__ = ["gibbs"]
 
@@ -116,6 +116,7 @@ def gibbs(
             step_args = (chain[-1],) + rest
             if step > 0:
                 prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
+                _check_no_fixed_mask(prepared.observed)
             blocks = masks_of_sizes(sizes, num_features)
             with torch.no_grad():
                 draws = draw_hidden(prepared, blocks, 1, joint=joint)[0]
@@ -124,10 +125,43 @@ def gibbs(
 
 
 def _check_state(data, observed):
+    """Checks that the model observes its first argument as it is: the chain feeds the
+    observed site's draws back as that argument, so a covariate passed first, or data the
+    model transforms before observing it (``x / 10``), would make each step's state another
+    quantity than the last one's."""
     if tuple(data.shape) != tuple(observed.full_shape):
         raise ValueError(
             f"gibbs calls the model with the chain's state as its first positional argument, "
             f"but that argument has shape {tuple(data.shape)} and the observed site "
             f"{observed.name!r} has shape {tuple(observed.full_shape)}. Pass the observed data "
             f"tensor first."
+        )
+    value = observed.value if observed.unfilled is None else observed.unfilled
+    state = flatten_tail(data, observed.num_feature_dims).to(value.device)
+    same = value == state.to(value.dtype)
+    if observed.entries is not None:
+        same = same | ~observed.entries  # missing entries: any value
+    if not bool(same.all()):
+        raise ValueError(
+            f"gibbs calls the model with the chain's state as its first positional argument, "
+            f"but the observed site {observed.name!r} does not hold that argument's values: "
+            f"the model observes a transform of it (e.g. obs=x / 10) or another tensor of "
+            f"its shape is passed first. Pass the observed data first, and observe it as it "
+            f"is (move a transform into the likelihood, e.g. a loc and scale times 10)."
+        )
+
+
+def _check_no_fixed_mask(observed):
+    """Refuses entries that the model still masks after the first step, when the chain has
+    drawn every missing entry: a mask fixed by the model (``.mask``, ``obs_mask`` not read
+    from the data) keeps them out of every context, so the chain's joint would not be
+    ``p(x)``."""
+    if observed.entries is not None:
+        raise ValueError(
+            f"gibbs leaves p(x) invariant by drawing blocks given the other entries, but the "
+            f"model masks entries of observed site {observed.name!r} whatever the chain's "
+            f"state (a fixed .mask(...), poutine.mask or obs_mask): they would be drawn "
+            f"without ever being context. Compute the mask from the data (e.g. "
+            f"obs_mask=~torch.isnan(x)), so that the entries drawn at the first step count, "
+            f"or drop the mask."
         )

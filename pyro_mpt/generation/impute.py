@@ -68,7 +68,9 @@ def impute(
         :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when either
         is large.
     :param kwargs: the model's keyword arguments.
-    :returns: a tensor ``(num_samples,) + x.shape``: ``x`` with its missing entries drawn.
+    :returns: a tensor ``(num_samples,) + x.shape``: ``x`` with its missing entries drawn,
+        where ``x`` is the value of the observed site, what the model observes: for a
+        model that observes a transform of its argument (``obs=x / 10``), the transform.
     :raises TypeError: if ``missing`` is not a boolean tensor.
     :raises ValueError: if it does not broadcast to ``x`` or has no True entry.
 

@@ -242,7 +242,14 @@ def _data_dims(trace, obs_name, latent_names):
         return sorted(dim for _, dim in obs_frames)
     shared = {name: plate_frames(trace.nodes[name]) & obs_frames for name in latent_names}
     outside = [name for name, frames in shared.items() if not frames]
-    plates = sorted(n for n, _ in obs_frames) or ["<none>"]
+    plates = sorted(n for n, _ in obs_frames)
+    if outside and not plates:
+        raise ValueError(
+            f"Observed site {obs_name!r} is in no plate: the conditionals integrate out "
+            f"local latents, one set per observation, so the observations need a data plate. "
+            f"Wrap the latents and the observed site in pyro.plate('data', x.shape[-2]), with "
+            f"x of shape (N, D) (a single observation: x[None], of shape (1, D))."
+        )
     if outside:
         raise ValueError(
             f"Latent site {outside[0]!r} is outside the data plate {plates} of observed site "

@@ -95,12 +95,22 @@ def _check_dtype(name, value, fn):
             f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
             f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
         )
-    support = unwrap_independent(fn).support
-    discrete = getattr(support, "is_discrete", False)
+    base = unwrap_independent(fn)
+    discrete = getattr(base.support, "is_discrete", False)
+    family = type(base).__name__
+    if value.dtype == torch.bool or (
+        isinstance(base, torch.distributions.Bernoulli) and not value.is_floating_point()
+    ):
+        # Bernoulli's log-density (and others' under bool) does float arithmetic on the
+        # value: torch fails with a casting error of its own.
+        raise TypeError(
+            f"Observed site {name!r} holds {value.dtype} data under a {family} likelihood, "
+            f"which scores floats (0. and 1. for a Bernoulli). Convert it, e.g. x = x.float()."
+        )
     if not value.is_floating_point() and not discrete:
         raise TypeError(
             f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
-            f"{type(unwrap_independent(fn)).__name__} likelihood. Convert it to floats, e.g. "
+            f"{family} likelihood. Convert it to floats, e.g. "
             f"x = x.float()."
         )
 
@@ -162,7 +172,9 @@ _NON_FINITE_FIXES = {
     "infinite": (
         ": no likelihood gives them a finite density, and the loss and every parameter "
         "would turn NaN. Clip or drop them, or mark them missing (pyro.sample(..., obs=x, "
-        "obs_mask=torch.isfinite(x)))."
+        "obs_mask=torch.isfinite(x))). To impute them, pass torch.nan_to_num(x, posinf=0, "
+        "neginf=0) with missing=~torch.isfinite(x): impute's missing entries are ignored but "
+        "must be valid for the likelihood."
     ),
     "NaN": (
         ". Mark missing entries with a mask (pyro.sample(..., obs=x, "
