@@ -248,3 +248,41 @@ def test_a_fall_back_on_failing_weights_names_the_rule_it_passed_over():
     assert "the only strategy that applies" not in fallback
     assert "as Quadrature(num_points=" in fallback and "measured itself coarse" in fallback
     assert "past 0.5)" in fallback
+
+
+def test_a_three_dimensional_rule_is_compared_with_a_coarser_one_and_chosen_when_it_agrees():
+    # With three latent dimensions the first rule (20 nodes per dimension, 8000 nodes)
+    # cannot be refined within the node budget, so its error went unmeasured and auto passed
+    # it over for importance sampling. Compared with two thirds of its nodes, as a rule
+    # refined once is, it is chosen; its log p(x) matches a grid.
+    import math
+
+    from pyro_mpt import log_marginal
+    from pyro_mpt.conditionals.auto import Auto
+
+    weight = torch.tensor(
+        [[0.8, -0.3, 0.2], [0.1, 0.9, -0.4], [-0.5, 0.2, 0.7], [0.4, 0.4, 0.4], [0.3, -0.6, 0.1]],
+        dtype=torch.float64,
+    )
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(3), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ weight.T).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(x.new_zeros(3), 0.8).to_event(1))
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.bernoulli(torch.full((6, 5), 0.5, dtype=torch.float64), generator=generator)
+    auto = Auto()
+    value = log_marginal(model, x, guide=guide, conditionals=auto)
+    assert isinstance(auto.chosen, Quadrature)
+    # The grid: 81 points per dimension over +-8 prior standard deviations.
+    axis = torch.linspace(-8, 8, 81, dtype=torch.float64)
+    z = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+    log_prior = dist.Normal(0.0, 1.0).log_prob(z).sum(-1) + 3 * math.log(16 / 80)
+    log_lik = dist.Bernoulli(logits=z @ weight.T).log_prob(x[:, None, :]).sum(-1)
+    reference = torch.logsumexp(log_lik + log_prior, -1)
+    torch.testing.assert_close(value, reference, atol=1e-3, rtol=0)

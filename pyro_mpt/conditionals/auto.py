@@ -383,6 +383,10 @@ def _refine(rule, prepared, call, state, key):
     while True:
         num_points = math.ceil(1.5 * rule.num_points)
         if num_points**dim * combinations > budget or num_points > MAX_POINTS:
+            if math.isinf(gap.mean):
+                # The first rule cannot be refined (three latent dimensions): compared with
+                # two thirds of its nodes, as a rule refined once is with its predecessor.
+                gap = _gap_from_coarser(rule, log_marginal, call, state, key)
             return _Rule(rule, prepared, gap)
         finer = Quadrature(
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
@@ -395,6 +399,23 @@ def _refine(rule, prepared, call, state, key):
         if gap.worst < CONVERGENCE_TOL:
             return _Rule(rule, prepared, gap)
         rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
+
+
+def _gap_from_coarser(rule, log_marginal, call, state, key):
+    """The change of ``log p(x)`` from the rule with two thirds of ``rule``'s nodes per
+    dimension to ``rule`` (whose ``log_marginal`` is given), or an infinite gap (unmeasured,
+    never accurate) where the coarser rule does not apply."""
+    unmeasured = RuleGap(math.inf, math.inf)
+    coarser = rule.scaled(2 / 3)
+    if coarser is None or coarser.num_points >= rule.num_points:
+        return unmeasured
+    state.restore()
+    try:
+        coarser_prepared = coarser.prepare(*call, key)
+    except NotApplicableError:
+        return unmeasured
+    with torch.no_grad():
+        return RuleGap.of(log_marginal - coarser_prepared.log_marginal())
 
 
 def as_conditionals(conditionals, every_mask=False):
