@@ -110,7 +110,9 @@ class Auto(Conditionals):
        ``log p(x)`` of every observation by less than :data:`CONVERGENCE_TOL`, within
        :data:`MAX_NODES` nodes and :data:`MAX_LIKELIHOOD_ENTRIES` likelihood entries. Past
        the budget, the last rule is taken if its change is below :data:`ACCURACY_TOL` nats
-       per observation on average and :data:`WORST_TOL` at every observation.
+       per observation on average and :data:`WORST_TOL` at every observation (a first rule
+       that cannot be refined, as with three dimensions, is compared with two thirds of
+       its nodes instead).
     3. ``"importance"`` (with a guide) if its weights on :data:`NUM_PROBE_MASKS` uniform
        masks per observation pass the thresholds of
        :class:`~pyro_mpt.conditionals.importance.ImportanceDiagnostics`.
