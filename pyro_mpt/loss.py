@@ -487,6 +487,8 @@ class MPTLoss(ELBO):
                     strategy, structure, _ = self._steady_route(signature)
                     call = (model, guide, args, kwargs)
                     prepared = self._check_accuracy(strategy, structure, prepared, call, before)
+            if self.num_masks != ALL_MASKS:
+                prepared.check_masked_contexts("MPTLoss with drawn masks")
             estimates = self._estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates

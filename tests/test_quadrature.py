@@ -200,6 +200,27 @@ def test_guide_centred_nodes_agree_with_exact_using_few_nodes():
     assert (prior.log_marginal() - exact).abs().max() > 100 * guided_error
 
 
+def test_guide_centred_nodes_refuse_masked_inputs_and_average_every_mask_exactly():
+    # The nodes sit at the guide's q(z | x) of the whole data: log p(x) is right, the
+    # conditionals of masked inputs were nats off with no warning in mpt_curve, MPTLoss
+    # with drawn masks and the coherence diagnostic. The average over every mask
+    # telescopes to the rule's log p(x), which matches the closed form.
+    from pyro_mpt import mpt_curve, ordering_log_likelihoods
+
+    model, x, exact, post_mean, post_scale = _narrow_posterior_case()
+    guide = _normal_guide(post_mean, post_scale)
+    rule = Quadrature(num_points=12, center="guide")
+    match = r"scores masked inputs, but Quadrature\(center='guide'\)"
+    with pytest.raises(ValueError, match="mpt_curve " + match):
+        mpt_curve(model, x, guide=guide, conditionals=rule)
+    with pytest.raises(ValueError, match="ordering_log_likelihoods " + match):
+        ordering_log_likelihoods(model, x, guide=guide, conditionals=rule)
+    with pytest.raises(ValueError, match="MPTLoss with drawn masks " + match):
+        MPTLoss(conditionals=rule).loss(model, guide, x)
+    every = MPTLoss(num_masks="all", conditionals=rule).estimate(model, guide, x)
+    torch.testing.assert_close(every.detach(), exact, atol=1e-3, rtol=0)
+
+
 def test_adapted_nodes_integrate_against_the_standard_normal():
     from pyro_mpt.ops.quadrature_nodes import adapted_nodes
 

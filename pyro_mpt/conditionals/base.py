@@ -127,6 +127,13 @@ class SelfPredictive(ABC):
         if type(self).sample is SelfPredictive.sample:
             raise self._no_draws()
 
+    def check_masked_contexts(self, what):
+        """Raises ``ValueError`` where the conditionals of masked inputs are not what
+        :meth:`log_prob` claims though ``log p(x)`` of the whole data is (a rule placed by a
+        guide that read the hidden entries): for callers that score drawn masks (``what``
+        names them). Nothing to raise for most strategies."""
+        return None
+
     def _no_draws(self):
         return NotImplementedError(
             f"{type(self).__name__} does not implement sample(hidden, num_samples, joint), so "

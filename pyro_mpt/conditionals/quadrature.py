@@ -154,6 +154,23 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
                 "for masked inputs')."
             )
 
+    def check_masked_contexts(self, what):
+        """Raises ``ValueError`` for nodes placed at the guide (``Quadrature(center="guide")``):
+        the guide read the whole data, the hidden entries too, and its nodes sit where
+        ``p(z | x)`` puts its mass, which misses the far broader ``p(z | x_R)`` of a heavily
+        masked input; the refinement check of ``log p(x)`` cannot see it. Conditionals
+        averaged over every mask telescope to the rule's ``log p(x)``, and stay right."""
+        if self.run_at is None:
+            raise ValueError(
+                f"{what} scores masked inputs, but Quadrature(center='guide') places its nodes "
+                f"at the guide's q(z | x) on the whole data, hidden entries included: they "
+                f"miss the broader p(z | x_R) of a masked input, by nats where many entries "
+                f"are hidden, and no check of log p(x) sees it. Use a rule centred at the "
+                f"prior (Quadrature(num_points=...)), conditionals='auto', or "
+                f"MPTLoss(num_masks='all'), whose average over every mask is the rule's "
+                f"log p(x)."
+            )
+
     def sample(self, hidden, num_samples, joint=True):
         """Draws exact for the rule: a node ``g`` with probability ``pi_g(x_R)``
         (:meth:`node_log_posterior`), then the hidden features from the model's own

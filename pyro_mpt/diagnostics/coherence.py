@@ -211,6 +211,7 @@ def ordering_log_likelihoods(
     strategy = conditionals_for(conditionals, model)
     with param_store_rollback(always=True):
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        prepared.check_masked_contexts("ordering_log_likelihoods")
         values = _chain_rule_sums(prepared, num_orderings, progress)
         try:
             reference = prepared.log_marginal()

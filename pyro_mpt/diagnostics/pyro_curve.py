@@ -108,6 +108,7 @@ def mpt_curve(
     ):
         call = (model, guide, args, kwargs)
         prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
+        prepared.check_masked_contexts("mpt_curve")
         if prepared.observed.entries is not None:
             raise ValueError(
                 f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "

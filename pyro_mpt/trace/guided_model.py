@@ -329,6 +329,63 @@ def _check_guide(guided, what):
             f"{describe_guide(guide)!r} samples no site {missing}. "
             f"{_misnamed_sites(local.latent_names, sampled, missing)}"
         )
+    _check_proposal_sites(guide_trace, local, guide, what)
+
+
+def _check_proposal_sites(guide_trace, local, guide, what):
+    """Every site the guide samples enters the proposal's density ``q``; the weights are
+    right only where each has its match in ``p``. Refused: a point mass among the model's
+    latents (an ``AutoDelta`` member of an ``AutoGuideList``: the same value on two
+    independent draws), a site of the model that is not one of its local latents (the
+    missing part ``x_unobserved`` of an ``obs_mask``), and a site the model lacks unless it
+    is the auxiliary that a guide's point masses transform (``AutoNormal``'s
+    ``z_unconstrained`` behind its ``Delta`` at ``z``, with the Jacobian as the Delta's
+    log-density), or the joint latent of an ``AutoContinuous`` guide. A mixing variable
+    (``k ~ Categorical``, then ``z ~ q(z | k)``) would shift every weight by its ``log q``."""
+    names, latents = latent_sites(guide_trace), set(local.latent_names)
+    transformed = []
+    for name in names:
+        site = guide_trace.nodes[name]
+        if name not in latents or not isinstance(unwrap_independent(site["fn"]), dist.Delta):
+            continue
+        value = site["value"]
+        # Two copies of the data, one draw each: lead dims (1, 2).
+        if value.dim() >= 2 and value.shape[1] == 2 and torch.equal(value[:, 0], value[:, 1]):
+            raise NotApplicableError(
+                f"{what} needs a guide with spread, but guide {describe_guide(guide)} gives "
+                f"latent {name!r} the same value on independent draws: a point mass (Delta, "
+                f"e.g. an AutoDelta member of an AutoGuideList), which is no proposal "
+                f"density. Give it an AutoNormal (or another guide with spread), or use "
+                f"conditionals='exact' or 'quadrature'."
+            )
+        transformed.append(name)
+    model_sites = set(latent_sites(local.trace))
+    extra = [
+        name
+        for name in names
+        if name not in latents and joint_latent_owner(guide, guide_trace.nodes[name]) is None
+    ]
+    of_model = [name for name in extra if name in model_sites]
+    if of_model:
+        raise NotApplicableError(
+            f"{what} weights the guide's draws by p(x, z) / q(z) over the model's local "
+            f"latents {sorted(latents)}, but guide {describe_guide(guide)} also samples the "
+            f"model's sites {of_model} (the missing entries of an obs_mask, which the "
+            f"conditionals integrate out themselves): their log q would enter the weights "
+            f"with nothing in p to match. Build the guide on the model with them hidden, "
+            f"e.g. AutoNormal(poutine.block(model, hide={of_model!r}))."
+        )
+    auxiliary = all(guide_trace.nodes[n]["infer"].get("is_auxiliary") for n in extra)
+    if extra and not (transformed and auxiliary):
+        raise NotApplicableError(
+            f"{what} weights the guide's draws by p(x, z) / q(z), but guide "
+            f"{describe_guide(guide)} also samples {extra}, which the model's local latents "
+            f"{sorted(latents)} do not include and which no point mass of the guide "
+            f"transforms into them (as AutoNormal's auxiliaries are): their log-density "
+            f"would enter q with nothing in p to match it (a mixing variable of the guide "
+            f"shifts every weight by its log q). Sample the latents from q(z) directly, or "
+            f"remove those sites from the guide."
+        )
 
 
 def _misnamed_sites(latent_names, guide_names, missing):
