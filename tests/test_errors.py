@@ -415,3 +415,16 @@ def test_the_ready_models_name_data_of_another_dtype_than_their_parameters(dtype
         with pytest.raises(TypeError, match=match):
             MPTLoss().loss(model.model, model.guide, x)
         assert len(pyro.get_param_store()) == 0
+
+
+def test_a_guide_that_requires_hidden_is_told_to_give_it_a_default():
+    # Pyro calls guides with the model's arguments only; MPTLoss's first call does too, and
+    # failed with the guide's own TypeError.
+    model = _model_factory("normal")
+
+    def guide(x, hidden):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+
+    with pytest.raises(TypeError, match=r"give it a default, guide\(x, hidden=None\)"):
+        MPTLoss().loss(model, guide, torch.randn(5, 3))

@@ -18,7 +18,18 @@ def guide_and_model_traces(model, guide, args, kwargs, structure):
     (:class:`~pyro_mpt.trace.model_structure.ModelStructure`) serves, one model run fewer.
     """
     with poutine.block():
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        try:
+            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        except TypeError as error:
+            if "'hidden'" not in str(error):
+                raise
+            # Pyro calls the guide with the model's arguments only: SVI, Predictive and
+            # MPTLoss's own checks; the masked conditionals pass 'hidden' by keyword.
+            raise TypeError(
+                f"The guide requires an argument 'hidden' ({error}), but it is called with "
+                f"the model's arguments only, as Pyro calls guides (SVI, Predictive): give it "
+                f"a default, guide(x, hidden=None), read as nothing hidden."
+            ) from error
         if not any(_draws(site) for site in guide_trace.nodes.values()):
             return guide_trace, copied_trace(structure.trace)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
