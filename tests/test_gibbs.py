@@ -1,6 +1,5 @@
 """gibbs: block Gibbs chains against the model's joint distribution."""
 
-import math
 
 import pyro
 import pyro.distributions as dist
@@ -156,38 +155,34 @@ def test_a_first_argument_the_model_does_not_observe_as_it_is_is_refused():
         gibbs(covariate_first, torch.randn(3, 4), x, block_size=1, num_steps=2, progress=False)
 
 
-def test_a_mask_fixed_by_the_model_is_refused_and_one_read_from_the_data_is_not():
-    # Entries that the model masks whatever the state are drawn but never context, so the
-    # chain's joint would not be p(x). A mask read from the data (NaN missing) covers the
-    # first step only: the chain draws those entries and they count from then on.
+def test_entries_the_model_masks_are_never_redrawn_and_the_rest_keep_p_x_observed():
+    # A masked entry was redrawn whenever it fell in a block but never used as context, so
+    # the chain's joint of it and the others was no distribution of the model. It now keeps
+    # its state, and the counted entries keep their exact joint: chains started at draws of
+    # p(x) have the closed-form covariance of the two unmasked features of row 0.
     ppca = _ppca()
-    x = ppca.sample(3)
-    fixed = torch.ones(3, 4, dtype=torch.bool)
-    fixed[0, 1] = False
+    num_chains = 4000
+    pyro.set_rng_seed(0)
+    x = ppca.sample(num_chains)
+    kept = torch.ones(num_chains, 4, dtype=torch.bool)
+    kept[:, 1] = False
+    x[:, 1] = 99.0
 
     def fixed_mask(x):
         with pyro.plate("data", x.shape[-2]):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
             loc = z @ ppca.weight.T
-            likelihood = dist.Normal(loc, ppca.noise_scale).mask(fixed).to_event(1)
+            likelihood = dist.Normal(loc, ppca.noise_scale).mask(kept).to_event(1)
             pyro.sample("x", likelihood, obs=x)
 
-    with pytest.raises(ValueError, match="masks entries of observed site 'x' whatever"):
-        gibbs(fixed_mask, x, block_size=1, num_steps=2, progress=False)
-
-    def read_mask(x):
-        observed = ~torch.isnan(x)
-        fixed_x = torch.nan_to_num(x)
-        with pyro.plate("data", x.shape[-2]):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
-            loc = z @ ppca.weight.T
-            likelihood = dist.Normal(loc, ppca.noise_scale).mask(observed).to_event(1)
-            pyro.sample("x", likelihood, obs=fixed_x)
-
-    with_nan = x.clone()
-    with_nan[0, 1] = math.nan
-    chain = gibbs(read_mask, with_nan, block_size=1, num_steps=3, progress=False)
-    assert torch.isfinite(chain[1:]).all()
+    chain = gibbs(fixed_mask, x, block_size=2, num_steps=5, progress=False)
+    assert (chain[:, :, 1] == 99.0).all()
+    w, var = ppca.weight.detach(), ppca.noise_scale.detach() ** 2
+    cov = w @ w.T + var * torch.eye(4)
+    final = chain[-1][:, [0, 2, 3]].double()
+    sub = cov[[0, 2, 3]][:, [0, 2, 3]].double()
+    se = _covariance_se(sub, num_chains)
+    assert ((final.T.cov() - sub).abs() <= NUM_SE * se).all()
 
 
 def test_zero_steps_returns_the_data():

@@ -45,6 +45,11 @@ def gibbs(
       one another: with ``block_size = D`` it draws every feature from its marginal, with
       no dependence left.
 
+    Entries that the model masks (``.mask``, ``poutine.mask``, ``obs_mask``) are in no
+    block: they are never context, keep their state, and the chain leaves the joint of the
+    entries the model counts invariant (fill missing entries with
+    :func:`~pyro_mpt.impute` first to run a chain over all of them).
+
     The draws are those of :func:`~pyro_mpt.impute`; each step prepares the conditionals
     once (one model run for ``"exact"``, two for ``"quadrature"``).
 
@@ -116,8 +121,7 @@ def gibbs(
             step_args = (chain[-1],) + rest
             if step > 0:
                 prepared = strategy.prepare(model, guide, step_args, kwargs, max_plate_nesting)
-                _check_no_fixed_mask(prepared.observed)
-            blocks = masks_of_sizes(sizes, num_features)
+            blocks = _blocks(sizes, prepared.observed)
             with torch.no_grad():
                 draws = draw_hidden(prepared, blocks, 1, joint=joint)[0]
             chain.append(draws.reshape(data.shape).to(data.dtype))
@@ -151,17 +155,13 @@ def _check_state(data, observed):
         )
 
 
-def _check_no_fixed_mask(observed):
-    """Refuses entries that the model still masks after the first step, when the chain has
-    drawn every missing entry: a mask fixed by the model (``.mask``, ``obs_mask`` not read
-    from the data) keeps them out of every context, so the chain's joint would not be
-    ``p(x)``."""
-    if observed.entries is not None:
-        raise ValueError(
-            f"gibbs leaves p(x) invariant by drawing blocks given the other entries, but the "
-            f"model masks entries of observed site {observed.name!r} whatever the chain's "
-            f"state (a fixed .mask(...), poutine.mask or obs_mask): they would be drawn "
-            f"without ever being context. Compute the mask from the data (e.g. "
-            f"obs_mask=~torch.isnan(x)), so that the entries drawn at the first step count, "
-            f"or drop the mask."
-        )
+def _blocks(sizes, observed):
+    """A uniformly random block of each observation's entries that the model counts:
+    entries it masks (``.mask``, ``poutine.mask``, ``obs_mask``) are in no ``p(x)`` it
+    defines, are never context, and keep their state, so the chain leaves the joint of the
+    counted entries invariant. A row with fewer counted entries than the block size draws
+    them all."""
+    entries = observed.entries
+    if entries is None:
+        return masks_of_sizes(sizes, observed.num_features)
+    return masks_of_sizes(torch.minimum(sizes, entries.sum(-1)), observed.num_features, entries)
