@@ -86,6 +86,12 @@ def mpt_curve(
         the data first, as :func:`~pyro_mpt.log_marginal` does (one more model run), and
         warns with the figure when it is coarse.
     :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
+    :raises ValueError: for ``Quadrature(center="guide")``, whose nodes miss the
+        conditionals of masked inputs.
+
+    With importance sampling, one :class:`~pyro_mpt.errors.ImportanceAccuracyWarning` per
+    call states the figures when the weights of the scored masks fail (any one row that
+    fails on its own included), as :func:`~pyro_mpt.log_marginal` does.
 
     Pyro's param store is left as it was found, as :func:`~pyro_mpt.log_marginal` leaves
     it: parameters first created here (a guide's sized by this ``x``) are removed.
