@@ -829,3 +829,16 @@ def test_a_perfect_proposal_s_ratio_bias_is_flagged_past_a_tenth_of_a_nat():
     assert 0.1 < -loss.diagnostics.summary()["ratio_bias"] < 0.2
     flagged = [str(w.message) for w in _flagged(caught)]
     assert flagged and "to first order (delta method) the ratios bias" in flagged[0]
+
+
+def test_the_fix_blames_the_guide_where_rows_fail_on_their_own():
+    # Shares that pass, one row resting on one draw, and a large first-order ratio bias:
+    # the fix said "the weights pass, so the guide is not at fault" beside the failing row.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics, _fix
+
+    log_w = torch.zeros(16, 10)
+    log_w[0, 0] = 30.0  # row 0 rests on one draw
+    diagnostics = ImportanceDiagnostics.of(log_w)._replace(ratio_bias=torch.full((1, 10), -0.5))
+    assert diagnostics._replace(ratio_bias=None).reliable()  # the shares pass
+    fix = _fix(diagnostics)
+    assert "not at fault" not in fix and "use a guide that sees which entries" in fix

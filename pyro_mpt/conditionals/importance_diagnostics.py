@@ -315,7 +315,8 @@ class ImportanceDiagnostics(NamedTuple):
 def _fix(diagnostics):
     """What to do about failing weights: over every mask the guide sees the unmasked input
     only, so a guide told which entries are hidden does not help there."""
-    weights_pass = diagnostics._replace(ratio_bias=None).reliable()
+    # Rows that fail on their own are the guide's doing: the fix is then the guide's.
+    weights_pass = diagnostics._replace(ratio_bias=None).reliable(each_row=True)
     if weights_pass and abs(diagnostics.summary()["ratio_bias"]) > MAX_RATIO_BIAS:
         return (
             "raise ImportanceSampling(num_samples=...): the ratios' bias falls as one over "
