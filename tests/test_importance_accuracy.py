@@ -842,3 +842,26 @@ def test_the_fix_blames_the_guide_where_rows_fail_on_their_own():
     assert diagnostics._replace(ratio_bias=None).reliable()  # the shares pass
     fix = _fix(diagnostics)
     assert "not at fault" not in fix and "use a guide that sees which entries" in fix
+
+
+def test_ordering_log_likelihoods_warns_once_where_its_importance_weights_fail():
+    # The chain-rule sums of a far proposal miss log p(x) by nats; their spread read as
+    # incoherence, with no word that the weights fail.
+    from pyro_mpt import ordering_log_likelihoods
+
+    x = _data(10) * 3.0
+    exact = _linear_gaussian_log_marginal(x)
+
+    def far_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(4.0, 0.2))
+
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ordering_log_likelihoods(
+            _model, x, guide=far_guide, num_orderings=8, conditionals=ImportanceSampling(64)
+        )
+    assert (result.values.mean(0) - exact).abs().max() > 1.0
+    flagged = [str(w.message) for w in _flagged(caught)]
+    assert len(flagged) == 1 and flagged[0].startswith("ordering_log_likelihoods by importance")

@@ -7,6 +7,11 @@ from typing import NamedTuple
 
 import torch
 
+from pyro_mpt.conditionals.importance_diagnostics import (
+    ImportanceDiagnostics,
+    counted_per_call,
+    warn_if_unreliable,
+)
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import (
@@ -209,10 +214,16 @@ def ordering_log_likelihoods(
         "num_orderings=8.",
     )
     strategy = conditionals_for(conditionals, model)
-    with param_store_rollback(always=True):
+    with param_store_rollback(always=True), counted_per_call():
         prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
         prepared.check_masked_contexts("ordering_log_likelihoods")
-        values = _chain_rule_sums(prepared, num_orderings, progress)
+        values, diagnostics = _chain_rule_sums(prepared, num_orderings, progress)
+        # Failing importance weights make the sums disagree for a reason of their own: the
+        # spread would read as incoherence, and the mean as log p(x).
+        what = "ordering_log_likelihoods"
+        warn_if_unreliable(
+            diagnostics, what, model, args, 4, None, guide, strategy.in_use, each_row=True
+        )
         try:
             reference = prepared.log_marginal()
         except NotImplementedError:
@@ -221,7 +232,9 @@ def ordering_log_likelihoods(
 
 
 def _chain_rule_sums(prepared, num_orderings, progress):
-    """The sums along ``num_orderings`` random orderings, ``(num_orderings,) + batch``."""
+    """The sums along ``num_orderings`` random orderings, ``(num_orderings,) + batch``, and
+    the importance diagnostics of every conditional scored, joined (None for strategies
+    without them)."""
     observed = prepared.observed
     value, entries, batch_shape = observed.value, observed.entries, prepared.batch_shape
     num_features = prepared.num_features
@@ -234,7 +247,7 @@ def _chain_rule_sums(prepared, num_orderings, progress):
     counts = observed_steps(orderings, entries)
     per_mask = max(1, value.numel() * prepared.log_prob_width)
     chunk = max(1, _CHUNK_ELEMENTS // per_mask)
-    values = None
+    values, diagnostics = None, []
     with progress_bar(
         total=num_orderings * num_steps, desc="orderings", disable=not progress, leave=False
     ) as bar:
@@ -253,13 +266,14 @@ def _chain_rule_sums(prepared, num_orderings, progress):
             ]
         for which, steps in blocks:
             terms = _score_steps(prepared, orderings[which], steps, counts[which])
+            diagnostics.append(prepared.diagnostics)
             if values is None:
                 values = terms.new_zeros((num_orderings,) + tuple(batch_shape))
             values[which] += terms.sum(1)
             bar.update(terms.shape[0] * terms.shape[1])
     if values is None:  # no observed entry anywhere
         values = value.new_zeros((num_orderings,) + tuple(batch_shape))
-    return values
+    return values, ImportanceDiagnostics.joined(diagnostics)
 
 
 def _score_steps(prepared, orderings, steps, counts):
