@@ -428,3 +428,22 @@ def test_a_guide_that_requires_hidden_is_told_to_give_it_a_default():
 
     with pytest.raises(TypeError, match=r"give it a default, guide\(x, hidden=None\)"):
         MPTLoss().loss(model, guide, torch.randn(5, 3))
+
+
+def test_a_guide_site_of_another_event_shape_than_the_model_s_is_named():
+    # The model, replayed at a value of the wrong shape, failed inside its own matrix
+    # product with a trace dump, or with advice about broadcasting.
+    from pyro_mpt.conditionals import ImportanceSampling
+
+    model = _model_factory("normal")
+
+    def narrow_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+
+    x = torch.randn(5, 3)
+    match = r"guide samples site 'z' with event shape \(1,\), but the model's 'z' has .*\(2,\)"
+    with pytest.raises(ValueError, match=match):
+        MPTLoss(conditionals=ImportanceSampling(8)).loss(model, narrow_guide, x)
+    with pytest.raises(ValueError, match=match):
+        log_marginal(model, x, guide=narrow_guide, conditionals=ImportanceSampling(8))

@@ -8,12 +8,13 @@ import warnings
 import pyro.poutine as poutine
 import torch
 from pyro.infer.util import is_validation_enabled
+from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.trace.model_structure import latent_names_in
 from pyro_mpt.trace.trace_utils import latent_sites, same_random_state
 from pyro_mpt.trace.vectorized_run_check import CheckedCalls
 
-__all__ = ["check_guide_sites"]
+__all__ = ["check_event_shapes", "check_guide_sites"]
 
 #: The (model, guide, argument shapes) whose sites :func:`check_guide_sites` compared.
 _SITES_CHECKED = CheckedCalls()
@@ -101,3 +102,24 @@ def _check_sites_of(guide_trace, model_trace):
             f"guide site that is not named after a model latent is never used.)",
             stacklevel=7,
         )
+
+
+def check_event_shapes(guide_trace, model_trace):
+    """Refuses a guide site whose event shape is not the model's for the same latent: the
+    model, replayed at its value, would fail inside its own code (a matrix product of the
+    wrong size) with nothing to say which site is at fault."""
+    for name, site in guide_trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            continue
+        model_site = model_trace.nodes.get(name)
+        if model_site is None or model_site["type"] != "sample" or model_site["is_observed"]:
+            continue
+        guide_event, model_event = site["fn"].event_shape, model_site["fn"].event_shape
+        if guide_event != model_event:
+            raise ValueError(
+                f"The guide samples site {name!r} with event shape {tuple(guide_event)}, "
+                f"but the model's {name!r} has event shape {tuple(model_event)}: the model "
+                f"would run at values of the wrong shape. Give the guide's distribution the "
+                f"model's shape (e.g. .to_event({len(model_event)}) over "
+                f"{tuple(model_event)})."
+            )

@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro_mpt.errors import NotApplicableError, StaleStructureError, joint_likelihood_error
 from pyro_mpt.trace.defensive_proposal import defensive_discrete
 from pyro_mpt.trace.guide_densities import joint_latent_owner
+from pyro_mpt.trace.guide_site_check import check_event_shapes
 from pyro_mpt.trace.model_structure import latent_names_in, read_structure
 from pyro_mpt.trace.observed_site import check_run_matches, read_observed_site, site_scale
 from pyro_mpt.trace.remembered_structure import call_signature
@@ -320,6 +321,7 @@ def _check_guide(guided, what):
     with torch.no_grad():
         value = local.observed.value
         guide_trace, _ = run_guided(guided, value.expand((2,) + value.shape), 1, False)
+    check_event_shapes(guide_trace, local.trace)
     _check_proposal(guide_trace, local, guide, what)
     sampled = set(latent_sites(guide_trace))
     missing = [name for name in local.latent_names if name not in sampled]

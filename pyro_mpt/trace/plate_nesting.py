@@ -8,6 +8,8 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_site_shape
 
+from pyro_mpt.trace.guide_site_check import check_event_shapes
+
 __all__ = ["copied_trace", "guessed_plate_nesting", "guide_and_model_traces"]
 
 
@@ -32,6 +34,7 @@ def guide_and_model_traces(model, guide, args, kwargs, structure):
             ) from error
         if not any(_draws(site) for site in guide_trace.nodes.values()):
             return guide_trace, copied_trace(structure.trace)
+        check_event_shapes(guide_trace, structure.trace)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
             *args, **kwargs
         )
