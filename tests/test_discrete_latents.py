@@ -292,6 +292,15 @@ def test_discrete_latents_are_refused_where_they_cannot_be_summed():
     with pytest.raises(NotApplicableError, match=r"(?s)'c'.*OneHotCategorical"):
         Quadrature().prepare(one_hot, None, (x,), {})
 
+    def ten_classes(x):
+        # Counted as ten continuous coordinates, it was refused as "K=10" latent dimensions.
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.OneHotCategorical(torch.ones(10) / 10))
+            pyro.sample("x", dist.Normal(c @ torch.ones(10, 4), 1.0).to_event(1), obs=x)
+
+    with pytest.raises(NotApplicableError, match=r"OneHotCategorical prior, discrete with an"):
+        Quadrature().prepare(ten_classes, None, (x,), {})
+
 
 def test_a_categorical_sampled_before_a_continuous_latent_leaves_the_nodes_continuous():
     """The rule's nodes take the continuous latents' dtype, not the first latent's: an

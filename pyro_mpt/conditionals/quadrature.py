@@ -613,6 +613,18 @@ class Quadrature(Conditionals):
         base = unwrap_independent(structure.trace.nodes[observed.name]["fn"])
         if base.event_shape:
             raise joint_likelihood_error(observed.name, base, "quadrature")
+        for latent in structure.latents:
+            prior = unwrap_independent(structure.trace.nodes[latent.name]["fn"])
+            if prior.support.is_discrete and prior.event_shape:
+                # A one-hot latent is discrete with an event of its own: neither a
+                # continuous coordinate nor one that the rule enumerates.
+                raise NotApplicableError(
+                    f"Latent site {latent.name!r} has a {type(prior).__name__} prior, discrete "
+                    f"with an event of shape {tuple(prior.event_shape)}; quadrature sums "
+                    f"discrete latents with scalar values only. Sample a Categorical and "
+                    f"one-hot it in the model (torch.nn.functional.one_hot), or use "
+                    f"conditionals='importance' with a guide."
+                )
         columns, num_values = _enumerated_coordinates(structure)
         latent_dim = structure.latent_dim - len(columns)
         if latent_dim > self.max_latent_dim:
