@@ -240,10 +240,16 @@ class Auto(Conditionals):
         if diagnostics is not None:
             reasons.append(f"  importance: its weights fail: {diagnostics.describe()}")
         if best is not None and (diagnostics is None or best.gap.mean < COARSE_RULE_TOL):
+            if math.isinf(best.gap.mean):
+                how_far = "by an amount no rule within the budget can measure"
+            else:
+                how_far = (
+                    "by about that much, or a few times more where the integrand converges "
+                    "slowly"
+                )
             warnings.warn(
                 f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
-                f"{_gap_text(best)}, so its conditionals may be coarse: off by about that "
-                f"much, or a few times more where the integrand converges slowly. Give "
+                f"{_gap_text(best)}, so its conditionals may be coarse: off {how_far}. Give "
                 f"MPTLoss a guide that proposes well (importance sampling then applies).",
                 QuadratureAccuracyWarning,
                 stacklevel=user_stacklevel(),
