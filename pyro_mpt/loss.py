@@ -38,6 +38,7 @@ from pyro_mpt.ops.masks import (
     process_generator,
     sample_masks,
 )
+from pyro_mpt.trace.data_reads import check_data_not_read
 from pyro_mpt.trace.guide_site_check import check_guide_sites
 from pyro_mpt.trace.model_structure import read_structure, shared_reads
 from pyro_mpt.trace.parameter_lists import ParameterLists
@@ -489,6 +490,8 @@ class MPTLoss(ELBO):
                     prepared = self._check_accuracy(strategy, structure, prepared, call, before)
             if self.num_masks != ALL_MASKS:
                 prepared.check_masked_contexts("MPTLoss with drawn masks")
+            if not self.schedule.unbiased:
+                check_data_not_read(model, args, kwargs, f"MPTLoss with {self.schedule!r}")
             estimates = self._estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates

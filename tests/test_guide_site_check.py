@@ -202,3 +202,25 @@ def test_a_guide_that_sizes_its_plate_from_the_left_is_named_not_the_model():
     with pytest.raises(ValueError, match=pattern) as caught:
         MPTLoss(conditionals=ImportanceSampling(8)).loss(model, left_sized_guide, x)
     assert "x.shape[-2], not x.shape[0]" in str(caught.value)
+
+
+def test_a_discrete_latent_hidden_from_an_autoguide_gets_advice_about_enumeration():
+    # The usual TraceEnum_ELBO set-up: the model's discrete latent is summed out, the guide
+    # is built on the model with it hidden. AutoNormal's auxiliary "z_unconstrained" is no
+    # misnamed site, so the advice must not be to rename it.
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            c = pyro.sample("c", dist.Categorical(torch.tensor([0.5, 0.5])))
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            loc = torch.tensor([-1.0, 1.0])[c].unsqueeze(-1) + z.sum(-1, keepdim=True)
+            pyro.sample("x", dist.Normal(loc, 1.0).expand(loc.shape[:-1] + (3,)).to_event(1), obs=x)
+
+    guide = AutoNormal(poutine.block(model, hide=["c"]))
+    loss = MPTLoss(conditionals=ImportanceSampling(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pyro's own "Found vars in model but not guide"
+        with pytest.raises(NotApplicableError) as raised:
+            loss.loss(model, guide, torch.randn(5, 3))
+    message = str(raised.value)
+    assert "Discrete latents ['c']" in message and "config_enumerate" in message
+    assert "z_unconstrained" not in message.split("samples no site")[1]

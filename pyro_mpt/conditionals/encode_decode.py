@@ -93,7 +93,7 @@ def _latent_parameters(trace, names):
     params = []
     for name in names:
         fn = unwrap_independent(trace.nodes[name]["fn"])
-        for key in sorted(type(fn).arg_constraints):
+        for key in sorted(fn.arg_constraints):
             value = getattr(fn, key, None)
             if torch.is_tensor(value):
                 params.append(value)

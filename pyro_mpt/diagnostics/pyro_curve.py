@@ -16,6 +16,7 @@ from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.masks import mask_scores, masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.data_reads import check_data_not_read
 from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
@@ -115,6 +116,7 @@ def mpt_curve(
         call = (model, guide, args, kwargs)
         prepared = prepare_checked(strategy, *call, max_plate_nesting, check_rule, "mpt_curve")
         prepared.check_masked_contexts("mpt_curve")
+        check_data_not_read(model, args, kwargs, "mpt_curve")
         if prepared.observed.entries is not None:
             raise ValueError(
                 f"Observed site {prepared.observed.name!r} has missing entries; the MPT curve "

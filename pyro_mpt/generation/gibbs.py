@@ -11,6 +11,7 @@ from pyro_mpt.generation._arguments import check_count
 from pyro_mpt.generation.draws import draw_hidden
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
+from pyro_mpt.trace.data_reads import check_data_not_read
 from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import flatten_tail, param_store_rollback
 
@@ -106,6 +107,7 @@ def gibbs(
         plates.refuse()
         observed = prepared.observed
         _check_state(data, observed)
+        check_data_not_read(model, args, kwargs, "gibbs")
         num_features = observed.num_features
         block_size = check_count(
             "block_size",

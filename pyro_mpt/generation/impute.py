@@ -10,6 +10,7 @@ from pyro_mpt.conditionals.rule_check import check_completed, prepare_checked
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.generation._arguments import check_missing, flat_missing
 from pyro_mpt.generation.draws import draw_hidden
+from pyro_mpt.trace.data_reads import check_data_not_read
 from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
 from pyro_mpt.trace.trace_utils import param_store_rollback
 
@@ -103,6 +104,7 @@ def impute(
         call = (model, guide, args, kwargs, max_plate_nesting)
         scored = _visible(missing, plates)
         prepared = prepare_checked(strategy, *call, check_rule, "impute", scored)
+        check_data_not_read(model, args, kwargs, "impute")
         observed = prepared.observed
         hidden = flat_missing(missing.to(observed.value.device), observed)
         with torch.no_grad():

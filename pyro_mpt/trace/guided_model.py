@@ -329,7 +329,7 @@ def _check_guide(guided, what):
         raise NotApplicableError(
             f"{what} draws every local latent from the guide, but guide "
             f"{describe_guide(guide)!r} samples no site {missing}. "
-            f"{_misnamed_sites(local.latent_names, sampled, missing)}"
+            f"{_misnamed_sites(local, guide_trace, sampled, missing)}"
         )
     _check_proposal_sites(guide_trace, local, guide, what)
 
@@ -390,14 +390,32 @@ def _check_proposal_sites(guide_trace, local, guide, what):
         )
 
 
-def _misnamed_sites(latent_names, guide_names, missing):
+def _misnamed_sites(local, guide_trace, guide_names, missing):
     """What to do about model latents ``missing`` from the guide, naming the guide's sites
-    and the model latent closest to each guide site that the model lacks."""
-    extra = [name for name in guide_names if name not in latent_names]
+    and the model latent closest to each guide site that the model lacks (an autoguide's
+    auxiliaries, such as AutoNormal's ``z_unconstrained``, are not such sites)."""
+    latent_names = local.latent_names
+    extra = [
+        name
+        for name in guide_names
+        if name not in latent_names and not guide_trace.nodes[name]["infer"].get("is_auxiliary")
+    ]
+    discrete = [
+        latent.name for latent in local.latents if latent.num_values and latent.name in missing
+    ]
+    enumerated = ""
+    if discrete:
+        enumerated = (
+            f" Discrete latents {discrete} that TraceEnum_ELBO sums out of the model "
+            f"(config_enumerate) must be sampled by the guide here, as importance sampling "
+            f"draws every latent (e.g. a Categorical site in the guide with learned "
+            f"probabilities); 'quadrature' sums them over their values instead, where the "
+            f"continuous latents have at most 3 dimensions."
+        )
     if not extra:
         return (
-            "Sample them in the guide (an amortized q(z | x)), or use conditionals='exact' "
-            "or 'quadrature'."
+            f"Sample them in the guide (an amortized q(z | x)), or use conditionals='exact' "
+            f"or 'quadrature'.{enumerated}"
         )
     pairs = []
     for name in extra:
@@ -408,7 +426,7 @@ def _misnamed_sites(latent_names, guide_names, missing):
     return (
         f"The guide's sites are {sorted(guide_names)} and the model's latents "
         f"{list(latent_names)}: {renames}; rename the guide site to the model's name (a guide "
-        f"site of another name is never used as the model's latent)."
+        f"site of another name is never used as the model's latent).{enumerated}"
     )
 
 

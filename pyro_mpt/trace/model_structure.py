@@ -33,6 +33,7 @@ __all__ = [
     "PointLayout",
     "enumerable_values",
     "latent_names_in",
+    "observed_names_in",
     "points_dtype",
     "observed_in_run",
     "read_structure",
@@ -187,6 +188,12 @@ def latent_names_in(trace):
     return _classify(trace)[1]
 
 
+def observed_names_in(trace):
+    """The names of a model trace's observed sites as :func:`read_structure` reads them: no
+    deterministic, reparameterised-``Delta`` or factor sites."""
+    return _classify(trace)[0]
+
+
 def _the_observed_site(trace, names, latent_names, what):
     """The name of the model's one observed site, or an error that says what to change when
     it has none or several."""
@@ -211,7 +218,9 @@ def _several_observed_sites(trace, names, latent_names, what):
         return ValueError(
             f"{what} found {len(names)} observed sites {names}; it scores the features of one "
             f"observed site. Concatenate the observations into one site (pyro.deterministic "
-            f"and pyro.factor sites are fine: they are not observations)."
+            f"and pyro.factor sites are fine: they are not observations). A latent fixed by "
+            f"poutine.condition or pyro.condition counts as observed too: pass its value to "
+            f"the model as an argument and use it in place of its pyro.sample site."
         )
     data_frames = frozenset.union(*(frames[n] for n in local))
     plates = sorted(name for name, _ in data_frames) or ["<none>"]

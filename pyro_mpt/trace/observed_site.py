@@ -200,7 +200,7 @@ def _check_nan(name, value, entries):
 def _parameter_dtype(fn):
     """The floating dtype of the distribution's parameters, or ``None``."""
     base = unwrap_independent(fn)
-    for key in type(base).arg_constraints:
+    for key in base.arg_constraints:
         value = base.__dict__.get(key)
         if torch.is_tensor(value) and value.is_floating_point():
             return value.dtype
