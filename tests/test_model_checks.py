@@ -77,7 +77,8 @@ def test_batch_norm_in_training_mode_is_refused():
 
 
 @pytest.mark.parametrize(
-    "statistic", ["centred latent", "hand-written batch norm", "fifth neighbour", "per slot"]
+    "statistic",
+    ["centred latent", "hand-written batch norm", "fifth neighbour", "per slot", "random walk"],
 )
 def test_latents_mixed_across_the_batch_by_hand_are_refused(statistic):
     """A latent centred over the data plate, a decoder normalised by batch statistics
@@ -98,6 +99,8 @@ def test_latents_mixed_across_the_batch_by_hand_are_refused(statistic):
                 loc = (z - z.mean(-2, keepdim=True)) * weight
             elif statistic == "fifth neighbour":
                 loc = (z + 0.5 * z.roll(5, dims=-2)) * weight
+            elif statistic == "random walk":  # a sequence written along the data plate
+                loc = z.cumsum(-2) * weight
             elif statistic == "per slot":
                 slots = z.reshape(z.shape[:-2] + (2, 5, 1))
                 loc = (slots - slots.mean(-3, keepdim=True)).reshape(z.shape) * weight
@@ -107,7 +110,7 @@ def test_latents_mixed_across_the_batch_by_hand_are_refused(statistic):
             pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
 
     for conditionals in ["exact", "auto", Quadrature(20)]:
-        with pytest.raises(ValueError, match=r"mixes values across its batch"):
+        with pytest.raises(ValueError, match=r"mixes values across its batch.*random walk"):
             log_marginal(model, x, conditionals=conditionals)
         with pytest.raises(ValueError, match=r"mixes values across its batch"):
             MPTLoss(num_masks="all", conditionals=conditionals).loss(model, None, x)

@@ -462,10 +462,13 @@ def mixing_message(observed_name):
     return (
         f"The likelihood of observed site {observed_name!r} at one latent value changes when "
         f"the model runs at other values too: the model mixes values across its batch "
-        f"(batch normalization in training mode, or latents centred over the batch?). "
-        f"MPTLoss needs p(x_i | z_i) of each observation and latent value alone: call "
-        f".eval() on BatchNorm modules, or use a normalization without batch statistics "
-        f"(LayerNorm), and compute nothing across the data plate from the latents."
+        f"(another observation's latent, as in a random walk or a moving average over the "
+        f"data plate written with cumsum or a shift; batch normalization in training mode; "
+        f"latents centred over the batch?). MPTLoss needs p(x_i | z_i) of each observation "
+        f"and latent value alone: call .eval() on BatchNorm modules, or use a normalization "
+        f"without batch statistics (LayerNorm), and compute nothing across the data plate "
+        f"from the latents. A sequence whose steps share latents is one observation: put "
+        f"its steps in the features (a plate right of the data plate, or .to_event)."
     )
 
 
