@@ -19,8 +19,13 @@ from pyro.distributions import Independent, MaskedDistribution
 
 from pyro_mpt.trace.model_structure import latent_names_in, observed_names_in
 from pyro_mpt.trace.trace_utils import RandomState, same_random_state
+from pyro_mpt.trace.vectorized_run_check import CheckedCalls
 
 __all__ = ["check_data_not_read", "data_read_by"]
+
+#: The (model, argument shapes) calls that passed :func:`check_data_not_read`: it runs the
+#: model three times, so once per such call.
+_PASSED = CheckedCalls()
 
 #: How far (relative) a density may move between the two runs by rounding alone.
 _TOLERANCE = 1e-5
@@ -126,10 +131,14 @@ def data_read_by(model, args, kwargs):
 def check_data_not_read(model, args, kwargs, what):
     """Raises ``ValueError`` when a distribution of ``model`` reads the data it observes
     (:func:`data_read_by`): ``what`` (the caller, in words) would score or draw from
-    conditionals that take the masked entries' own values as known."""
+    conditionals that take the masked entries' own values as known. Once per model and
+    argument shapes."""
+    if _PASSED.seen(model, None, args, kwargs, None):
+        return
     found = data_read_by(model, args, kwargs)
     if found is None:
         return
+    _PASSED.forget(model, None, args, kwargs, None)
     site, key = found
     argument = f"positional argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
     raise ValueError(
