@@ -502,3 +502,21 @@ def test_uniform_subsets_mask_exactly_the_size_asked_even_where_keys_tie():
     sizes = torch.randint(1, 4096, (4000,), generator=torch.Generator().manual_seed(102))
     masks = uniform_subsets(counts, sizes, 4096, generator=torch.Generator().manual_seed(2))
     assert torch.equal(masks.sum(-1), sizes)
+
+
+def test_examples_that_are_not_one_sequence_each_get_the_fix(tokenizer):
+    collator = MPTDataCollator(tokenizer)
+    # Tokenized with return_tensors="pt": (1, L) each, which stacked into a (B, 1, L) batch.
+    pt = [tokenizer("a b c", return_tensors="pt") for _ in range(2)]
+    examples = [{key: value for key, value in example.items()} for example in pt]
+    with pytest.raises(
+        ValueError,
+        match=r"must be one sequence of token ids, got a torch.int64 tensor of shape \(1, 5\)",
+    ):
+        collator(examples)
+    with pytest.raises(ValueError, match="examples is one mapping with keys"):
+        collator(tokenizer(["a b", "c a"]))
+    with pytest.raises(
+        ValueError, match=r"examples\[0\]\['input_ids'\] must be one sequence.*got str"
+    ):
+        collator(["a b", "c a"])

@@ -145,3 +145,18 @@ def test_unknown_normalization_raises():
     logits, labels, weights = _example()
     with pytest.raises(ValueError, match="normalize must be 'sequences' or 'tokens', got 'batch'"):
         mpt_mlm_loss(logits, labels, weights, normalize="batch")
+
+
+def test_a_batch_with_no_scored_token_has_loss_zero_not_nan():
+    logits, labels, weights = _example()
+    logits.requires_grad_(True)
+    unscored = torch.full_like(labels, -100)
+    loss = mpt_mlm_loss(logits, unscored, weights)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    # With tokens scored, the divisor is the count itself, at least 1 always (D_i >= 1).
+    assert mpt_mlm_loss(logits, labels, weights).item() == pytest.approx(
+        -sum(_by_hand(logits.detach(), labels, weights))
+        / float((weights * (labels != -100).sum(-1)).sum())
+    )

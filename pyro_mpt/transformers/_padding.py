@@ -35,20 +35,84 @@ def read_encoding(value, attention_mask, name):
     ``BatchEncoding`` or any mapping with ``input_ids``), else ``(value, attention_mask)``.
 
     A given ``attention_mask`` wins over the mapping's. The functions that take tokenized
-    sequences read them here, so that they accept the same forms and refuse a mapping without
-    ``input_ids`` with the same message, naming their own argument ``name``.
+    sequences read them here, so that they accept the same forms and refuse the same inputs
+    with the same message, naming their own argument ``name``: a mapping without
+    ``input_ids``; ``token_type_ids`` that mark a second segment (every sequence is scored
+    and drawn as one segment, token type 0, so a pair's conditionals would be another
+    input's); an attention mask that leaves out a position inside a sequence (only padding,
+    at either end of a row, is left out).
     """
-    if not hasattr(value, "keys"):
-        return value, attention_mask
-    if "input_ids" not in value:
-        raise ValueError(
-            f"{name} is a mapping with keys {sorted(value.keys(), key=str)}, but {name} must "
-            "hold 'input_ids'; pass a tokenizer's output, e.g. tokenizer(texts, padding=True, "
-            "return_tensors='pt')."
-        )
-    if attention_mask is None and "attention_mask" in value:
-        attention_mask = value["attention_mask"]
-    return value["input_ids"], attention_mask
+    if hasattr(value, "keys"):
+        if "input_ids" not in value:
+            raise ValueError(
+                f"{name} is a mapping with keys {sorted(value.keys(), key=str)}, but {name} "
+                "must hold 'input_ids'; pass a tokenizer's output, e.g. tokenizer(texts, "
+                "padding=True, return_tensors='pt')."
+            )
+        types = value.get("token_type_ids")
+        if types is not None and _has_nonzero(types):
+            raise ValueError(
+                f"{name}['token_type_ids'] marks a second segment (sentence pairs), but the "
+                "sequences are read as one segment, with token type 0: a pair's conditionals "
+                "would be those of another input. Pass single sequences, e.g. "
+                "tokenizer(list_of_texts), or the ids with their [SEP] as one segment."
+            )
+        if attention_mask is None and "attention_mask" in value:
+            attention_mask = value["attention_mask"]
+        value = value["input_ids"]
+    if attention_mask is not None:
+        check_padding_only(attention_mask, name)
+    return value, attention_mask
+
+
+def _has_nonzero(values):
+    """Whether ``values`` (a tensor, an int, or lists of them, possibly ragged) holds a
+    nonzero entry."""
+    if isinstance(values, torch.Tensor):
+        return bool(values.any())
+    if isinstance(values, numbers.Integral):
+        return values != 0
+    return any(_has_nonzero(value) for value in values)
+
+
+def check_padding_only(attention_mask, name):
+    """Raises when a row of ``attention_mask`` (a tensor, or lists of 0/1) has a 0 between
+    two attended positions: only padding is left out, or the functions would disagree on
+    whether such a token is dropped or kept unattended."""
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.dim() == 0:
+            return
+        rows = attention_mask.bool().reshape(-1, attention_mask.shape[-1])
+        columns = torch.arange(rows.shape[-1], device=rows.device)
+        first = torch.where(rows, columns, rows.shape[-1]).amin(-1)
+        last = torch.where(rows, columns, -1).amax(-1)
+        counts = rows.sum(-1)
+        holed = (counts > 0) & (counts != last - first + 1)
+        if not bool(holed.any()):
+            return
+        rows = rows.tolist()
+    else:
+        rows = attention_mask
+        if rows and isinstance(rows[0], numbers.Number):
+            rows = [rows]
+    for index, row in enumerate(rows):
+        row = row.tolist() if hasattr(row, "tolist") else list(row)
+        attended = [position for position, keep in enumerate(row) if keep]
+        if attended and len(attended) != attended[-1] - attended[0] + 1:
+            inside = next(p for p in range(attended[0], attended[-1]) if not row[p])
+            raise ValueError(
+                f"The attention mask of {name} leaves out position {inside} of row {index}, "
+                f"inside the sequence (attended from {attended[0]} to {attended[-1]}); only "
+                "padding, at either end of a row, may be left out. Drop the tokens that are "
+                "not to be read from the ids instead."
+            )
+
+
+def _describe(value):
+    """A short description of an ``input_ids`` value, for errors."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def _as_list(value):
@@ -79,6 +143,13 @@ def pad_examples(examples, pad_token_id, padding_side="right", pad_to_multiple_o
     """
     if isinstance(examples, (str, bytes)) or len(examples) == 0:
         raise ValueError("examples must be a non-empty list of tokenized examples.")
+    if hasattr(examples, "keys"):
+        raise ValueError(
+            f"examples is one mapping with keys {sorted(examples.keys(), key=str)} (a "
+            "tokenizer's output for a whole batch?), but a list of examples is expected, one "
+            "per sequence: e.g. a datasets.Dataset tokenized with dataset.map, or "
+            "[{'input_ids': ids} for ids in encoding['input_ids']]."
+        )
     first = examples[0]
     if not hasattr(first, "keys"):
         examples = [{"input_ids": example} for example in examples]
@@ -89,6 +160,18 @@ def pad_examples(examples, pad_token_id, padding_side="right", pad_to_multiple_o
             "texts first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True)."
         )
     ids = [_as_list(example["input_ids"]) for example in examples]
+    for index, row in enumerate(ids):
+        # The first token tells a sequence of ids from a string or a (1, L) tensor.
+        if isinstance(examples[index]["input_ids"], (str, bytes)) or (
+            row and not isinstance(row[0], numbers.Number)
+        ):
+            raise ValueError(
+                f"examples[{index}]['input_ids'] must be one sequence of token ids, got "
+                f"{_describe(examples[index]['input_ids'])}. Tokenize the texts first, one "
+                "sequence per example and without return_tensors='pt' (whose (1, L) tensors "
+                "would stack into a 3-d batch), e.g. dataset.map(lambda b: tokenizer(b['text'])"
+                ", batched=True)."
+            )
     lengths = [len(row) for row in ids]
     width = max(lengths)
     if pad_to_multiple_of:

@@ -93,6 +93,18 @@ def _special_ids(tokenizer, device):
     return torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long, device=device)
 
 
+def _banned_ids(model, tokenizer, device):
+    """The ids never drawn: the tokenizer's special ones, and those of the model's
+    vocabulary past the tokenizer's (an embedding matrix padded to a round size), which
+    decode to no token."""
+    special = _special_ids(tokenizer, device)
+    vocab_size = _model_limits(model)[1]
+    if vocab_size is None or vocab_size <= len(tokenizer):
+        return special
+    beyond = torch.arange(len(tokenizer), vocab_size, dtype=torch.long, device=device)
+    return torch.cat([special, beyond])
+
+
 def content_positions(sequences, tokenizer, attention_mask=None):
     """Positions holding ordinary tokens: not special (mask included), not padding."""
     content = ~torch.isin(sequences, _special_ids(tokenizer, sequences.device))
@@ -141,7 +153,14 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
         ids = input_ids.long().reshape(-1, input_ids.shape[-1])
         if attention_mask is None:
             attention_mask = default_attention(ids, tokenizer)
-        attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
+        attention_mask = torch.as_tensor(attention_mask)
+        if attention_mask.numel() != ids.numel():
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} for input_ids of shape "
+                f"{tuple(input_ids.shape)}; give one entry per token, or leave it out (0 at "
+                f"the padding token)."
+            )
+        attention_mask = attention_mask.reshape(ids.shape)
         return ids.clone().to(device), attention_mask.long().to(device)
     rows = _id_lists(input_ids)
     examples = [{"input_ids": row} for row in rows]
@@ -265,10 +284,11 @@ def sample_mlm(
         x_S \\sim \\prod_{s \\in S} p(x_s \\mid x_{\\setminus S}) \\quad
             \\text{(parallel, one pass)}.
 
-    ``"mask-predict"`` instead runs ``T = num_steps`` passes (default 10) over the start's
-    masked positions: each predicts every masked position, then the
+    ``"mask-predict"`` instead runs up to ``T = num_steps`` passes (default 10) over the
+    start's masked positions: each predicts every masked position, then the
     :func:`mask_predict_schedule` count of least confident ones (lowest probability of
-    their drawn token) is masked again.
+    their drawn token) is masked again; it stops early when that count reaches 0 (fewer
+    masked positions than ``T``), and :attr:`MLMSamples.num_passes` says how many ran.
 
     :param model: a ``*ForMaskedLM`` (e.g. :class:`transformers.BertForMaskedLM`); run in
         ``eval()`` mode, restored afterwards.
@@ -311,8 +331,9 @@ def sample_mlm(
             f"generator must be a torch.Generator or None, got {generator!r}; seed one, e.g. "
             f"generator=torch.Generator(device={str(device)!r}).manual_seed(0)."
         )
-    banned = _special_ids(tokenizer, device)
-    num_steps = _check_settings(method, temperature, top_k, len(tokenizer) - len(banned), num_steps)
+    banned = _banned_ids(model, tokenizer, device)
+    num_allowed = len(tokenizer) - len(_special_ids(tokenizer, device))
+    num_steps = _check_settings(method, temperature, top_k, num_allowed, num_steps)
     block_size = check_positive_int("block_size", block_size)
     ids, attention = _start(tokenizer, input_ids, attention_mask, length, num_sequences, device)
     _check_start(model, ids, attention, length)

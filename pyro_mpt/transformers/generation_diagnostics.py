@@ -9,7 +9,7 @@ import torch
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.progress import progress_bar
-from pyro_mpt.transformers._padding import left_aligned
+from pyro_mpt.transformers._padding import check_padding_only, left_aligned
 from pyro_mpt.transformers.generation import (
     MLMSamples,
     check_mask_token,
@@ -112,7 +112,17 @@ def pseudo_log_likelihood(
     ids, attention = _ids(sequences, attention_mask)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    attention = default_attention(ids, tokenizer) if attention is None else attention.to(device)
+    if attention is None:
+        attention = default_attention(ids, tokenizer)
+    else:
+        attention = torch.as_tensor(attention, device=device)
+        if attention.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention.shape)} for sequences of shape "
+                f"{tuple(ids.shape)}; give one entry per token, or leave it out (0 at the "
+                f"padding token)."
+            )
+        check_padding_only(attention, "sequences")
     fix = "cut the sequence to at most {} tokens, special tokens included"
     _check_token_ids(model, _attended_rows(ids, attention), "sequences", fix)
     # Left-padded rows are scored with their tokens from position 0, as unpadded.

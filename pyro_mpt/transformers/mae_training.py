@@ -18,7 +18,7 @@ def mae_loss(model, pixel_values, rate="uniform"):
     drops the masked patches from its encoder), capped at ``L - 1`` so one patch stays
     visible, and each image gets its own uniformly random mask of that size. The loss is the
     model's: the mean squared error of the masked patches, ``-S(x; M)`` of
-    :func:`~pyro_mpt.transformers.mae_curve` up to the Gaussian's affine map. A fixed rate
+    :func:`~pyro_mpt.transformers.mae_mpt_curve` up to the Gaussian's affine map. A fixed rate
     gives the MAE objective, a range ``(lo, hi)`` the random ratio of R2MAE.
 
     .. note:: The uniform schedule is not the unbiased MPT objective here. ``M`` is drawn

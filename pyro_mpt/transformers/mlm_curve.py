@@ -33,14 +33,6 @@ def _unpadded(tokenizer, texts):
     ids with the positions the mask leaves out dropped; other inputs unchanged."""
     if not isinstance(texts, Mapping):
         return texts
-    types = texts.get("token_type_ids")
-    if types is not None and _has_nonzero(types):
-        raise ValueError(
-            "texts['token_type_ids'] marks a second segment (sentence pairs), but the MPT "
-            "curve scores each sequence with token type 0, as one segment: the pair's "
-            "conditionals would be those of another input. Pass single sequences, e.g. "
-            "tokenizer(list_of_texts), or the ids with their [SEP] as one segment."
-        )
     rows, attention = read_encoding(texts, None, "texts")
     if _is_one_sequence(rows):
         raise ValueError(
@@ -56,16 +48,6 @@ def _unpadded(tokenizer, texts):
             row = [t for t, k in zip(row, keep) if k]
         out.append(row)
     return out
-
-
-def _has_nonzero(values):
-    """Whether ``values`` (a tensor, an int, or lists of them, possibly ragged) holds a
-    nonzero entry."""
-    if isinstance(values, torch.Tensor):
-        return bool(values.any())
-    if isinstance(values, numbers.Integral):
-        return values != 0
-    return any(_has_nonzero(value) for value in values)
 
 
 def _closing_ids(tokenizer):

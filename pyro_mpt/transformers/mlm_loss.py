@@ -162,8 +162,9 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="tokens"):
 def count_items(labels, weights, normalize="tokens"):
     """The default divisor of :func:`mpt_mlm_loss`: ``Σ_i w_i K_i`` over a batch's ``K_i``
     scored tokens per sequence (``normalize="tokens"``, the default), or its number of
-    sequences (``normalize="sequences"``)."""
+    sequences (``normalize="sequences"``). At least 1, so that a batch with no scored token
+    has a loss of 0, not 0/0 (a sequence with any scored token counts ``D_i >= 1``)."""
     if normalize == "sequences":
         return labels.new_tensor(labels.shape[0], dtype=torch.float32)
     sizes = (labels != -100).sum(-1).to(torch.float32)
-    return (weights.to(torch.float32) * sizes).sum()
+    return (weights.to(torch.float32) * sizes).sum().clamp(min=1.0)
