@@ -115,6 +115,31 @@ def exact_phase(out_dir, vocab_dir):
             torch.save(model.state_dict(), os.path.join(out_dir, f"updated_{normalize}.pt"))
 
 
+#: Rows evaluated: an odd count, so that two processes' samplers repeat one to fill a batch.
+EVAL_ROWS = 5
+
+
+def eval_phase(out_dir, vocab_dir):
+    """``eval_loss`` of the first :data:`EVAL_ROWS` pre-masked rows, per token and per
+    sequence, in evaluation batches of two: written to ``eval.json`` by rank 0."""
+    data = torch.load(os.path.join(out_dir, "batch.pt"))
+    rows = [{k: v[i] for k, v in data.items()} for i in range(EVAL_ROWS)]
+    losses = {}
+    for normalize in ("tokens", "sequences"):
+        args = arguments(out_dir, per_device_eval_batch_size=2)
+        trainer = MPTTrainer(
+            model=tiny_bert(VOCAB_SIZE),
+            args=args,
+            eval_dataset=ListDataset(rows),
+            data_collator=stack,
+            normalize=normalize,
+        )
+        losses[normalize] = trainer.evaluate()["eval_loss"]
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(out_dir, "eval.json"), "w") as handle:
+            json.dump(losses, handle)
+
+
 def train_recipe(output_dir, vocab_dir):
     """Pre-trains a masked language model by MPT on every process of ``torchrun``."""
     tokenizer = transformers.BertTokenizerFast.from_pretrained(vocab_dir)
@@ -181,6 +206,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     out, vocab = sys.argv[1], sys.argv[2]
     exact_phase(out, vocab)
+    eval_phase(out, vocab)
     recipe_phase(out, vocab)
     masks_phase(out, vocab)
     if torch.distributed.is_initialized():

@@ -19,12 +19,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from pyro_mpt.transformers import MPTDataCollator, MPTTrainer, mpt_mlm_loss  # noqa: E402
+from pyro_mpt.transformers import (  # noqa: E402
+    MPTDataCollator,
+    MPTTrainer,
+    mpt_mlm_loss,
+    mpt_sequence_estimates,
+)
 from tests._ddp_mpt_script import (  # noqa: E402
+    EVAL_ROWS,
     SGD_LR,
     VOCAB_SIZE,
     ListDataset,
     arguments,
+    eval_phase,
     mask_texts,
     sgd_step_trainer,
     tiny_bert,
@@ -149,6 +156,38 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def _eval_reference(batch, normalize):
+    """The loss of the first ``EVAL_ROWS`` rows of ``batch`` as one step's, row by row:
+    their summed nats over their summed items (``w_i K_i``, or 1 per sequence)."""
+    model = tiny_bert(VOCAB_SIZE).eval()
+    nats = items = 0.0
+    for i in range(EVAL_ROWS):
+        with torch.no_grad():
+            logits = model(
+                input_ids=batch["input_ids"][i : i + 1],
+                attention_mask=batch["attention_mask"][i : i + 1],
+            ).logits
+        labels, weights = batch["labels"][i : i + 1], batch["mpt_weights"][i : i + 1]
+        nats -= float(mpt_sequence_estimates(logits, labels, weights).double().sum())
+        scored = int((labels != -100).sum())
+        items += 1.0 if normalize == "sequences" else float(weights[0]) * scored
+    return nats / items
+
+
+def test_eval_loss_is_the_whole_sets_loss_not_a_mean_of_batch_losses(tokenizer, tmp_path):
+    # Five rows of unequal lengths in batches of two: a mean of the batches' own losses,
+    # each repeated by its size, is off per token (0.4% in a probe) where the set's summed
+    # nats over its summed tokens is the loss of one step.
+    with _float32():
+        torch.save(dict(_masked_batch(tokenizer, 8, seed=3)), tmp_path / "batch.pt")
+        eval_phase(str(tmp_path), None)
+        batch = torch.load(tmp_path / "batch.pt")
+        losses = json.loads((tmp_path / "eval.json").read_text())
+        for normalize in ("tokens", "sequences"):
+            expected = _eval_reference(batch, normalize)
+            assert losses[normalize] == pytest.approx(expected, rel=1e-5), normalize
+
+
 def test_two_process_torchrun_matches_one_process(tokenizer, tmp_path, monkeypatch):
     vocab = write_vocab(str(tmp_path / "vocab"))
     with _float32():
@@ -177,6 +216,12 @@ def test_two_process_torchrun_matches_one_process(tokenizer, tmp_path, monkeypat
         with _float32():
             expected = _sgd_reference(initial, batch, SGD_LR, normalize)
         _assert_same_update(expected, torch.load(tmp_path / f"updated_{normalize}.pt"), initial)
+    # Evaluated on two processes, the odd row that fills the last batch is not counted twice.
+    losses = json.loads((tmp_path / "eval.json").read_text())
+    with _float32():
+        for normalize in ("tokens", "sequences"):
+            expected = _eval_reference(batch, normalize)
+            assert losses[normalize] == pytest.approx(expected, rel=1e-5), normalize
     # The recipe of docs/scaling.rst ran on both processes; per token, its first loss is near
     # log V, as BERT's cross-entropy is at random initialisation.
     recipe = json.loads((tmp_path / "recipe.json").read_text())

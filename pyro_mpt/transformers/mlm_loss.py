@@ -155,16 +155,24 @@ def mpt_mlm_loss(logits, labels, weights, num_items=None, normalize="tokens"):
     check_normalize(normalize)
     estimates = mpt_sequence_estimates(logits, labels, weights)
     if num_items is None:
-        num_items = count_items(labels, weights, normalize)
+        # At least 1: a batch with no scored token has a loss of 0, not 0/0 (a sequence
+        # with any scored token counts D_i >= 1).
+        num_items = count_items(labels, weights, normalize).clamp(min=1.0)
     return -estimates.sum() / num_items
 
 
 def count_items(labels, weights, normalize="tokens"):
     """The default divisor of :func:`mpt_mlm_loss`: ``Σ_i w_i K_i`` over a batch's ``K_i``
     scored tokens per sequence (``normalize="tokens"``, the default), or its number of
-    sequences (``normalize="sequences"``). At least 1, so that a batch with no scored token
-    has a loss of 0, not 0/0 (a sequence with any scored token counts ``D_i >= 1``)."""
+    sequences (``normalize="sequences"``)."""
     if normalize == "sequences":
         return labels.new_tensor(labels.shape[0], dtype=torch.float32)
-    sizes = (labels != -100).sum(-1).to(torch.float32)
-    return (weights.to(torch.float32) * sizes).sum().clamp(min=1.0)
+    return sequence_items(labels, weights, normalize).sum()
+
+
+def sequence_items(labels, weights, normalize="tokens"):
+    """What each sequence adds to :func:`count_items`: ``w_i K_i``, or 1 per sequence;
+    float32 ``(B,)``."""
+    if normalize == "sequences":
+        return torch.ones(labels.shape[0], dtype=torch.float32, device=labels.device)
+    return weights.to(torch.float32) * (labels != -100).sum(-1).to(torch.float32)

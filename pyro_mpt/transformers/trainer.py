@@ -3,7 +3,13 @@ MPT objective."""
 
 from transformers import Trainer
 
-from pyro_mpt.transformers.mlm_loss import check_normalize, count_items, mpt_mlm_loss
+from pyro_mpt.transformers.mlm_loss import (
+    check_normalize,
+    count_items,
+    mpt_mlm_loss,
+    mpt_sequence_estimates,
+    sequence_items,
+)
 
 __all__ = ["MPTTrainer"]
 
@@ -61,7 +67,10 @@ class MPTTrainer(Trainer):
     the ``W`` processes, so the update is the gradient of :math:`\\mathcal{L}` over the
     whole step, the same as one process with the whole batch (tested with two processes).
     With ``average_tokens_across_devices=False`` every process divides by its own ``N``
-    and DDP averages the processes' losses. Evaluation divides each batch by its own ``N``.
+    and DDP averages the processes' losses. ``eval_loss`` is the evaluation set's loss as
+    one step's: its summed nats over its whole ``N``, each sequence counted once across the
+    processes (not a mean of per-batch losses, which would count the sequences that a
+    distributed sampler repeats to fill its last batch, and weigh batches by their size).
 
     Features such as ``word_ids`` reach the collator only with
     ``TrainingArguments(remove_unused_columns=False)``; otherwise whole-word masking reads
@@ -76,7 +85,26 @@ class MPTTrainer(Trainer):
 
     def __init__(self, *args, normalize="tokens", **kwargs):
         self.normalize = check_normalize(normalize)
+        # While an evaluation loop runs: each batch's (minus estimates, items) per sequence,
+        # gathered from every process without the repeated fill of the last batch.
+        self._evaluated = None
         super().__init__(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, *args, metric_key_prefix="eval", **kwargs):
+        """``Trainer.evaluation_loop``, with the loss of the whole evaluation set (see the
+        class docstring) in place of the mean of its batches' losses."""
+        self._evaluated = []
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, *args, metric_key_prefix=metric_key_prefix, **kwargs
+            )
+        finally:
+            evaluated, self._evaluated = self._evaluated, None
+        if evaluated:
+            nats = sum(float(pair[0].double().sum()) for pair in evaluated)
+            items = sum(float(pair[1].double().sum()) for pair in evaluated)
+            output.metrics[f"{metric_key_prefix}_loss"] = nats / max(items, 1.0)
+        return output
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The next ``num_batches`` micro-batches and the divisor ``N`` of their step,
@@ -113,4 +141,9 @@ class MPTTrainer(Trainer):
                 loss = loss * self.accelerator.num_processes
         else:
             loss = mpt_mlm_loss(logits, labels, weights, normalize=self.normalize)
+            if self._evaluated is not None:
+                estimates = mpt_sequence_estimates(logits.detach(), labels, weights)
+                items = sequence_items(labels, weights, self.normalize)
+                pair = (-estimates.double(), items.double())
+                self._evaluated.append(self.accelerator.gather_for_metrics(pair))
         return (loss, outputs) if return_outputs else loss
