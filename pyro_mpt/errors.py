@@ -132,10 +132,11 @@ def without_trace_shapes(message):
     return message.split("\nTrace Shapes:")[0].rstrip()
 
 
-#: Where pyro_mpt's and Pyro's own source files lie: frames there are not the user's.
+#: Where pyro_mpt's and Pyro's own source files lie, and torch's ``nn.Module`` call (the
+#: module form of a loss, ``MPTLoss()(model, guide)``): frames there are not the user's.
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-    for module in (sys.modules[__name__], pyro)
+    for module in (sys.modules[__name__], pyro, torch.nn.modules.module)
 )
 
 

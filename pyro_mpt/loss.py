@@ -264,9 +264,15 @@ class MPTLoss(ELBO):
     def _mpt_loss(self, model, guide, args, kwargs):
         """The call's loss, its prepared conditionals and the per-observation estimates: a
         call like the last successful one (the next mini-batch) takes the steady route."""
+        verify = contextlib.nullcontext()
+        if self._pending_check is not None or self._pending_weights is not None:
+            # Left unread by a differentiable_loss call of its own (the module form of the
+            # loss): read now, before they are replaced.
+            if self._read_left_over():
+                verify = verify_every_call()
         key = (self._call_key(model, guide, args, kwargs), is_validation_enabled())
         self._num_calls += 1
-        steady, verify = key == self._last_call, contextlib.nullcontext()
+        steady = key == self._last_call
         if steady:
             # A later call like the last one that succeeded (the next mini-batch): the
             # plate nesting is known, the guide's sites were compared, parameters exist, and
@@ -609,7 +615,7 @@ class MPTLoss(ELBO):
         failed, after which the call is made afresh and verified (the loss's value is then
         not used, and nothing has been back-propagated)."""
         form, weights = self._pending_check, self._pending_weights
-        self._pending_weights = None
+        self._pending_check = self._pending_weights = None
         pending = [loss.detach().double()]
         for check in (form, weights and weights[0]):
             if check is not None:
@@ -623,6 +629,33 @@ class MPTLoss(ELBO):
         if weights is not None:
             self._warn_if_unreliable(*weights[1:], failed=bool(failed[0]))
         return value
+
+    def _read_left_over(self):
+        """Reads the checks that the last call left on the device when nothing read them
+        with its loss (:meth:`differentiable_loss` called on its own, as by
+        ``MPTLoss()(model, guide)``): warns of failing importance weights, and of a
+        linear-Gaussian form that no longer held, whose call's loss and gradient were then
+        those of a form that does not hold. Returns whether the form failed: this call then
+        reads the model afresh, verified."""
+        form, weights = self._pending_check, self._pending_weights
+        self._pending_check = self._pending_weights = None
+        if weights is not None:
+            failing, diagnostics, model, args = weights
+            self._warn_if_unreliable(diagnostics, model, args, failed=bool(failing))
+        if form is None or not bool(form):
+            return False
+        self._last_call = None
+        warnings.warn(
+            "MPTLoss's last call used the linear-Gaussian form it read before, but the model "
+            "no longer has it (checked with validation off, and read only now, as "
+            "differentiable_loss was called on its own): that call's loss and gradient were "
+            "those of a form that does not hold. This call reads the model afresh, verified. "
+            "Call loss_and_grads (SVI.step) to have the check read with each loss, or enable "
+            "Pyro's validation to verify the form on every call.",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return True
 
     def _warn_if_unreliable(self, diagnostics, model, args, failed=None):
         """Warns when importance weights fail (:func:`warn_if_unreliable`), counting this
