@@ -383,3 +383,27 @@ def test_a_negative_predictive_variance_in_float32_raises_the_documented_error()
         warnings.simplefilter("ignore", NumericalWarning)
         with pytest.raises(NotPSDError, match=message):
             mll(model(x), y)
+
+
+@pytest.mark.parametrize("active_dims", [[1, 0], [1]], ids=["permuted", "one of two"])
+def test_active_dims_of_the_outer_kernel_are_taken_once(active_dims):
+    # The stored inputs of a lazy kernel matrix have its active_dims taken already. Taken a
+    # second time, a permutation swapped the dims back (y_0 scored -1.128 against -0.712),
+    # and one dim of two ran out of range. The reference: ExactMLL's own dense covariance.
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand(5, 2, generator=generator, dtype=torch.float64) * 3
+    y = torch.randn(5, generator=generator, dtype=torch.float64)
+    kernel = gpytorch.kernels.RBFKernel(ard_num_dims=len(active_dims), active_dims=active_dims)
+    kernel.lengthscale = torch.tensor([[0.3, 3.0][: len(active_dims)]])
+    likelihood = gpytorch.likelihoods.GaussianLikelihood()
+    likelihood.noise = 0.1
+    model = _KernelGP(x, y, likelihood, kernel).double()
+    likelihood.double()
+    model.train()
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    marginal = likelihood(model(x))
+    cov, loc = marginal.covariance_matrix, marginal.mean
+    for mask in torch.cat([all_masks(5, size) for size in range(1, 6)]):
+        log_p = mll.masked_log_prob(model(x), y, mask)
+        expected = dense_schur_log_conditionals(y, loc, cov, mask)
+        torch.testing.assert_close(log_p, torch.stack(list(expected.values())), rtol=0, atol=1e-10)

@@ -74,8 +74,16 @@ def _block(covariance, rows, cols):
     if isinstance(covariance, LazyEvaluatedKernelTensor) and _one_output_per_input(covariance):
         x1 = covariance.x1[..., rows, :]
         x2 = covariance.x2[..., cols, :]
-        with settings.lazily_evaluate_kernels(False):
-            block = covariance.kernel(x1, x2, **covariance.params)
+        # The stored inputs have the kernel's active_dims taken already: the kernel must
+        # not take them again (a permutation of them would swap the inputs' dims silently),
+        # as GPyTorch's own evaluation of the lazy tensor does not.
+        kernel, active_dims = covariance.kernel, covariance.kernel.active_dims
+        kernel.active_dims = None
+        try:
+            with settings.lazily_evaluate_kernels(False):
+                block = kernel(x1, x2, **covariance.params)
+        finally:
+            kernel.active_dims = active_dims
         return block.to_dense()
     return torch.as_tensor(covariance[..., rows.unsqueeze(-1), cols.unsqueeze(-2)])
 
