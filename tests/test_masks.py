@@ -81,6 +81,21 @@ def test_fixed_rate_sizes():
     assert FixedRate(1.0).sizes_from_quantiles(torch.rand(5), 10).unique().tolist() == [10]
 
 
+def test_fixed_rate_rounds_decimal_halves_up_whatever_the_binary_rounding():
+    # r D + 1/2 with r and D as written, in exact decimal arithmetic: 0.35 * 90 is 31.5, but
+    # 31.499999999999996 in binary, which floor(x + 0.5) took to 31.
+    from fractions import Fraction
+
+    for rate in (0.15, 0.35, 0.45, 0.55, 0.65):
+        for num_features in range(1, 400):
+            exact = math.floor(Fraction(str(rate)) * num_features + Fraction(1, 2))
+            expected = max(1, min(num_features, exact))
+            schedule = FixedRate(rate)
+            assert schedule.sizes_from_quantiles(torch.zeros(1), num_features).item() == expected
+            counts = torch.tensor([num_features])
+            assert schedule.sizes_from_quantiles(torch.zeros(1), counts).item() == expected
+
+
 def test_random_rate_sizes_stay_in_range():
     sizes = RandomRate(0.2, 0.5).sample_sizes(3, torch.Size([2000]), 20)
     assert sizes.min() >= 5 and sizes.max() <= 11

@@ -123,6 +123,12 @@ class UniformRate(RandomRate):
         return "UniformRate()"
 
 
+#: ``1/2`` and a little more, so that a product ``r D`` whose decimal value ends in ``.5``
+#: rounds up even where binary rounding leaves it just below (``0.35 * 90`` is
+#: ``31.499999999999996``).
+_HALF_UP = 0.5 + 1e-9
+
+
 class FixedRate(RateSchedule):
     """A fixed masking rate ``r`` (BERT's 0.15, MAE's 0.75): ``M = max(1, floor(r D + 1/2))``.
 
@@ -140,9 +146,9 @@ class FixedRate(RateSchedule):
 
     def sizes_from_quantiles(self, quantiles, num_features):
         if torch.is_tensor(num_features):
-            sizes = torch.floor(self.rate * num_features.double() + 0.5).long()
+            sizes = torch.floor(self.rate * num_features.double() + _HALF_UP).long()
             return _clamp_to_counts(sizes.expand(quantiles.shape), num_features)
-        size = max(1, min(num_features, math.floor(self.rate * num_features + 0.5)))
+        size = max(1, min(num_features, math.floor(self.rate * num_features + _HALF_UP)))
         return torch.full_like(quantiles, size, dtype=torch.long)
 
     def __repr__(self):
