@@ -149,7 +149,7 @@ def load_antiberty():
 
         >>> model, tokenizer = load_antiberty()  # doctest: +SKIP
         >>> sum(p.numel() for p in model.parameters()) // 10**6  # doctest: +SKIP
-        26
+        25
     """
     from transformers import BertForMaskedLM
     from transformers.utils import logging
