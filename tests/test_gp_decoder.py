@@ -166,6 +166,10 @@ def test_bad_constructor_arguments_are_rejected():
         GPDecoder(0, 2)
     with pytest.raises(ValueError, match="noise_scale must be a positive number, got -1"):
         GPDecoder(5, 2, noise_scale=-1)
+    # A kernel per output: log_marginal gave +inf, predict failed on shapes.
+    per_output = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([3]))
+    with pytest.raises(ValueError, match=r"kernel has batch_shape \(3,\); GPDecoder shares"):
+        GPDecoder(5, 3, kernel=per_output)
 
 
 def test_a_rate_out_of_range_is_rejected_before_training():

@@ -108,6 +108,15 @@ class GPDecoder(PyroModule):
                 f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}; "
                 f"e.g. gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())."
             )
+        if kernel.batch_shape:
+            # One covariance serves every output: a kernel per output (batch_shape) would
+            # broadcast in the likelihood but not in log_marginal or predict.
+            raise ValueError(
+                f"kernel has batch_shape {tuple(kernel.batch_shape)}; GPDecoder shares one "
+                f"kernel across its {self.num_outputs} outputs, so it takes a kernel without "
+                f"batch dims. Build it without batch_shape, e.g. "
+                f"gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())."
+            )
         if encoder is not None and not isinstance(encoder, torch.nn.Module):
             raise TypeError(
                 f"encoder must be a torch.nn.Module mapping y (N, D) to codes (N, Q), got "
