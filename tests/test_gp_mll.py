@@ -229,6 +229,14 @@ def test_bad_call_arguments_are_rejected():
         mll(torch.distributions.Normal(y, 1.0), y)
     with pytest.raises(ValueError, match=r"mask must be a boolean tensor of shape \(7,\)"):
         mll.masked_log_prob(model(x), y, torch.ones(7))
+    with pytest.raises(TypeError, match="target must be a torch.Tensor, got list"):
+        mll(model(x), y.tolist())
+    # A NaN target made the objective NaN with no word (GPyTorch's debug setting is on by
+    # default; with it off, the check, a read of the device, is skipped).
+    with pytest.raises(ValueError, match="target holds 1 NaN values"):
+        mll(model(x), torch.where(torch.arange(7) == 3, torch.nan, y))
+    with pytest.raises(TypeError, match="are swapped: pass MaskedPredictiveLogLikelihood"):
+        MaskedPredictiveLogLikelihood(model, likelihood)
 
 
 def _tiny_noise_problem(dtype):

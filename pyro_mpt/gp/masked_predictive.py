@@ -5,7 +5,9 @@ from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import GridKernel, InducingPointKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
+from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import ExactMarginalLogLikelihood
+from gpytorch.models import GP
 from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.errors import NotPSDError
@@ -203,6 +205,13 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
         try:  # GPyTorch's exact objective accepts only its Gaussian likelihoods
             super().__init__(likelihood, model)
         except RuntimeError as error:
+            if isinstance(likelihood, GP) and isinstance(model, Likelihood):
+                raise TypeError(
+                    f"The likelihood ({type(model).__name__}) and the model "
+                    f"({type(likelihood).__name__}) are swapped: pass "
+                    f"MaskedPredictiveLogLikelihood(likelihood, model), in the order of "
+                    f"gpytorch's ExactMarginalLogLikelihood."
+                ) from error
             raise TypeError(
                 f"likelihood must be a Gaussian likelihood (e.g. "
                 f"gpytorch.likelihoods.GaussianLikelihood), got {type(likelihood).__name__}. "
@@ -216,7 +225,21 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
         return f"rate={self.schedule!r}, num_masks={self.num_masks}"
 
     def _check_inputs(self, function_dist, target):
-        """Checks ``target`` against the GP's event shape; returns the number of outputs."""
+        """Checks ``target`` against the GP's event shape, and, while GPyTorch's debug setting
+        is on (its default), that it holds no NaN; returns the number of outputs."""
+        if not torch.is_tensor(target):
+            raise TypeError(
+                f"target must be a torch.Tensor, got {type(target).__name__}; convert it, "
+                f"e.g. torch.as_tensor(y, dtype=torch.float64)."
+            )
+        if settings.debug.on() and target.is_floating_point():
+            missing = int(torch.isnan(target).sum())
+            if missing:
+                raise ValueError(
+                    f"target holds {missing} NaN values; MaskedPredictiveLogLikelihood scores "
+                    f"every target and conditions on every other, so the objective would be "
+                    f"NaN. Drop those points from the training data (model.set_train_data)."
+                )
         if not isinstance(function_dist, MultivariateNormal):
             raise TypeError(
                 f"function_dist must be a gpytorch.distributions.MultivariateNormal (the "
