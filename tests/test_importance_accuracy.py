@@ -449,8 +449,11 @@ def test_one_observation_resting_on_one_draw_is_flagged_by_log_marginal():
     assert (value[1:] - exact[1:]).abs().max() < 0.1  # the others: fine
     flagged = [str(w.message) for w in _flagged(caught)]
     assert len(flagged) == 1
-    expected = "1 of the 10 (observation, mask) pairs fail on their own: they rest on a single"
+    expected = "1 of the 10 observations fail on their own: they rest on a single"
     assert expected in flagged[0]
+    # log p(x) of whole observations: no masks, no ratio of estimates, and a fix that fits.
+    assert "mask" not in flagged[0] and "x_j | x_R" not in flagged[0]
+    assert "fit the guide (or a fresh encoder) to the posterior p(z | x)" in flagged[0]
     # impute resamples the same weights: each call warns, the second as the first (they
     # were counted per model and shapes, so the second call was silent).
     missing = torch.zeros_like(x, dtype=torch.bool)
@@ -566,7 +569,7 @@ def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():
     assert diagnostics(2).reliable()  # a fifth of the rows: tolerated
     flagged = diagnostics(3)
     assert not flagged.reliable()
-    assert "30% of the pairs rest on a single draw" in flagged.describe()
+    assert "30% of the (observation, mask) pairs rest on a single draw" in flagged.describe()
 
 
 def test_a_fifth_of_the_rows_above_the_k_hat_threshold_is_tolerated_in_float32():

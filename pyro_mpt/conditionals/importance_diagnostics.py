@@ -248,13 +248,14 @@ class ImportanceDiagnostics(NamedTuple):
             failing = failing | (self.empty_rows.double().nanmean().abs() > MAX_EMPTY_CONTEXT_ERROR)
         return failing
 
-    def describe(self):
-        """The figures in one sentence."""
+    def describe(self, rows="(observation, mask) pairs"):
+        """The figures in one sentence; ``rows`` names what the rows of the weights are
+        (``"observations"`` for ``log p(x)`` of whole observations)."""
         f = self.summary()
         ess = f"median effective sample size {f['median_ess']:.1f} of {self.num_samples}"
         if f["single_draw"] > MAX_UNRELIABLE_SHARE:
             ess += (
-                f", and {100 * f['single_draw']:.0f}% of the pairs rest on a single draw "
+                f", and {100 * f['single_draw']:.0f}% of the {rows} rest on a single draw "
                 f"(effective sample size below {SINGLE_DRAW_ESS:g})"
             )
         elif f["failing_rows"]:
@@ -269,7 +270,7 @@ class ImportanceDiagnostics(NamedTuple):
             if self.empty_rows is not None and abs(f["worst_empty_row"]) > MAX_EMPTY_CONTEXT_ERROR:
                 reasons.append("see no entry and miss part of the prior's mass (below)")
             ess += (
-                f", and {f['failing_rows']} of the {f['rows']} (observation, mask) pairs fail "
+                f", and {f['failing_rows']} of the {f['rows']} {rows} fail "
                 f"on their own: they {', or '.join(reasons)}; theirs may be off by nats, tens "
                 f"of them where one draw decides"
             )
@@ -307,7 +308,7 @@ class ImportanceDiagnostics(NamedTuple):
             return f"{ess} (too few samples to fit the Pareto tail)"
         return (
             f"Pareto k-hat above {MAX_PARETO_K} for {100 * f['unreliable']:.0f}% of "
-            f"(observation, mask) pairs (median {f['median_k']:.2f}, max {f['max_k']:.2f}); "
+            f"{rows} (median {f['median_k']:.2f}, max {f['max_k']:.2f}); "
             f"{ess}"
         )
 
@@ -417,6 +418,7 @@ def warn_if_unreliable(
     advice="",
     failed=None,
     each_row=False,
+    whole=False,
 ):
     """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
     call per model, argument shapes, guide and strategy (within one evaluation, inside
@@ -436,6 +438,8 @@ def warn_if_unreliable(
         :meth:`ImportanceDiagnostics.failing` already (worked out here otherwise).
     :param bool each_row: whether every row must pass on its own too (see
         :meth:`ImportanceDiagnostics.reliable`).
+    :param bool whole: whether the estimates are ``log p(x)`` of whole observations (no
+        masks, no ratio of estimates), which the message then speaks of.
     """
     if diagnostics is None:
         return
@@ -451,11 +455,28 @@ def warn_if_unreliable(
     if failures != 10 ** int(math.log10(failures) + 1e-9):
         return
     history = "" if failures == 1 else f" ({failures} of the {checks} calls so far failed)"
+    if whole:
+        described = diagnostics.describe(rows="observations")
+        reading = (
+            "Each log p(x) is such an estimate and may be off by nats, mostly low (an "
+            "importance-weighted bound in expectation)."
+        )
+        fix = (
+            "fit the guide (or a fresh encoder) to the posterior p(z | x) on these data, "
+            "longer or with more particles, raise ImportanceSampling(num_samples=...), or use "
+            "exact or quadrature conditionals where the model allows (Quadrature("
+            "center='guide') up to 3 latent dimensions)."
+        )
+    else:
+        described = diagnostics.describe()
+        reading = (
+            "Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
+            "observation, in either direction."
+        )
+        fix = _fix(diagnostics)
     warnings.warn(
         f"{what} by importance sampling cannot be trusted here{history}: "
-        f"{diagnostics.describe()}. "
-        f"Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
-        f"observation, in either direction. Fix: {_fix(diagnostics)}{advice}",
+        f"{described}. {reading} Fix: {fix}{advice}",
         ImportanceAccuracyWarning,
         stacklevel=stacklevel,
     )

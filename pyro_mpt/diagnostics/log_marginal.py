@@ -83,6 +83,15 @@ def log_marginal(
                 raise ValueError(f"conditionals={strategy!r}: {error}") from None
         diagnostics, what = prepared.diagnostics, "log_marginal"
         warn_if_unreliable(
-            diagnostics, what, model, args, 4, None, guide, strategy.in_use, each_row=True
+            diagnostics,
+            what,
+            model,
+            args,
+            4,
+            None,
+            guide,
+            strategy.in_use,
+            each_row=True,
+            whole=True,
         )
     return result
