@@ -235,6 +235,26 @@ class MPTLoss(ELBO):
         self._checking = False
         self.rule_check = None
 
+    def __getstate__(self):
+        """The loss's settings, for a copy (pickled for a process that ``ddp_spawn`` starts,
+        or deep-copied): what it read of the models it was called on (traces that hold the
+        models' own objects, weak references) is left behind, and the copy reads its model
+        afresh on its first call."""
+        state = dict(self.__dict__)
+        state.update(
+            _last_call=None,
+            _signature=None,
+            _steady=None,
+            _kept=None,
+            _parameters=ParameterLists(),
+            diagnostics=None,
+            _pending_check=None,
+            _pending_weights=None,
+        )
+        if self._nesting_guessed_for is not None:  # guessed, not given: guessed again
+            state.update(_nesting_guessed_for=None, max_plate_nesting=math.inf)
+        return state
+
     def __repr__(self):
         return (
             f"MPTLoss(rate={self.schedule!r}, num_masks={self.num_masks!r}, "

@@ -85,3 +85,38 @@ def test_a_form_that_stopped_holding_is_told_and_read_afresh_at_the_next_module_
         with pytest.raises(ValueError, match="not affine"):
             module(data)  # reads it, then reads the model afresh, verified
     assert caught[0].filename == __file__
+
+
+def _tanh_model(x):
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        pyro.sample("x", dist.Normal(torch.tanh(z @ WEIGHT.T), 0.5).to_event(1), obs=x)
+
+
+@pytest.mark.parametrize(
+    "model, conditionals",
+    [(_model, "auto"), (_tanh_model, "auto"), (_tanh_model, "quadrature"), (_model, "importance")],
+)
+def test_a_called_loss_pickles_and_its_copy_scores_as_it_does(model, conditionals):
+    # ddp_spawn pickles the LightningModule, and with it the loss: a loss that had been
+    # called held traces and weak references, and failed to pickle or deep-copy.
+    import copy
+    import pickle
+
+    from pyro.infer.autoguide import AutoNormal
+
+    guide = AutoNormal(model)
+    x = dist.Normal(0.0, 1.0).sample((8, 6))
+    loss = MPTLoss(conditionals=conditionals, num_masks=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # accuracy warnings of an untrained guide
+        for _ in range(2):
+            loss.loss(model, guide, x)
+        copies = [pickle.loads(pickle.dumps(loss)), copy.deepcopy(loss)]
+        values = []
+        for scorer in [loss, *copies]:
+            pyro.set_rng_seed(7)
+            values.append(scorer.loss(model, guide, x))
+    assert values[1] == pytest.approx(values[0], rel=1e-12)
+    assert values[2] == pytest.approx(values[0], rel=1e-12)
+    assert copies[0].num_masks == 3 and repr(copies[0].schedule) == repr(loss.schedule)

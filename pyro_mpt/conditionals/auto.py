@@ -138,6 +138,13 @@ class Auto(Conditionals):
         self._chosen_for = None
         self._strategies = {} if candidates is None else candidates
 
+    def __getstate__(self):
+        # A copy (pickled for a spawned process) chooses afresh for the models it is
+        # called on: its choice was tied to a model by identity.
+        state = dict(self.__dict__)
+        state.update(chosen=None, reason=None, _chosen_for=None)
+        return state
+
     @property
     def in_use(self):
         """The strategy chosen by the last call, or this one before the first."""

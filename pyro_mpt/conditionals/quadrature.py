@@ -497,6 +497,17 @@ class Quadrature(Conditionals):
         self._grids = {}
         self._plans = weakref.WeakKeyDictionary()
 
+    def __getstate__(self):
+        # A copy (pickled for a spawned process) keeps the rule's settings and works out
+        # its grids and plans afresh: the plans are keyed by weak reference.
+        state = dict(self.__dict__)
+        state["_grids"], state["_plans"] = {}, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._plans = weakref.WeakKeyDictionary()
+
     def __repr__(self):
         return f"Quadrature(num_points={self.num_points}, center={self.center!r})"
 

@@ -107,6 +107,11 @@ class RememberedStructure:
         structure = self.get(model, args, kwargs, max_plate_nesting, signature)
         return strategy.prepare_with(structure, model, guide, args, kwargs)
 
+    def __getstate__(self):
+        # A copy (pickled for a spawned process) reads its model afresh: a trace holds
+        # the model's own objects, which need not pickle.
+        return {"_signature": None, "_structure": None}
+
     def forget(self):
         """Drops the remembered structure (one a strategy could not use: the model may be
         changed before the next call, under the same argument shapes)."""
