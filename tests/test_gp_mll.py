@@ -415,3 +415,38 @@ def test_active_dims_of_the_outer_kernel_are_taken_once(active_dims):
         log_p = mll.masked_log_prob(model(x), y, mask)
         expected = dense_schur_log_conditionals(y, loc, cov, mask)
         torch.testing.assert_close(log_p, torch.stack(list(expected.values())), rtol=0, atol=1e-10)
+
+
+def _smooth_problem(dtype, noise):
+    x = torch.linspace(0, 1, 60, dtype=torch.float64)
+    y = torch.sin(6 * x) + 0.01 * torch.randn(60, generator=torch.Generator().manual_seed(14))
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(
+        noise_constraint=gpytorch.constraints.GreaterThan(1e-12)
+    )
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+    model = _KernelGP(x.to(dtype), y.to(dtype), likelihood, kernel).to(dtype)
+    likelihood.to(dtype)
+    kernel.base_kernel.lengthscale = 0.3
+    likelihood.noise = noise
+    model.train()
+    return x.to(dtype), y.to(dtype), likelihood, model
+
+
+@pytest.mark.parametrize("noise, warned", [(1e-6, True), (1e-4, False)])
+def test_a_float32_variance_that_rounding_decides_warns(noise, warned):
+    # Held-out variances far below their prior ones are differences that rounding decides:
+    # at noise 1e-6 float32 put 30 held-out outputs 139 nats from float64 with no word.
+    mask = torch.zeros(60, dtype=torch.bool)
+    mask[::2] = True
+    totals = {}
+    for dtype in (torch.float32, torch.float64):
+        x, y, likelihood, model = _smooth_problem(dtype, noise)
+        mll = MaskedPredictiveLogLikelihood(likelihood, model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            totals[dtype] = mll.masked_log_prob(model(x), y, mask).double().sum().item()
+        flagged = [w for w in caught if "rounding error" in str(w.message)]
+        assert len(flagged) == (1 if warned and dtype == torch.float32 else 0)
+    error = abs(totals[torch.float32] - totals[torch.float64])
+    # Unwarned, float32 stays within its plain rounding (0.025 nats over the 30 here).
+    assert error > 10.0 if warned else error < 0.1, error
