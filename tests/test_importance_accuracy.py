@@ -572,6 +572,23 @@ def test_rows_resting_on_one_draw_flag_the_batch_where_k_hat_cannot():
     assert "30% of the (observation, mask) pairs rest on a single draw" in flagged.describe()
 
 
+def test_a_failing_row_is_explained_by_the_reasons_that_can_apply_at_its_sample_size():
+    # A heavy-tailed row fails on k-hat above 0.7 with an ESS below 5% of the draws: at 16
+    # draws that bound is 0.8, below any ESS, and k-hat is not even fitted, so the reason
+    # read "an effective sample size below 0.8", which nothing can be.
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
+
+    single = torch.tensor([1.0] + [16.0] * 9)
+    few = ImportanceDiagnostics(torch.full((10,), float("nan")), single, 16)
+    assert "1 of the 10 (observation, mask) pairs fail" in few.describe()
+    assert "heavy tail" not in few.describe()
+    heavy = torch.tensor([0.9] + [0.1] * 9)
+    many = ImportanceDiagnostics(heavy, torch.tensor([5.0] + [200.0] * 9), 256)
+    assert "1 of the 10 (observation, mask) pairs fail" in many.describe()
+    reason = "heavy tail (k-hat above 0.7 with an effective sample size below 12.8)"
+    assert reason in many.describe()
+
+
 def test_a_fifth_of_the_rows_above_the_k_hat_threshold_is_tolerated_in_float32():
     # 4 of 20 rows: the share is 0.2 exactly, which a float32 mean rounds above 0.2.
     from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics

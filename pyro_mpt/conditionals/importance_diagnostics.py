@@ -260,11 +260,13 @@ class ImportanceDiagnostics(NamedTuple):
             )
         elif f["failing_rows"]:
             share = MIN_ROW_ESS_SHARE * self.num_samples
-            reasons = [
-                f"rest on a single draw (effective sample size below {SINGLE_DRAW_ESS:g})",
-                f"on a few draws of a heavy tail (k-hat above {MAX_PARETO_K} with an effective "
-                f"sample size below {share:g})",
-            ]
+            reasons = [f"rest on a single draw (effective sample size below {SINGLE_DRAW_ESS:g})"]
+            # Only where a row can fail that way: k-hat fitted, and an ESS bound above 1.
+            if share > SINGLE_DRAW_ESS and not math.isnan(f["median_k"]):
+                reasons.append(
+                    f"on a few draws of a heavy tail (k-hat above {MAX_PARETO_K} with an "
+                    f"effective sample size below {share:g})"
+                )
             if self.num_samples >= MIN_SAMPLES_FOR_ROW_K:
                 reasons.append(f"have k-hat above {MAX_ROW_PARETO_K:g} (weights of no finite mean)")
             if self.empty_rows is not None and abs(f["worst_empty_row"]) > MAX_EMPTY_CONTEXT_ERROR:
