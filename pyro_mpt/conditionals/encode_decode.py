@@ -49,7 +49,10 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
     def _decode(self, filled, hidden):
         """The observed site's base distribution and value at ``z ~ q(z | filled)``, the
         guide told which entries are ``hidden``."""
-        _, model_trace = run_guided(self.guided, filled, self.num_samples, hidden=hidden)
+        # The codes are used as q's own draws, with no weights to correct a defensive mixture.
+        _, model_trace = run_guided(
+            self.guided, filled, self.num_samples, hidden=hidden, defensive=False
+        )
         site, self.scale = observed_site_of_run(self.guided, model_trace)
         return unwrap_independent(site["fn"]), site["value"]
 
@@ -78,7 +81,7 @@ class EncodeDecodeSelfPredictive(SelfPredictive):
         unseen = unseen.expand((num_chains,) + unseen.shape)
         filled = fill_masked(x, unseen, self.fill)
         for _ in range(max(self.num_iterations, 1)):
-            _, model_trace = run_guided(self.guided, filled, 1, hidden=unseen)
+            _, model_trace = run_guided(self.guided, filled, 1, hidden=unseen, defensive=False)
             fn = observed_site_of_run(self.guided, model_trace)[0]["fn"]
             filled = select_masked(unseen, observation_draws(fn, observed, (1, num_chains))[0], x)
         if not joint:
@@ -227,6 +230,13 @@ class EncodeDecode(Conditionals):
                 f"features with the decoder's mean, 'sample' with a draw from the decoder."
             )
         self.refill = refill
+
+    def __getstate__(self):
+        # A copy (pickled for a process that ddp_spawn starts, or deep-copied) warns again of
+        # its unmeasured accuracy: that process has not shown the warning.
+        state = dict(self.__dict__)
+        state.pop("_warned", None)
+        return state
 
     def __repr__(self):
         refill = "" if self.refill == "mean" else f", refill={self.refill!r}"

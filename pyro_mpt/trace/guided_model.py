@@ -462,7 +462,9 @@ def _check_proposal(guide_trace, local, guide, what):
             )
 
 
-def run_guided(guided, filled, num_samples, replay_model=True, hidden=None, guide_trace=None):
+def run_guided(
+    guided, filled, num_samples, replay_model=True, hidden=None, guide_trace=None, defensive=True
+):
     """Runs the guide on filled data and replays the model against its latents.
 
     **Guides for masked inputs.** Filled data do not say which entries were filled: where 0
@@ -484,6 +486,9 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None, guid
         missing entries; ``None`` when nothing is hidden.
     :param guide_trace: a trace of the guide's latents, of these batch dims, to replay the
         model against instead of running the guide (which then is not run at all).
+    :param bool defensive: whether the guide's discrete choices are mixed with uniform ones
+        (:func:`~pyro_mpt.trace.defensive_proposal.defensive_discrete`), as importance
+        weights correct for; ``False`` for callers that use the draws as ``q``'s own.
     :returns: ``(guide_trace, model_trace)``; every site has the batch dims
         ``(S, P) + batch``; ``model_trace`` is None unless ``replay_model``.
     """
@@ -503,7 +508,8 @@ def run_guided(guided, filled, num_samples, replay_model=True, hidden=None, guid
     ):
         try:
             if guide_trace is None:
-                guide_trace = poutine.trace(defensive_discrete(guided.guide)).get_trace(
+                guide = defensive_discrete(guided.guide) if defensive else guided.guide
+                guide_trace = poutine.trace(guide).get_trace(
                     data, *guided.args[1:], **guide_kwargs
                 )
         except (ValueError, RuntimeError, IndexError) as error:
