@@ -237,6 +237,14 @@ def run_from_args(args):
             if args.check:
                 print("--check and --rerun exclude each other.", file=sys.stderr)
                 return 2
+            unknown = [name for name in args.rerun if name not in SOURCES]
+            if unknown:
+                print(
+                    f"--rerun {' '.join(unknown)}: no such result source; choose from "
+                    f"{', '.join(SOURCES)} (or give --rerun alone to rerun them all).",
+                    file=sys.stderr,
+                )
+                return 2
             read_manifest(root)  # a corrupt manifest stops the reruns before, not after, them
             start = time.perf_counter()
             rerun(args.rerun, root, size=args.size)

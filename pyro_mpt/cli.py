@@ -282,6 +282,8 @@ def _check_out(parser, out):
     otherwise be lost at its end. Folders made for the check are removed again, so that a
     failing call creates nothing (the experiment makes the folder when it saves)."""
     fix = "choose a folder that can be created and written, e.g. --out results"
+    if not str(out).strip():
+        parser.error(f"--out {out!r} names no folder; {fix}")
     missing = []
     existing = Path(out)
     while not existing.exists():  # False below a file too; '.' and '/' exist

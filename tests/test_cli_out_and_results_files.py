@@ -47,6 +47,14 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert out.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("out", ["", " "])
+def test_out_that_names_no_folder_is_refused(tmp_path, capsys, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    error = _refused(["reproduce", "ppca-curve", "--smoke", "--out", out], capsys)
+    assert error == f"pyro-mpt reproduce: error: --out {out!r} names no folder; {FIX}"
+    assert _tree(tmp_path) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
 def test_out_that_cannot_be_created_is_refused(capsys):
     out = "/proc/pyro-mpt-nope/x"
@@ -145,6 +153,17 @@ def test_render_results_names_a_corrupt_manifest(checkout, capsys):
             "entry), or restore the committed copy.\n"
         )
     assert manifest.read_text() == ""
+    assert _snapshot(checkout) == before
+
+
+def test_render_results_refuses_an_unknown_source_before_rerunning_any(checkout, capsys):
+    before = _snapshot(checkout)
+    argv = ["render-results", "--root", str(checkout), "--rerun", "ppca-table1", "nosuch"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("--rerun nosuch: no such result source; choose from ")
+    assert "ppca-table1" in captured.err
     assert _snapshot(checkout) == before
 
 

@@ -130,3 +130,110 @@ def test_models_that_only_observe_the_data_pass(kind):
 def test_the_autoregressive_model_is_found_in_float32():
     x = _ar_data(8).float()
     assert data_read_by(_ar_model, (x,), {}) == ("x", 0)
+
+
+def _ar_reads(transform):
+    """The AR model with the data reached through ``transform(x)`` (what the model
+    observes and reads)."""
+
+    def model(x):
+        y = transform(x)
+        previous = torch.cat([torch.zeros_like(y[..., :1]), y[..., :-1]], -1)
+        with pyro.plate("data", y.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.unsqueeze(-1) + A * previous, NOISE).to_event(1), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize(
+    "transform, hole",
+    [
+        (lambda x: x / 10, 0.0),
+        (lambda x: x.double(), 0.0),
+        (lambda x: x.nan_to_num(), float("nan")),
+        (lambda x: x.detach(), 0.0),
+    ],
+    ids=["scaled", "cast", "nan_to_num", "detached"],
+)
+def test_a_read_of_data_the_model_transforms_before_observing_is_found(transform, hole):
+    # The observed value is no longer the argument itself: the argument is found to be the
+    # data because the observed values are computed from it (or, through detach, by values).
+    x = _ar_data(12).float()
+    x[2, 1] = hole
+    assert data_read_by(_ar_reads(transform), (x,), {}) == ("x", 0)
+    with pytest.raises(ValueError, match="site 'x' changes when the data"):
+        impute(_ar_reads(transform), x, missing=torch.arange(T) == 1, num_samples=2)
+
+
+def test_a_read_of_data_passed_inside_a_dict_is_found():
+    def model(batch):
+        _ar_model(batch["x"])
+
+    assert data_read_by(model, ({"x": _ar_data(10)},), {}) == ("x", 0)
+
+
+@pytest.mark.parametrize("num", [1, 20])
+def test_a_statistic_that_no_permutation_of_the_data_moves_is_found(num):
+    # A batch mean (and, for one observation, its row mean) is the same for any shuffle of
+    # the data: the check follows the computation, not a shuffle.
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.unsqueeze(-1) + A * x.mean()
+            pyro.sample("x", dist.Normal(loc.expand(x.shape), NOISE).to_event(1), obs=x)
+
+    assert data_read_by(model, (_ar_data(num),), {}) == ("x", 0)
+
+
+def test_a_factor_on_the_data_that_couples_features_is_found():
+    # exp(-K (x_1 - x_0)^2) multiplies the likelihood: the conditionals of x_0 and x_1 read
+    # each other's values through it, which the latent's integral alone does not see.
+    def model(x):
+        _linear_model(x)
+        pyro.factor("smooth", -2.0 * (x[..., 1] - x[..., 0]).pow(2))
+
+    assert data_read_by(model, (torch.randn(8, T),), {}) == ("smooth", 0)
+
+
+def test_an_encoder_of_the_data_inside_the_model_is_found():
+    from pyro_mpt.models import GPDecoder
+
+    pyro.clear_param_store()
+    y = torch.randn(10, 3)
+    encoder = torch.nn.Linear(3, 2)
+    decoder = GPDecoder(num_data=10, num_outputs=3, latent_dim=2, encoder=encoder)
+    assert data_read_by(decoder.model, (y,), {}) == ("y", 0)
+    free = GPDecoder(num_data=10, num_outputs=3, latent_dim=2)
+    assert data_read_by(free.model, (y,), {}) is None
+
+
+def test_a_covariate_equal_to_the_data_is_not_taken_for_it():
+    # The model reads c, observes x: equal values, but the observed values are not computed
+    # from c, so reading it is reading a covariate.
+    def model(x, c):
+        with pyro.plate("data", x.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.unsqueeze(-1) + 0.5 * c, NOISE).to_event(1), obs=x)
+
+    x = torch.randn(12, T)
+    assert data_read_by(model, (x, x.clone()), {}) is None
+    assert data_read_by(model, (x, x), {}) is None
+
+
+def test_a_call_with_nothing_to_compare_does_not_exempt_later_ones():
+    # Integer counts are compared by values only; a first batch of constant counts has no
+    # other value to put in, so no verdict is kept, and the next batch is checked.
+    def model(x):
+        previous = torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1)
+        with pyro.plate("data", x.shape[-2]):
+            rate = pyro.sample("rate", dist.LogNormal(0.0, 1.0))
+            fn = dist.Poisson(rate.unsqueeze(-1) + 0.5 * previous.float())
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    constant = torch.ones(6, T, dtype=torch.long)
+    varied = torch.randint(0, 5, (6, T))
+    missing = torch.arange(T) == 1
+    impute(model, constant, missing=missing, num_samples=2)
+    with pytest.raises(ValueError, match="site 'x' changes when the data"):
+        impute(model, varied, missing=missing, num_samples=2)

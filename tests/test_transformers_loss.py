@@ -141,6 +141,15 @@ def test_labels_that_are_not_integer_ids_raise():
         mpt_mlm_loss(logits, labels.float(), weights)
 
 
+@pytest.mark.parametrize("label", [-1, 7], ids=["negative", "past the vocabulary"])
+def test_labels_outside_the_vocabulary_raise_by_name(label):
+    logits, labels, weights = _example()
+    labels[1, 3] = label
+    match = rf"labels must be token ids in \[0, 7\) .* got 1 outside that range \(e.g. {label}\)"
+    with pytest.raises(ValueError, match=match):
+        mpt_mlm_loss(logits, labels, weights)
+
+
 def test_unknown_normalization_raises():
     logits, labels, weights = _example()
     with pytest.raises(ValueError, match="normalize must be 'sequences' or 'tokens', got 'batch'"):

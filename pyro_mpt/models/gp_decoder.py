@@ -50,7 +50,10 @@ class GPDecoder(PyroModule):
     :param kernel: a ``gpytorch.kernels.Kernel`` on ``Q``-dimensional inputs; default
         ``ScaleKernel(RBFKernel(ard_num_dims=Q))``.
     :param encoder: optional ``torch.nn.Module`` mapping ``y`` of shape ``(N, D)`` to codes of
-        shape ``(N, Q)``; without one the codes are free parameters.
+        shape ``(N, Q)``; without one the codes are free parameters. With one, the model's
+        covariance is computed from the data it observes, so a masked point's own values
+        reach its code: ``impute``, ``gibbs``, ``mpt_curve`` and ``MPTLoss`` at a fixed rate
+        refuse it, while ``MPTLoss(rate="uniform")`` and :meth:`log_marginal` stay exact.
     :param torch.Tensor init_codes: initial codes ``(N, Q)`` (e.g. from PCA); default small
         random values. Ignored with an encoder.
     :param float noise_scale: initial noise standard deviation ``sigma``.

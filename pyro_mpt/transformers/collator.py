@@ -165,6 +165,12 @@ class MPTDataCollator:
       the rank, so processes seeded alike still draw different masks, and reseeding torch
       reproduces them.
 
+    Resuming from a checkpoint (``trainer.train(resume_from_checkpoint=...)``), ``Trainer``
+    restores torch's global generator, so the masks without a seed go on where they stopped.
+    The generator of ``seed=s`` is not in the checkpoint: it starts again from ``s``, so a
+    resumed run repeats the masks of the first steps. Leave ``seed=None`` for runs that may
+    be resumed.
+
     The weights ``mpt_weights`` mean nothing to a model: a plain ``transformers.Trainer``
     passes them to the model's ``forward``, whose ``**kwargs`` swallow them, and trains plain
     cross-entropy. The collator therefore raises ``TypeError`` when the ``Trainer`` whose

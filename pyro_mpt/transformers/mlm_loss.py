@@ -76,7 +76,16 @@ def masked_token_log_probs(logits, labels):
     picked = logits[scored]
     if picked.dtype in (torch.float16, torch.bfloat16):
         picked = picked.float()
-    log_probs = -F.cross_entropy(picked, labels[scored], reduction="none")
+    try:
+        log_probs = -F.cross_entropy(picked, labels[scored], reduction="none")
+    except IndexError:  # raised on the CPU; a device asserts instead
+        targets = labels[scored]
+        outside = targets[(targets < 0) | (targets >= logits.shape[-1])]
+        raise ValueError(
+            f"labels must be token ids in [0, {logits.shape[-1]}) where a token is scored and "
+            f"-100 elsewhere, got {outside.numel()} outside that range (e.g. "
+            f"{int(outside[0])}); mark unscored positions with -100, as MPTDataCollator does."
+        ) from None
     return log_probs, rows
 
 
