@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "DTYPES",
+    "IdsTokenizer",
     "TINY_BERT",
     "add_common_args",
     "benchmark_main",
@@ -30,6 +31,7 @@ __all__ = [
     "make_report",
     "median_ms",
     "medians",
+    "random_id_texts",
     "print_results",
     "set_default_dtype",
     "svis",
@@ -199,6 +201,26 @@ def tiny_bert(device, seed, vocab_size, max_positions):
     hidden, layers = TINY_BERT["hidden_size"], TINY_BERT["num_hidden_layers"]
     name = f"BertForMaskedLM hidden {hidden}, {layers} layers, vocab {vocab_size} (random weights)"
     return BertForMaskedLM(config).to(device).eval(), name
+
+
+class IdsTokenizer:
+    """The parts of a tokenizer that the masked-LM readers use, for texts given as lists of
+    token ids: 0 pads, 1 to 3 are other special tokens (2 and 3 open and close a text), and
+    4 masks."""
+
+    mask_token_id = 4
+    pad_token_id = 0
+    all_special_ids = [0, 1, 2, 3, 4]
+
+
+def random_id_texts(seed, num, low, high, vocab_size):
+    """``num`` texts of random ordinary ids below ``vocab_size``, each opened by 2 and closed
+    by 3, of lengths drawn between ``low`` and ``high`` (both included) from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
+    return [
+        [2] + torch.randint(5, vocab_size, (n - 2,), generator=gen).tolist() + [3] for n in lengths
+    ]
 
 
 def constants(namespace, *names):

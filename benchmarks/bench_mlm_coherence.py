@@ -17,7 +17,16 @@ Usage::
 """
 
 import torch
-from _common import benchmark_main, make_report, medians, print_results, time_calls, tiny_bert
+from _common import (
+    IdsTokenizer,
+    benchmark_main,
+    make_report,
+    medians,
+    print_results,
+    random_id_texts,
+    time_calls,
+    tiny_bert,
+)
 
 __all__ = ["main", "print_report", "run"]
 
@@ -29,19 +38,9 @@ BATCH_SIZE = 32
 VOCAB = 1000
 
 
-class _IdsTokenizer:
-    """The parts of a tokenizer ``mlm_ordering_log_likelihoods`` reads, for token ids."""
-
-    mask_token_id = 4
-    pad_token_id = 0
-    all_special_ids = [0, 1, 2, 3, 4]
-
-
 def _setup(device, seed):
     model, name = tiny_bert(device, seed, VOCAB, max_positions=64)
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(MIN_TOKENS, MAX_TOKENS + 1, (NUM_SEQUENCES,), generator=gen).tolist()
-    texts = [[2] + torch.randint(5, VOCAB, (n - 2,), generator=gen).tolist() + [3] for n in lengths]
+    texts = random_id_texts(seed, NUM_SEQUENCES, MIN_TOKENS, MAX_TOKENS, VOCAB)
     return model, name, texts
 
 
@@ -51,7 +50,7 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
 
     device = torch.device(device)
     model, name, texts = _setup(device, seed)
-    tokenizer = _IdsTokenizer()
+    tokenizer = IdsTokenizer()
 
     def orderings():
         mlm_ordering_log_likelihoods(

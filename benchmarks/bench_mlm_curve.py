@@ -16,7 +16,16 @@ Usage::
 """
 
 import torch
-from _common import benchmark_main, make_report, medians, print_results, time_calls, tiny_bert
+from _common import (
+    IdsTokenizer,
+    benchmark_main,
+    make_report,
+    medians,
+    print_results,
+    random_id_texts,
+    time_calls,
+    tiny_bert,
+)
 
 __all__ = ["main", "print_report", "run"]
 
@@ -28,19 +37,9 @@ BATCH_SIZE = 32
 VOCAB = 1000
 
 
-class _IdsTokenizer:
-    """The parts of a tokenizer ``mlm_mpt_curve`` reads, for lists of token ids."""
-
-    mask_token_id = 4
-    pad_token_id = 0
-    all_special_ids = [0, 1, 2, 3, 4]
-
-
 def _setup(device, seed):
     model, name = tiny_bert(device, seed, VOCAB, max_positions=256)
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(48, 129, (NUM_SEQUENCES,), generator=gen).tolist()
-    texts = [[2] + torch.randint(5, VOCAB, (n - 2,), generator=gen).tolist() + [3] for n in lengths]
+    texts = random_id_texts(seed, NUM_SEQUENCES, 48, 128, VOCAB)
     return model, name, texts
 
 
@@ -50,7 +49,7 @@ def run(device="cpu", steps=1, repeats=5, seed=0):
 
     device = torch.device(device)
     model, name, texts = _setup(device, seed)
-    tokenizer = _IdsTokenizer()
+    tokenizer = IdsTokenizer()
 
     def curve():
         mlm_mpt_curve(
