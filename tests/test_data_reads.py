@@ -237,3 +237,62 @@ def test_a_call_with_nothing_to_compare_does_not_exempt_later_ones():
     impute(model, constant, missing=missing, num_samples=2)
     with pytest.raises(ValueError, match="site 'x' changes when the data"):
         impute(model, varied, missing=missing, num_samples=2)
+
+
+def test_a_covariate_column_beside_the_data_in_one_tensor_is_not_taken_for_it():
+    # The first column is a covariate that the likelihood reads, the others are observed:
+    # only the entries that the observed values are computed from count as the data.
+    def model(xc, lag=0.0):
+        c, x = xc[..., :1], xc[..., 1:]
+        previous = torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1)
+        with pyro.plate("data", xc.shape[-2]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.unsqueeze(-1) + 0.5 * c + lag * previous
+            pyro.sample("x", dist.Normal(loc, NOISE).to_event(1), obs=x)
+
+    xc = torch.randn(12, T + 1)
+    assert data_read_by(model, (xc,), {}) is None
+    assert data_read_by(model, (xc,), {"lag": A}) == ("x", 0)
+
+
+def test_a_read_under_inference_mode_is_found():
+    x = _ar_data(12)
+    with torch.inference_mode():
+        assert data_read_by(_ar_reads(lambda x: x / 10), (x,), {}) == ("x", 0)
+
+
+def test_integer_counts_observed_as_floats_are_found_by_values():
+    def model(counts):
+        x = counts.float()
+        previous = torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1)
+        with pyro.plate("data", x.shape[-2]):
+            rate = pyro.sample("rate", dist.LogNormal(0.0, 1.0))
+            pyro.sample("x", dist.Poisson(rate.unsqueeze(-1) + 0.5 * previous).to_event(1), obs=x)
+
+    assert data_read_by(model, (torch.randint(0, 5, (10, T)),), {}) == ("x", 0)
+
+
+def test_a_tuple_subclass_argument_is_checked_and_a_failed_check_is_not_remembered():
+    class Batch(tuple):
+        def __new__(cls, x, c):
+            return super().__new__(cls, (x, c))
+
+    def model(batch):
+        x, c = batch
+        _ar_model(x + 0.0 * c)
+
+    batch = Batch(_ar_data(10), torch.zeros(10, T))
+    for _ in range(2):  # the second call is checked again, not exempted by the first
+        with pytest.raises(ValueError, match="site 'x' changes when the data"):
+            impute(model, batch, missing=torch.arange(T) == 1, num_samples=2)
+
+
+def test_the_check_leaves_the_callers_data_as_it_was():
+    def model(x):
+        x.mul_(0.5)  # a model that writes into its data
+        _linear_model(x)
+
+    x = torch.randn(8, T)
+    before = x.clone()
+    assert data_read_by(model, (x,), {}) is None
+    assert torch.equal(x, before)

@@ -11,21 +11,23 @@ anything whose value is a chain-rule total of it (``MPTLoss(rate="uniform")``,
 fixed-rate objectives made of them, are not.
 
 :func:`check_data_not_read` finds such a model in two ways, each with every latent at the
-value of one run:
+value of one run, for each tensor argument (inside a dict, list or tuple too):
 
-* **by gradients**, for each floating tensor argument (inside a dict, list or tuple too):
-  the argument is data when the observed values depend on it, through any computation
-  (``obs=x / 10``, ``obs=x.T``, ``obs=x.nan_to_num()``, a subsample); a distribution then
-  reads it when its density at the run's values has a gradient path to it. Structural,
-  so a read whose effect happens to cancel on these data (a permutation-invariant
-  statistic, constant data) is found too;
-* **by values**, for the arguments observed as they are (integer data, and models that cut
-  the gradient with ``detach`` or ``torch.no_grad``): the model runs again with one entry of
-  the data replaced by another of its values, and the densities of the first run's values
-  are compared.
+* **by gradients**, for a floating argument: its entries that the observed values are
+  computed from, through any computation (``obs=x / 10``, ``obs=x.T``,
+  ``obs=x.nan_to_num()``, a subsample), are the data; a distribution reads them when its
+  density at the run's values has a gradient with respect to one. This sees a read whose
+  effect happens to cancel on these data (a permutation-invariant statistic, constant
+  data), and it leaves alone a covariate column that shares the tensor with the data;
+* **by values**, for every argument (integer data; reads with no gradient: comparisons,
+  ``detach``, ``torch.no_grad``): the model runs again with one observation's data entries
+  replaced by another's; where the observed values move, the argument holds data, and a
+  density of the first run's values that moves reads them.
 
-Data the model takes from elsewhere (a closure, an attribute) or a lagged copy of the data
-passed as an argument of its own cannot be told from a covariate and are not checked.
+An argument that enters the observed value beside the data (``obs=x / s``) counts as data.
+Data the model takes from elsewhere (a closure, an attribute), and a lagged copy of the
+data passed as an argument of its own, cannot be told from a covariate and are not
+checked.
 """
 
 import pyro
@@ -76,28 +78,37 @@ def _at(args, kwargs, place):
     return value
 
 
-def _replaced(args, kwargs, place, new):
-    """Copies of ``args`` and ``kwargs`` with the tensor at ``place`` replaced by ``new``;
-    the containers on the way are copied, the user's are left as they are."""
+def _rebuilt(value, items):
+    """A container of ``value``'s type holding ``items``, or a plain tuple of them for a
+    tuple subclass that cannot be built from one iterable (one whose constructor takes its
+    fields one by one): a model that unpacks it runs the same."""
+    if isinstance(value, list):
+        return items
+    if hasattr(value, "_make"):  # a namedtuple
+        return type(value)._make(items)
+    try:
+        return type(value)(items)
+    except TypeError:
+        return tuple(items)
 
-    def put(value, path):
-        if not path:
-            return new
-        inner, rest = path[0], path[1:]
+
+def _replaced(args, kwargs, places, new):
+    """Copies of ``args`` and ``kwargs`` with the tensor at each of ``places`` replaced by
+    ``new(tensor, place)``; the containers on the way are copied, the user's are left as
+    they are."""
+
+    def put(value, key, path):
+        if torch.is_tensor(value):
+            return new(value, (key, path)) if (key, path) in places else value
         if isinstance(value, dict):
-            return {**value, inner: put(value[inner], rest)}
-        items = list(value)
-        items[inner] = put(items[inner], rest)
-        if isinstance(value, list):
-            return items
-        return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
+            return {inner: put(item, key, path + (inner,)) for inner, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [put(item, key, path + (inner,)) for inner, item in enumerate(value)]
+            return _rebuilt(value, items)
+        return value
 
-    key, path = place
-    args, kwargs = list(args), dict(kwargs)
-    if isinstance(key, int):
-        args[key] = put(args[key], path)
-    else:
-        kwargs[key] = put(kwargs[key], path)
+    args = [put(value, key, ()) for key, value in enumerate(args)]
+    kwargs = {key: put(value, key, ()) for key, value in kwargs.items()}
     return args, kwargs
 
 
@@ -130,76 +141,106 @@ def _compared_sites(trace):
     return [*latent_names_in(trace), *observed_names_in(trace), *factors]
 
 
-def _depends_on(tensor, leaf):
-    """Whether ``tensor`` is computed from ``leaf`` (a path in the autograd graph)."""
-    if not (torch.is_tensor(tensor) and tensor.requires_grad):
-        return False
+def _gradient(tensors, leaf):
+    """The gradient with respect to ``leaf`` of a sum of ``tensors`` with fixed weights
+    between 0.5 and 1.5 (so that no two paths cancel), or None where none of them is
+    computed from it."""
+    total = 0.0
+    weights = torch.Generator().manual_seed(0)
+    for tensor in tensors:
+        if torch.is_tensor(tensor) and tensor.requires_grad:
+            weight = torch.rand(tensor.shape, generator=weights, dtype=torch.float64) + 0.5
+            total = total + (weight.to(tensor) * tensor).sum()
+    if not torch.is_tensor(total):
+        return None
     try:
-        grad = torch.autograd.grad(tensor.sum(), leaf, allow_unused=True, retain_graph=True)
-    except RuntimeError:  # an operation with no derivative on the way: not a known path
-        return False
-    return grad[0] is not None
+        return torch.autograd.grad(total, leaf, allow_unused=True, retain_graph=True)[0]
+    except RuntimeError:  # an operation with no derivative on the way: no known path
+        return None
 
 
 def _read_by_gradients(replayed, args, kwargs, place):
-    """``(site, is_data)``: the first site whose density at the run's values has a gradient
-    path to the floating tensor at ``place`` (else None), and whether the observed values
-    have one (True), have none (False: a covariate), or the model could not run with a
-    tensor that requires grad (None: no verdict)."""
-    leaf = _at(args, kwargs, place).detach().clone().requires_grad_()
-    try:
-        with torch.enable_grad():  # the callers may run under torch.no_grad
+    """``(site, entries)``: the first site whose density at the run's values has a
+    gradient with respect to an entry of the floating tensor at ``place`` that an observed
+    value is computed from, else None; and those entries (booleans of the tensor's shape),
+    or None where the observed values are not computed from it or the model cannot run with
+    a tensor that requires grad. Entries that only the densities read (a covariate column
+    beside the data in one tensor) are no data."""
+    # Callers may run under torch.no_grad or inference mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = _at(args, kwargs, place).detach().clone().requires_grad_()
+        try:
             # A copy that is no leaf: a model that writes into its data in place can.
-            traced_args, traced_kwargs = _replaced(args, kwargs, place, leaf.clone())
-            trace = poutine.trace(replayed).get_trace(*traced_args, **traced_kwargs)
+            copied = _replaced(args, kwargs, [place], lambda *_: leaf.clone())
+            trace = poutine.trace(replayed).get_trace(*copied[0], **copied[1])
             observed = [trace.nodes[name]["value"] for name in observed_names_in(trace)]
-            if not any(_depends_on(value, leaf) for value in observed):
-                return None, False
+            into_observed = _gradient(observed, leaf)
+            if into_observed is None:
+                return None, None
+            entries = into_observed != 0
+            if not bool(entries.any()):  # computed from it, through zero derivatives
+                entries = torch.ones_like(entries)
             for name in _compared_sites(trace):
                 site = trace.nodes[name]
                 value = site["value"].detach() if torch.is_tensor(site["value"]) else None
-                if _depends_on(_log_density(site, value), leaf):
-                    return name, True
-    except Exception:
-        return None, None
-    return None, True
+                read = _gradient([_log_density(site, value)], leaf)
+                if read is not None and bool((read[entries] != 0).any()):
+                    return name, entries
+        except Exception:
+            return None, None
+    return None, entries
 
 
-def _perturbed(value):
-    """``value`` with its first observation replaced by the first one that differs from it
-    (or, for one observation, its first entry by the first other value): values the data
-    hold, so valid for any likelihood the data were valid for, and not a permutation, so a
-    statistic of the whole data (a mean, a sum) moves too. None for constant data."""
-    rows = value.reshape(value.shape[0], -1) if value.dim() > 1 else value.reshape(1, -1)
+def _perturbed(value, entries=None):
+    """``value`` with the ``entries`` (default: all) of its first observation replaced by
+    those of the first observation that differs there (or, for one observation, its first
+    such entry by another of their values): values the data hold, so valid for any
+    likelihood the data were valid for, and not a permutation, so a statistic of the whole
+    data (a mean, a sum) moves too. None for data constant there."""
+    if entries is None:
+        entries = torch.ones(value.shape, dtype=torch.bool, device=value.device)
     if value.dim() > 1 and value.shape[0] > 1:
-        differ = (rows != rows[:1]).any(-1)
+        rows, kept = value.reshape(value.shape[0], -1), entries.reshape(value.shape[0], -1)
+        differ = ((rows != rows[:1]) & kept[:1]).any(-1)
         if bool(differ.any()):
-            changed = value.clone()
-            changed[0] = value[int(differ.to(torch.uint8).argmax())]
-            return changed
-    flat = value.reshape(-1)
-    differ = flat != flat[0]
-    if flat.numel() < 2 or not bool(differ.any()):
+            changed = rows.clone()
+            changed[0] = torch.where(kept[0], rows[int(differ.to(torch.uint8).argmax())], rows[0])
+            return changed.reshape(value.shape)
+    flat, kept = value.reshape(-1), entries.reshape(-1)
+    if int(kept.sum()) < 2:
+        return None
+    first = int(kept.to(torch.uint8).argmax())
+    differ = (flat != flat[first]) & kept
+    if not bool(differ.any()):
         return None
     changed = flat.clone()
-    changed[0] = flat[int(differ.to(torch.uint8).argmax())]
+    changed[first] = flat[int(differ.to(torch.uint8).argmax())]
     return changed.reshape(value.shape)
 
 
-def _read_by_values(replayed, args, kwargs, place, trace, start):
-    """``(site, compared)``: the first site whose density at the values of ``trace`` (a run
+def _read_by_values(replayed, args, kwargs, place, trace, start, entries=None):
+    """``(site, is_data)``: the first site whose density at the values of ``trace`` (a run
     of ``replayed`` on the data as given, from the random state ``start``) moves when the
-    tensor at ``place`` is perturbed (:func:`_perturbed`), else None; ``compared`` when the
-    model ran on the perturbed data."""
-    changed = _perturbed(_at(args, kwargs, place))
+    ``entries`` of the tensor at ``place`` are perturbed (:func:`_perturbed`), else None;
+    and whether the observed values moved with them (the tensor holds data)."""
+    changed = _perturbed(_at(args, kwargs, place), entries)
     if changed is None:
         return None, False
-    changed_args, changed_kwargs = _replaced(args, kwargs, place, changed)
     start.restore()  # draws made inside the model (dropout) repeat in both runs
     try:
+        changed_args, changed_kwargs = _replaced(args, kwargs, [place], lambda *_: changed)
         again = poutine.trace(replayed).get_trace(*changed_args, **changed_kwargs)
     except Exception:  # the model cannot run on these data: nothing to tell
         return None, False
+    moved_observed = False
+    for name in observed_names_in(trace):
+        before, after = trace.nodes[name]["value"], again.nodes.get(name, {}).get("value")
+        if not (torch.is_tensor(after) and after.shape == before.shape):
+            moved_observed = True
+        elif not torch.equal(before, after):
+            moved_observed = True
+    if not moved_observed:
+        return None, False  # a covariate, whatever the densities do
     for name in _compared_sites(trace):
         site = trace.nodes[name]
         if name not in again.nodes:
@@ -220,47 +261,32 @@ def _find_data_read(model, args, kwargs):
     """``(found, compared)``: ``found`` as :func:`data_read_by` returns it, and whether
     some argument was found to be the data and compared: a verdict that later calls with
     other data would repeat."""
+    # The runs see copies: a model that writes into its data in place changes no data of
+    # the caller's.
+    args, kwargs = _replaced(args, kwargs, _tensor_places(args, kwargs), lambda t, _: t.clone())
     with same_random_state(), pyro.validation_enabled(False):
         with torch.no_grad():
             drawn = poutine.trace(model).get_trace(*args, **kwargs)
             replayed = poutine.replay(model, trace=drawn)
             start = RandomState()
             trace = poutine.trace(replayed).get_trace(*args, **kwargs)
-        places = _tensor_places(args, kwargs)
-        verdicts = {}  # place: whether the observed values are computed from it (None: unknown)
-        for place in places:
+        compared = False
+        for place in _tensor_places(args, kwargs):
+            entries = None
             if _at(args, kwargs, place).is_floating_point():
-                name, verdicts[place] = _read_by_gradients(replayed, args, kwargs, place)
+                name, entries = _read_by_gradients(replayed, args, kwargs, place)
                 if name is not None:
                     return (name, place[0]), True
-        # By values: the arguments found to be the data, and, where none was, those observed
-        # as they are (integer data; a model that cuts the gradient with detach() or
-        # torch.no_grad). An argument that is not the data when another is, is a covariate,
-        # whatever its values.
-        found_data = any(verdicts.values())
-        observed = [drawn.nodes[name]["value"] for name in observed_names_in(drawn)]
-        compared = found_data
-        for place in places:
-            value, is_data = _at(args, kwargs, place), verdicts.get(place)
-            if not is_data and (
-                found_data or not any(_same_values(value, seen) for seen in observed)
-            ):
-                continue
+            # By values too: a read with no gradient (a comparison, detach(), torch.no_grad,
+            # integer data) is seen when a perturbation of the data moves a density.
             with torch.no_grad():
-                name, ran = _read_by_values(replayed, args, kwargs, place, trace, start)
-            compared = compared or ran
+                name, is_data = _read_by_values(
+                    replayed, args, kwargs, place, trace, start, entries
+                )
+            compared = compared or is_data or entries is not None
             if name is not None:
                 return (name, place[0]), True
     return None, compared
-
-
-def _same_values(value, seen):
-    return value is seen or (
-        torch.is_tensor(seen)
-        and value.shape == seen.shape
-        and value.dtype == seen.dtype
-        and torch.equal(value, seen)
-    )
 
 
 def data_read_by(model, args, kwargs):
@@ -272,19 +298,43 @@ def data_read_by(model, args, kwargs):
     return _find_data_read(model, args, kwargs)[0]
 
 
+def _cache_key_arguments(args, kwargs):
+    """The arguments as the record of passed calls keys them: a dict, list or tuple by the
+    tensors it holds (so a fresh container per batch is the same call), anything else as
+    it is."""
+
+    def tensors_in(value):
+        return [_at((value,), {}, place) for place in _tensor_places((value,), {})]
+
+    key_args, key_kwargs = [], {}
+    for value in args:
+        key_args += tensors_in(value) if isinstance(value, (dict, list, tuple)) else [value]
+    for key, value in kwargs.items():
+        if isinstance(value, (dict, list, tuple)):
+            key_kwargs.update((f"{key}[{i}]", t) for i, t in enumerate(tensors_in(value)))
+        else:
+            key_kwargs[key] = value
+    return tuple(key_args), key_kwargs
+
+
 def check_data_not_read(model, args, kwargs, what):
     """Raises ``ValueError`` when a distribution of ``model`` reads the data it observes
     (:func:`data_read_by`): ``what`` (the caller, in words) would score or draw from
     conditionals that take the masked entries' own values as known. Once per model and
     argument shapes."""
-    if _PASSED.seen(model, None, args, kwargs, None):
+    call = (model, None, *_cache_key_arguments(args, kwargs), None)
+    if _PASSED.seen(*call):
         return
-    found, compared = _find_data_read(model, args, kwargs)
+    try:
+        found, compared = _find_data_read(model, args, kwargs)
+    except BaseException:
+        _PASSED.forget(*call)
+        raise
     if found is None and compared:
         return
     # Refused, or nothing seen to compare (no argument found to be the data, or constant
     # data): later calls with these shapes are checked again.
-    _PASSED.forget(model, None, args, kwargs, None)
+    _PASSED.forget(*call)
     if found is None:
         return
     site, key = found
@@ -299,5 +349,7 @@ def check_data_not_read(model, args, kwargs, what):
         f"wrong. Write the dependence "
         f"between features through latents, so that no distribution reads the observed "
         f"values. log_marginal and MPTLoss(rate='uniform') stay exact for such a model: "
-        f"their totals do not depend on how p(x) splits into conditionals."
+        f"their totals do not depend on how p(x) splits into conditionals. If that argument "
+        f"is a covariate that also enters the observed value (obs=x / s), compute the "
+        f"observed value outside the model and pass it as the data."
     )
