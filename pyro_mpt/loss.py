@@ -48,6 +48,7 @@ from pyro_mpt.trace.plate_nesting import (
     guide_and_model_traces,
 )
 from pyro_mpt.trace.remembered_structure import call_signature
+from pyro_mpt.trace.remembered_structure import described as described_argument
 from pyro_mpt.trace.trace_utils import RandomState, param_store_rollback, same_random_state
 
 __all__ = ["GUIDE_LOSSES", "MPTLoss"]
@@ -452,7 +453,9 @@ class MPTLoss(ELBO):
     def _call_key(self, model, guide, args, kwargs):
         """What identifies a call: the model and the guide (functions, or methods and their
         objects) and the arguments that are not tensors by ``id``, the shapes, dtypes and
-        devices of the tensor arguments, the keywords and the plate nesting. Compared
+        devices of the tensor arguments, dicts, lists and tuples by what they hold
+        (:func:`~pyro_mpt.trace.remembered_structure.described`), the keywords and the
+        plate nesting. Compared
         without calling any ``__eq__`` of the user's objects; the objects behind the ids
         of the last successful call are kept alive (``_kept``), so no other object can
         take one of its ids."""
@@ -467,6 +470,8 @@ class MPTLoss(ELBO):
         for value in (*args, *kwargs.values()):
             if torch.is_tensor(value):
                 described.append((value.shape, value.dtype, value.device))
+            elif type(value) in (dict, list, tuple):
+                described.append(described_argument(value))  # a batch as a dict of tensors
             else:
                 described.append(id(value))
         return tuple(described)

@@ -75,6 +75,29 @@ def test_a_first_step_runs_the_model_five_times(model, data, conditionals):
     assert steady == 1
 
 
+@pytest.mark.parametrize("rate", ["uniform", 0.15])
+def test_a_batch_as_a_fresh_dict_of_tensors_takes_the_steady_route(rate):
+    # Mini-batches as dicts (as data loaders give them): a new dict each step, with tensors
+    # of the same shapes, is the same call as the last, as a new tensor would be.
+    pyro.clear_param_store()
+    counted = CountedCalls(_linear_gaussian)
+
+    def model(batch):
+        counted(batch["x"])
+
+    loss = MPTLoss(rate=rate)
+    svi = SVI(model, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+    for _ in range(3):  # the first step, then the rule's check on the second
+        svi.step({"x": torch.randn(32, 6)})
+    counted.calls = 0
+    svi.step({"x": torch.randn(32, 6)})
+    assert counted.calls == 1
+    # A dict whose tensors changed shape is a new call: its structure is read afresh.
+    counted.calls = 0
+    svi.step({"x": torch.randn(16, 6)})
+    assert counted.calls > 1
+
+
 def test_a_guide_that_draws_latents_adds_one_run():
     torch.manual_seed(0)
     first, steady = _first_step_runs(_linear_gaussian, torch.randn(32, 6), Exact(), AutoNormal)

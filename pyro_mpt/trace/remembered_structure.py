@@ -9,7 +9,7 @@ from pyro_mpt.errors import NotApplicableError, StaleStructureError
 from pyro_mpt.trace.model_structure import read_structure
 from pyro_mpt.trace.trace_utils import same_random_state
 
-__all__ = ["RememberedStructure", "call_signature", "same"]
+__all__ = ["RememberedStructure", "call_signature", "described", "same"]
 
 
 class _Same:
@@ -33,23 +33,35 @@ class _Same:
 same = _Same
 
 
+def described(value):
+    """How a call signature holds an argument: a tensor by its shape, dtype and device; a
+    dict, list or tuple by what it holds, so that a fresh container per mini-batch (a batch
+    as a dict of tensors) is the same call; anything else by identity."""
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if type(value) is dict:
+        return ("dict", tuple((key, described(item)) for key, item in value.items()))
+    if type(value) in (list, tuple):
+        return (type(value).__name__, tuple(described(item) for item in value))
+    return ("object", _Same(value))
+
+
 def call_signature(model, args, kwargs, max_plate_nesting):
     """What must not change for a model's structure to stand: the model (a function, or a
-    method and its object) and the shapes and dtypes of its tensor arguments; other objects
-    by identity."""
+    method and its object) and its arguments as :func:`described` holds them."""
 
-    # Plain loops (no helper or generator): this runs on every step.
-    described = []
+    # Plain loops, tensors inline: this runs on every step.
+    signature = []
     for value in (*args, *kwargs.values()):
         if torch.is_tensor(value):
-            described.append(("tensor", tuple(value.shape), value.dtype, value.device))
+            signature.append(("tensor", tuple(value.shape), value.dtype, value.device))
         else:
-            described.append(("object", _Same(value)))
-    named = sorted(zip(kwargs, described[len(args) :]))
+            signature.append(described(value))
+    named = sorted(zip(kwargs, signature[len(args) :]))
     return (
         _Same(getattr(model, "__func__", model)),
         _Same(getattr(model, "__self__", None)),
-        tuple(described[: len(args)]),
+        tuple(signature[: len(args)]),
         tuple(named),
         max_plate_nesting,
     )

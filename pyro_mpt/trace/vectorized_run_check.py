@@ -32,6 +32,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
 
+from pyro_mpt.trace.remembered_structure import described
 from pyro_mpt.trace.trace_utils import (
     distribution_mask,
     param_store_rollback,
@@ -344,6 +345,8 @@ class CheckedCalls:
         for value in list(args) + [kwargs[k] for k in sorted(kwargs)]:
             if torch.is_tensor(value):
                 description.append((tuple(value.shape), value.dtype, value.device))
+            elif type(value) in (dict, list, tuple):
+                description.append(described(value))  # a batch as a dict of tensors
             else:
                 objects.append(value)
         key = (
