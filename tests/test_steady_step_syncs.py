@@ -10,9 +10,11 @@ meta-device tests below show the other branch reads nothing).
 import collections
 import math
 import os
+import random
 import traceback
 import warnings
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -28,6 +30,7 @@ from pyro_mpt.conditionals.quadrature import _is_binary
 from pyro_mpt.models import VAE
 from pyro_mpt.ops.bernoulli import log_sigmoid
 from pyro_mpt.ops.masks import _unique_key_masks, masked_sum, masks_of_sizes
+from pyro_mpt.trace.data_reads import check_data_not_read
 from pyro_mpt.trace.trace_utils import RandomState, check_points, same_random_state
 from tests.helpers import CountedCalls
 
@@ -235,6 +238,29 @@ def test_same_random_state_restores_the_cpu_generator():
         torch.rand(5)
         raise RuntimeError("restored on the way out too")
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_same_random_state_restores_python_and_numpy_generators():
+    # A model may draw from them too (pyro.set_rng_seed seeds all three).
+    pyro.set_rng_seed(5)
+    expected = (random.random(), np.random.rand())
+    pyro.set_rng_seed(5)
+    with same_random_state():
+        random.random(), np.random.rand(3)
+    assert (random.random(), np.random.rand()) == expected
+
+
+def test_data_read_check_leaves_numpy_draws_of_the_model_unchanged():
+    def model(x):
+        np.random.rand()  # e.g. a numpy-drawn augmentation the density does not use
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1), obs=x)
+
+    pyro.set_rng_seed(6)
+    expected = np.random.rand()
+    pyro.set_rng_seed(6)
+    check_data_not_read(model, (torch.randn(4, 3),), {}, "a fixed rate")
+    assert np.random.rand() == expected
 
 
 def test_check_points_under_another_default_device():

@@ -1,7 +1,9 @@
 """Small helpers for reading Pyro traces."""
 
 import contextlib
+import random
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
@@ -60,29 +62,35 @@ def distribution_mask(fn):
 
 
 class RandomState:
-    """A snapshot of torch's random state: the CPU generator's and, once CUDA is initialised,
-    every CUDA device's, so that a restore covers wherever the draws came from.
-    Restoring it makes the numbers drawn next those that were next when it was taken."""
+    """A snapshot of the random state a model may draw from: torch's CPU generator, every
+    CUDA device's once CUDA is initialised, and Python's and NumPy's global generators (as
+    :func:`pyro.set_rng_seed` seeds all three), so that a restore covers wherever the draws
+    came from. Restoring it makes the numbers drawn next those that were next when it was
+    taken."""
 
-    __slots__ = ("cpu", "cuda")
+    __slots__ = ("cpu", "cuda", "python", "numpy")
 
     def __init__(self):
         self.cpu = torch.get_rng_state()
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
 
     def restore(self):
         """Puts the random state back as it was when the snapshot was taken."""
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
 
 
 @contextlib.contextmanager
 def same_random_state():
-    """Leaves torch's random state (CPU, and every CUDA device once CUDA is initialised) as
-    the block found it, whether it returns or raises: checks and probes that draw numbers
-    then leave a seeded run's later draws unchanged."""
+    """Leaves the random state (torch's CPU and CUDA generators, Python's and NumPy's; see
+    :class:`RandomState`) as the block found it, whether it returns or raises: checks and
+    probes that draw numbers then leave a seeded run's later draws unchanged."""
     state = RandomState()
     try:
         yield
