@@ -230,7 +230,7 @@ def test_a_fall_back_on_failing_weights_names_the_rule_it_passed_over():
     def model(x):
         with pyro.plate("data", x.shape[-2]):
             z = pyro.sample("z", dist.Normal(0.0, 1.0))
-            pyro.sample("x", dist.Normal(z.unsqueeze(-1) ** 2 * scales, 0.5).to_event(1), obs=x)
+            pyro.sample("x", dist.Normal(z.unsqueeze(-1) ** 2 * scales, 0.4).to_event(1), obs=x)
 
     def one_mode_guide(x):
         loc = (x / scales).mean(-1).clamp(min=0.01).sqrt()
@@ -239,7 +239,7 @@ def test_a_fall_back_on_failing_weights_names_the_rule_it_passed_over():
 
     generator = torch.Generator().manual_seed(13)
     z = 1.5 + 0.3 * torch.randn(20, generator=generator)
-    x = z[:, None] ** 2 * scales + 0.5 * torch.randn(20, 4, generator=generator)
+    x = z[:, None] ** 2 * scales + 0.4 * torch.randn(20, 4, generator=generator)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         log_marginal(model, x, guide=one_mode_guide, conditionals="auto")

@@ -77,9 +77,10 @@ def test_a_rule_at_the_limit_is_compared_with_a_coarser_one():
     assert len(found) == 1
     message = str(found[0].message)
     assert "two thirds of its nodes" in message
-    # The figure is a lower indication of the error, never far above it.
+    # The figure is that of the coarser rule (of the other parity, 133 nodes), whose own
+    # error it mostly is: above the rule's, within a few times it.
     figure = float(message.split("differs from it by ")[1].split(" nats")[0])
-    assert ACCURACY_TOL < figure <= 1.5 * float(error)
+    assert ACCURACY_TOL < figure <= 5 * float(error)
 
 
 def test_an_accurate_rule_is_silent():

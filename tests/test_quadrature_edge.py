@@ -8,9 +8,15 @@ with a 30-node one, as the package's rule check compares them.
 
 import itertools
 import math
+import warnings
 
+import pyro
+import pyro.distributions as dist
 import torch
 
+from pyro_mpt import log_marginal
+from pyro_mpt.conditionals import Quadrature
+from pyro_mpt.errors import QuadratureAccuracyWarning
 from pyro_mpt.ops.quadrature_edge import edge_share, outermost_nodes
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, gauss_hermite_grid
 
@@ -83,3 +89,67 @@ def test_edge_share_of_the_finer_rule_flags_what_the_refinement_gap_misses():
             assert gap > 0.1 or finer_share > 0.01, case
             caught_by_edge_alone += gap <= 0.1
     assert caught_by_edge_alone > 0
+
+
+def _tanh_model(x):
+    weight = torch.tensor([1.0, 1.5, 2.0, 0.7], dtype=x.dtype)
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+        pyro.sample("x", dist.Normal(torch.tanh(z.unsqueeze(-1) * weight), 0.3).to_event(1), obs=x)
+
+
+_GRID = torch.linspace(-10, 10, 40001, dtype=torch.float64)
+
+
+def _tanh_log_joint(x):
+    """``log p(x, z)`` on :data:`_GRID`, ``(Z, N)``."""
+    weight = torch.tensor([1.0, 1.5, 2.0, 0.7], dtype=torch.float64)
+    log_lik = dist.Normal(torch.tanh(_GRID[:, None, None] * weight), 0.3).log_prob(x).sum(-1)
+    return log_lik + dist.Normal(0.0, 1.0).log_prob(_GRID)[:, None]
+
+
+def _guide_at(loc, scale):
+    """A guide with ``z ~ N(loc, scale^2)``: numbers, or one per observation."""
+
+    def guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample(
+                "z", dist.Normal(torch.as_tensor(loc, dtype=x.dtype).expand(x.shape[:1]), scale)
+            )
+
+    return guide
+
+
+def test_a_rule_centred_at_a_misplaced_guide_says_its_error_is_beyond_its_figure():
+    # The posteriors sit near z = -1 .. 0; a guide at 3 with scale 0.1 puts every node past
+    # them. The refinement gap is about a nat; the rule is off by tens of nats.
+    torch.manual_seed(0)
+    x = torch.tanh(torch.tensor([-1.0, -0.5, 0.0])[:, None] * torch.tensor([1.0, 1.5, 2.0, 0.7]))
+    x = (x + 0.3 * torch.randn(3, 4)).double()
+    log_joint = _tanh_log_joint(x)
+    reference = torch.logsumexp(log_joint, 0) + math.log(float(_GRID[1] - _GRID[0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = log_marginal(
+            _tanh_model, x, guide=_guide_at(3.0, 0.1), conditionals=Quadrature(20, center="guide")
+        )
+    (warning,) = [w for w in caught if w.category is QuadratureAccuracyWarning]
+    message = str(warning.message)
+    figure = float(message.split("log p(x) by ")[1].split(" nats")[0])
+    error = float((value - reference).abs().mean())
+    assert error > 10 * figure  # the gap alone would mislead by an order of magnitude
+    assert "outermost nodes of the finer rule hold" in message
+    assert "many times that figure" in message
+    # A guide at each posterior's mean and standard deviation: accurate, and silent.
+    posterior = torch.softmax(log_joint, 0)
+    posterior_mean = (posterior * _GRID[:, None]).sum(0)
+    posterior_sd = ((posterior * _GRID[:, None] ** 2).sum(0) - posterior_mean**2).sqrt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuadratureAccuracyWarning)
+        value = log_marginal(
+            _tanh_model,
+            x,
+            guide=_guide_at(posterior_mean, posterior_sd),
+            conditionals=Quadrature(20, center="guide"),
+        )
+    assert float((value - reference).abs().max()) < 0.01

@@ -130,7 +130,7 @@ def test_a_rule_given_by_the_user_warns_with_its_figure():
     # The figure is the change of log p(x) under the finer rule, on the step's batch...
     with torch.no_grad():
         coarse = log_marginal(_model, batch, conditionals=Quadrature(20))
-        finer = log_marginal(_model, batch, conditionals=Quadrature(30))
+        finer = log_marginal(_model, batch, conditionals=Quadrature(31))
     assert math.isclose(gap, float((finer - coarse).abs().mean()), rel_tol=1e-6)
     worst = loss.rule_check["worst_gap"]
     assert math.isclose(worst, float((finer - coarse).abs().max()), rel_tol=1e-6)
@@ -203,3 +203,48 @@ def test_a_rule_given_by_the_user_is_checked_on_the_second_step():
         coarse = log_marginal(_model, data[50:], conditionals=Quadrature(8), check_rule=False)
     error = float((coarse - _grid_log_marginal(data[50:], weight)).abs().mean())
     assert error > ACCURACY_TOL and loss.rule_check["mean_gap"] > ACCURACY_TOL
+
+
+def test_compared_rules_alternate_parity():
+    from pyro_mpt.conditionals.quadrature import compared_num_points
+
+    # 1.5 times as many nodes, or one more, so that one rule of each pair has a node at 0.
+    assert [compared_num_points(n, 1.5) for n in (20, 31, 48, 73, 110)] == [31, 48, 73, 110, 165]
+    # Coarser: two thirds, or one fewer; never more nodes than the rule itself.
+    assert [compared_num_points(n, 2 / 3) for n in (20, 31, 3, 2, 1)] == [13, 20, 2, 1, 1]
+
+
+def _step_model(x):
+    # Every feature's likelihood steps at z = 0, the centre of every Gauss-Hermite rule.
+    weight = torch.tensor([0.59, -0.34, -0.48, -1.81], dtype=x.dtype)
+    with pyro.plate("data", x.shape[-2]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(1), 1.0).to_event(1))
+        logits = 10 * torch.tanh(50 * z @ weight[None])
+        pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+
+def test_a_step_at_the_centre_of_the_rules_is_not_mistaken_for_convergence():
+    """Rules of 20 and 30 nodes (both even, no node at 0) agree to 1e-6 on these data while
+    both are off by 3 nats at the observation whose bits match no side of the steps; every
+    result here must be within 0.1 nats of the grid at every observation or warn."""
+    torch.manual_seed(0)
+    x = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    z = torch.linspace(-10, 10, 200001, dtype=torch.float64)
+    weight = torch.tensor([0.59, -0.34, -0.48, -1.81], dtype=torch.float64)
+    logits = 10 * torch.tanh(50 * z[:, None] * weight)
+    log_joint = dist.Bernoulli(logits=logits[:, None]).log_prob(x).sum(-1)
+    log_joint = log_joint + dist.Normal(0.0, 1.0).log_prob(z)[:, None]
+    reference = torch.logsumexp(log_joint, 0) + math.log(float(z[1] - z[0]))
+    for conditionals in ("auto", Quadrature(20), Quadrature(30)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = log_marginal(_step_model, x, conditionals=conditionals)
+        warned = any(issubclass(w.category, QuadratureAccuracyWarning) for w in caught)
+        error = float((value - reference).abs().max())
+        assert warned or error < 0.1, (conditionals, error)
+    # The rules are indeed off: a check that passed them would be silently wrong.
+    coarse = log_marginal(_step_model, x, conditionals=Quadrature(20), check_rule=False)
+    assert float((coarse - reference).abs().max()) > 1.0

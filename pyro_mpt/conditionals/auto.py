@@ -9,12 +9,17 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.base import Conditionals, RuleGap
+from pyro_mpt.conditionals.base import MAX_EDGE_SHARE, Conditionals, RuleGap, edge_clause
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
-from pyro_mpt.conditionals.quadrature import MAX_POINTS, Quadrature
+from pyro_mpt.conditionals.quadrature import (
+    MAX_POINTS,
+    Quadrature,
+    compared_num_points,
+    rule_gap,
+)
 from pyro_mpt.errors import (
     NotApplicableError,
     QuadratureAccuracyWarning,
@@ -50,9 +55,12 @@ STRATEGIES = {
 }
 
 #: ``auto`` stops refining a quadrature rule when a rule with 1.5 times its nodes per
-#: dimension agrees with it on the log-marginal likelihood of every observation to this
-#: many nats: the full data give the narrowest posterior, the hardest of the rule's
-#: integrals, and one sharp observation among many easy ones is as hard as it alone.
+#: dimension, of the other parity (see
+#: :func:`~pyro_mpt.conditionals.quadrature.compared_num_points`), agrees with it on the
+#: log-marginal likelihood of every observation to this many nats: the full data usually
+#: give the narrowest posterior, the hardest of the rule's integrals (not always: see
+#: "How auto chooses" in the accuracy docs), and one sharp observation among many easy ones
+#: is as hard as it alone.
 CONVERGENCE_TOL = 1e-3
 #: A rule whose mean change under that refinement is below this many nats per observation,
 #: and whose largest is below :data:`WORST_TOL`, is accurate on the data: ``auto`` accepts
@@ -72,8 +80,10 @@ NUM_PROBE_MASKS = 4
 def too_coarse(gap):
     """Whether a rule whose refinement moved ``log p(x)`` by ``gap`` (a
     :class:`~pyro_mpt.conditionals.base.RuleGap`) is off by more than the data allow: past
-    :data:`ACCURACY_TOL` on average or :data:`WORST_TOL` at any observation."""
-    return gap.mean > ACCURACY_TOL or gap.worst > WORST_TOL
+    :data:`ACCURACY_TOL` on average or :data:`WORST_TOL` at any observation, or whose finer
+    rule holds more than :data:`~pyro_mpt.conditionals.base.MAX_EDGE_SHARE` of an
+    observation's posterior on its outermost nodes."""
+    return gap.mean > ACCURACY_TOL or gap.worst > WORST_TOL or gap.edge > MAX_EDGE_SHARE
 
 
 def _gap_text(rule):
@@ -84,6 +94,7 @@ def _gap_text(rule):
         f"the last refinement, to this rule from one with two thirds of its nodes, moved "
         f"log p(x) by {rule.gap.mean:.2g} nats per observation on average and by "
         f"{rule.gap.worst:.2g} at the observation it fits worst"
+        f"{edge_clause(rule.gap)}"
     )
 
 
@@ -221,7 +232,11 @@ class Auto(Conditionals):
         if best is not None and best.prepared.latent_dim == 0:
             reason = "exact: its discrete latents are summed over every value"
             return self._choose(best.rule, key, model, reason, best.prepared, reasons)
-        if best is not None and best.gap.worst < CONVERGENCE_TOL:
+        if (
+            best is not None
+            and best.gap.worst < CONVERGENCE_TOL
+            and best.gap.edge <= MAX_EDGE_SHARE
+        ):
             reason = (
                 f"converged: 1.5 times its nodes change log p(x) by at most "
                 f"{best.gap.worst:.1e} nats"
@@ -251,8 +266,7 @@ class Auto(Conditionals):
                 how_far = "by an amount no rule within the budget can measure"
             else:
                 how_far = (
-                    "by about that much, or a few times more where the integrand converges "
-                    "slowly"
+                    "by about that much, or a few times more where the integrand converges slowly"
                 )
             warnings.warn(
                 f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
@@ -369,7 +383,8 @@ def _probe(prepared, args):
 
 
 def _converged_rule(rule, prepared, model, guide, args, kwargs, max_plate_nesting, state, key):
-    """Refines a quadrature rule by 1.5 times its nodes per dimension until two successive
+    """Refines a quadrature rule by 1.5 times its nodes per dimension (of the other parity,
+    so that no two rules compared share a blind spot) until two successive
     rules agree on ``log p(x)`` (:data:`CONVERGENCE_TOL`), within the node and memory
     budget: a :class:`_Rule` for the coarser rule of the last pair compared.
 
@@ -392,34 +407,30 @@ def _refine(rule, prepared, call, state, key):
     # Each continuous node is repeated for every combination of discrete values.
     combinations = prepared.log_prob_width // rule.num_points**dim
     budget = min(MAX_NODES, MAX_LIKELIHOOD_ENTRIES // prepared.likelihood_entries_per_node)
-    with torch.no_grad():
-        log_marginal = prepared.log_marginal()
     gap = RuleGap(math.inf, math.inf)
     while True:
-        num_points = math.ceil(1.5 * rule.num_points)
+        num_points = compared_num_points(rule.num_points, 1.5)
         if num_points**dim * combinations > budget or num_points > MAX_POINTS:
             if math.isinf(gap.mean):
                 # The first rule cannot be refined (three latent dimensions): compared with
                 # two thirds of its nodes, as a rule refined once is with its predecessor.
-                gap = _gap_from_coarser(rule, log_marginal, call, state, key)
+                gap = _gap_from_coarser(rule, prepared, call, state, key)
             return _Rule(rule, prepared, gap)
         finer = Quadrature(
             num_points=num_points, max_latent_dim=rule.max_latent_dim, center=rule.center
         )
         state.restore()
         finer_prepared = finer.prepare(*call, key)
-        with torch.no_grad():
-            finer_log_marginal = finer_prepared.log_marginal()
-            gap = RuleGap.of(finer_log_marginal - log_marginal)
-        if gap.worst < CONVERGENCE_TOL:
+        gap = rule_gap(prepared, finer_prepared)
+        if gap.worst < CONVERGENCE_TOL and gap.edge <= MAX_EDGE_SHARE:
             return _Rule(rule, prepared, gap)
-        rule, prepared, log_marginal = finer, finer_prepared, finer_log_marginal
+        rule, prepared = finer, finer_prepared
 
 
-def _gap_from_coarser(rule, log_marginal, call, state, key):
-    """The change of ``log p(x)`` from the rule with two thirds of ``rule``'s nodes per
-    dimension to ``rule`` (whose ``log_marginal`` is given), or an infinite gap (unmeasured,
-    never accurate) where the coarser rule does not apply."""
+def _gap_from_coarser(rule, prepared, call, state, key):
+    """The :func:`~pyro_mpt.conditionals.quadrature.rule_gap` from the rule with two thirds
+    of ``rule``'s nodes per dimension to ``rule`` (whose conditionals are ``prepared``), or
+    an infinite gap (unmeasured, never accurate) where the coarser rule does not apply."""
     unmeasured = RuleGap(math.inf, math.inf)
     coarser = rule.scaled(2 / 3)
     if coarser is None or coarser.num_points >= rule.num_points:
@@ -429,8 +440,7 @@ def _gap_from_coarser(rule, log_marginal, call, state, key):
         coarser_prepared = coarser.prepare(*call, key)
     except NotApplicableError:
         return unmeasured
-    with torch.no_grad():
-        return RuleGap.of(log_marginal - coarser_prepared.log_marginal())
+    return rule_gap(coarser_prepared, prepared)
 
 
 def as_conditionals(conditionals, every_mask=False):

@@ -6,22 +6,40 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Conditionals", "RuleGap", "SelfPredictive", "gap_sentence"]
+__all__ = [
+    "MAX_EDGE_SHARE",
+    "Conditionals",
+    "RuleGap",
+    "SelfPredictive",
+    "edge_clause",
+    "gap_sentence",
+]
+
+#: The largest share of an observation's posterior over a quadrature rule's nodes that its
+#: outermost nodes may hold (:mod:`~pyro_mpt.ops.quadrature_edge`): past it, part of the
+#: integrand lies beyond the rule's span, and the change under refinement may understate
+#: the rule's error by orders of magnitude.
+MAX_EDGE_SHARE = 0.01
 
 
 class RuleGap(NamedTuple):
     """How far a rule's ``log p(x)`` moves when it is refined (or coarsened), in nats: the
     mean over the observations, and the largest, that of the observation the rule fits
-    worst. A mean alone hides one sharp observation among many easy ones."""
+    worst. A mean alone hides one sharp observation among many easy ones. ``edge``: the
+    largest share of an observation's posterior on the finer rule's outermost nodes, where
+    it was measured (0 otherwise)."""
 
     mean: float
     worst: float
+    edge: float = 0.0
 
     @classmethod
-    def of(cls, change):
-        """The gap of a tensor of per-observation changes."""
+    def of(cls, change, edge=None):
+        """The gap of a tensor of per-observation changes (and, if given, of the finer
+        rule's edge shares)."""
         change = change.abs()
-        return cls(float(change.mean()), float(change.max()))
+        edge = 0.0 if edge is None or not edge.numel() else float(edge.max())
+        return cls(float(change.mean()), float(change.max()), edge)
 
     @classmethod
     def unmeasured(cls):
@@ -264,11 +282,24 @@ def gap_sentence(strategy, gap, compared_with):
         f"observation it fits worst"
     )
     if compared_with == "finer":
-        return (
+        sentence = (
             f"{strategy!r} changes log p(x) by {figures} when refined to 1.5 times its nodes "
             f"per dimension"
         )
+    else:
+        sentence = (
+            f"{strategy!r} cannot be refined, and a rule with two thirds of its nodes differs "
+            f"from it by {figures}"
+        )
+    return sentence + edge_clause(gap)
+
+
+def edge_clause(gap):
+    """What ``gap.edge`` says, in words, where it passes :data:`MAX_EDGE_SHARE` (else "")."""
+    if gap.edge <= MAX_EDGE_SHARE:
+        return ""
     return (
-        f"{strategy!r} cannot be refined, and a rule with two thirds of its nodes differs from "
-        f"it by {figures}"
+        f"; and the outermost nodes of the finer rule hold {100 * gap.edge:.2g}% of the "
+        f"posterior of an observation, so part of it lies beyond both rules' nodes and the "
+        f"error may be many times that figure"
     )

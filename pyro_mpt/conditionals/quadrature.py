@@ -20,6 +20,7 @@ from pyro_mpt.errors import NotApplicableError, check_positive_int, joint_likeli
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
+from pyro_mpt.ops.quadrature_edge import edge_share, outermost_nodes
 from pyro_mpt.ops.quadrature_nodes import adapted_nodes, enumerated_nodes, gauss_hermite_grid
 from pyro_mpt.ops.quadrature_tabulated import tabulated_log_conditionals, value_indicators
 from pyro_mpt.trace.guide_centres import whitened_guide
@@ -41,7 +42,9 @@ __all__ = [
     "QuadratureRuleSelfPredictive",
     "QuadratureSelfPredictive",
     "TabulatedQuadratureSelfPredictive",
+    "compared_num_points",
     "quadrature_self_predictive",
+    "rule_gap",
 ]
 
 
@@ -72,6 +75,9 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         :func:`~pyro_mpt.trace.whitened_latents.whiten`).
     :param int latent_dim: how many of the ``K`` coordinates are continuous, integrated by
         the rule's nodes rather than enumerated (all of them by default).
+    :param torch.Tensor on_edge: booleans ``(G,)``, True at the nodes on the edge of the
+        rule's span (:func:`~pyro_mpt.ops.quadrature_edge.outermost_nodes`), worked out from
+        ``nodes`` when they are shared by every observation and not given.
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
         ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
         draws the observations there; ``None`` for nodes that cannot serve draws (see
@@ -79,7 +85,16 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     """
 
     def __init__(
-        self, observed, scale, log_weights, extra_log_prob=0.0, *, nodes, run_at, latent_dim=None
+        self,
+        observed,
+        scale,
+        log_weights,
+        extra_log_prob=0.0,
+        *,
+        nodes,
+        run_at,
+        latent_dim=None,
+        on_edge=None,
     ):
         super().__init__(observed, scale, extra_log_prob)
         self.log_weights = log_weights
@@ -88,6 +103,9 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         # The dimension of the continuous latents, which the rule's nodes integrate over
         # (discrete ones are summed over every value, exactly).
         self.latent_dim = nodes.shape[-1] if latent_dim is None else latent_dim
+        if on_edge is None and nodes.dim() == 2:
+            on_edge = outermost_nodes(nodes, range(self.latent_dim))
+        self.on_edge = on_edge
 
     @property
     def log_prob_width(self):
@@ -114,9 +132,23 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         rule; of every observed entry for ``None``."""
         if entries is None:
             return self.log_marginal()
+        return self._restricted(entries).log_marginal()
+
+    def edge_share_of(self, entries=None):
+        """The posterior probability of the rule's outermost nodes given the entries
+        ``entries`` marks (every observed entry for ``None``), per observation
+        (:func:`~pyro_mpt.ops.quadrature_edge.edge_share`); None where the rule's edge is
+        not known."""
+        if self.on_edge is None:
+            return None
+        restricted = self if entries is None else self._restricted(entries)
+        return edge_share(restricted.node_log_joint(), self.on_edge)
+
+    def _restricted(self, entries):
+        """These conditionals with the observed entries replaced by ``entries``."""
         restricted = copy.copy(self)
         restricted.observed = self.observed._replace(entries=entries.to(torch.bool))
-        return restricted.log_marginal()
+        return restricted
 
     def mask_average(self):
         """The rule's ``log p(x)``: its conditionals are those of the mixture over its
@@ -135,9 +167,7 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         :param torch.Tensor context: booleans ``batch + (D,)``, ``True`` at the features of
             ``R`` (observed entries only: see :meth:`SelfPredictive.context`).
         """
-        restricted = copy.copy(self)
-        restricted.observed = self.observed._replace(entries=context.to(torch.bool))
-        log_joint = restricted.node_log_joint()
+        log_joint = self._restricted(context).node_log_joint()
         return log_joint - torch.logsumexp(log_joint, 0)
 
     def check_draws(self):
@@ -284,7 +314,9 @@ class BernoulliQuadratureSelfPredictive(TabulatedQuadratureSelfPredictive):
         return super().node_log_joint()
 
 
-def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=None, latent_dim=None):
+def quadrature_self_predictive(
+    run, log_weights, nodes, run_at, memory_check=None, latent_dim=None, on_edge=None
+):
     """The :class:`SelfPredictive` of a model run at the nodes.
 
     :param run: the :class:`~pyro_mpt.trace.whitened_latents.PointsRun` at the nodes.
@@ -295,9 +327,11 @@ def quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check=Non
         log-likelihood of every observation at every node is formed (it may raise).
     :param int latent_dim: how many coordinates of the nodes are continuous (all of them
         by default; see :class:`QuadratureRuleSelfPredictive`).
+    :param torch.Tensor on_edge: which nodes lie on the edge of the rule's span (see
+        :class:`QuadratureRuleSelfPredictive`).
     """
     observed, scale, fn, extra = run.observed, run.scale, run.fn, run.extra_log_prob
-    rule = dict(nodes=nodes, run_at=run_at, latent_dim=latent_dim)
+    rule = dict(nodes=nodes, run_at=run_at, latent_dim=latent_dim, on_edge=on_edge)
     if log_weights.dim() == 1:
         tabulated = _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule)
         if tabulated is not None:
@@ -377,8 +411,40 @@ def _tabulated_self_predictive(fn, observed, scale, log_weights, extra, rule):
     )
 
 
+def rule_gap(coarser, finer, context=None):
+    """The :class:`~pyro_mpt.conditionals.base.RuleGap` between two rules' conditionals
+    (:class:`QuadratureRuleSelfPredictive`): the change of each observation's ``log p`` of
+    its observed entries (of those ``context`` marks, if given) from the coarser rule to
+    the finer, and the share of the finer rule's posterior on its outermost nodes
+    (:mod:`~pyro_mpt.ops.quadrature_edge`)."""
+    with torch.no_grad():
+        change = finer.log_marginal_of(context) - coarser.log_marginal_of(context)
+        return RuleGap.of(change, finer.edge_share_of(context))
+
+
 #: The most nodes per dimension: Gauss-Hermite weights underflow beyond a few hundred.
 MAX_POINTS = 200
+
+
+def compared_num_points(num_points, factor):
+    """The nodes per dimension of the rule a rule of ``num_points`` is compared with:
+    ``factor`` times as many (rounded up, at least one), of the other parity.
+
+    Gauss–Hermite rules are symmetric about the prior's centre; one of an odd number of
+    nodes has a node there and one of an even number has none. Two rules of the same parity
+    share that blind spot: an integrand whose feature sits at the centre (a step of the
+    likelihood at ``z = 0``) is integrated alike by both, and equally wrongly, so they agree
+    while both are off by nats. A rule compared with one of the other parity sees it.
+    """
+    compared = max(1, math.ceil(factor * num_points))
+    if compared % 2 == num_points % 2:
+        if factor >= 1:
+            compared += 1
+        elif compared > 1:  # a one-node rule has no coarser one
+            compared -= 1
+    return compared
+
+
 #: The most combinations of the discrete latents' values per observation that a rule sums
 #: over (each multiplies the continuous nodes).
 MAX_ENUMERATED = 4096
@@ -541,24 +607,25 @@ class Quadrature(Conditionals):
         draw rests on), rather than of every observed entry."""
         if prepared.latent_dim == 0:
             return RuleGap(0.0, 0.0)  # discrete latents only: summed over every value, exactly
-        finer = self.scaled(factor)
-        if finer is None:
+        other = self.scaled(factor)
+        if other is None:
             return RuleGap.unmeasured()
         try:
             with torch.no_grad():
                 if structure is None:
-                    finer_prepared = finer.prepare(model, guide, args, kwargs)
+                    other_prepared = other.prepare(model, guide, args, kwargs)
                 else:
-                    finer_prepared = finer.prepare_with(structure, model, guide, args, kwargs)
-                change = finer_prepared.log_marginal_of(context) - prepared.log_marginal_of(context)
+                    other_prepared = other.prepare_with(structure, model, guide, args, kwargs)
         except NotApplicableError:
             return RuleGap.unmeasured()
-        return RuleGap.of(change)
+        if factor < 1:
+            return rule_gap(other_prepared, prepared, context)
+        return rule_gap(prepared, other_prepared, context)
 
     def scaled(self, factor):
-        """This rule with ``factor`` times its nodes per dimension (at least one), or None
-        past :data:`MAX_POINTS`."""
-        num_points = max(1, math.ceil(factor * self.num_points))
+        """The rule this one is compared with: ``factor`` times its nodes per dimension, of
+        the other parity (:func:`compared_num_points`), or None past :data:`MAX_POINTS`."""
+        num_points = compared_num_points(self.num_points, factor)
         if num_points > MAX_POINTS:
             return None
         return Quadrature(
@@ -587,7 +654,7 @@ class Quadrature(Conditionals):
             plan = self._plan(structure)
             if layout is not None:
                 self._plans[layout] = plan
-        nodes, log_weights, memory_check, latent_dim = plan
+        nodes, log_weights, memory_check, latent_dim, on_edge = plan
         if self.center == "guide":
             if guide is None:
                 raise NotApplicableError("quadrature with center='guide' needs a guide.")
@@ -603,13 +670,15 @@ class Quadrature(Conditionals):
         if self.center == "prior":
             run_at = functools.partial(run_at_points, model, args, kwargs, structure)
         # Nodes: whitened points (G, K), or (G,) + batch + (K,) at the guide.
-        return quadrature_self_predictive(run, log_weights, nodes, run_at, memory_check, latent_dim)
+        rule = (run_at, memory_check, latent_dim, on_edge)
+        return quadrature_self_predictive(run, log_weights, nodes, *rule)
 
     def _plan(self, structure):
         """What a structure's every call uses: the prior's nodes and log-weights, the
-        memory check of :meth:`_memory_check` and the dimension of the continuous latents,
-        after checking that the rule applies. The coordinates of discrete latents are
-        enumerated (:func:`~pyro_mpt.ops.quadrature_nodes.enumerated_nodes`).
+        memory check of :meth:`_memory_check`, the dimension of the continuous latents and
+        which nodes lie on the edge of the rule's span, after checking that the rule
+        applies. The coordinates of discrete latents are enumerated
+        (:func:`~pyro_mpt.ops.quadrature_nodes.enumerated_nodes`).
 
         :raises NotApplicableError: for a model without local latents, a likelihood that does
             not factorise over features, more than ``max_latent_dim`` continuous latent
@@ -683,7 +752,9 @@ class Quadrature(Conditionals):
             self._grids[grid_key] = grid
         nodes, log_weights = enumerated_nodes(*grid, columns, num_values)
         memory_check = self._memory_check(structure, latent_dim, num_combinations)
-        return nodes, log_weights, memory_check, latent_dim
+        continuous = [column for column in range(nodes.shape[-1]) if column not in columns]
+        on_edge = outermost_nodes(nodes, continuous)
+        return nodes, log_weights, memory_check, latent_dim, on_edge
 
     def _memory_check(self, structure, latent_dim, num_combinations=1):
         """A check, ``check(num_nodes, dtype)``, that raises before a run evaluates the
