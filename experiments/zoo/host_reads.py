@@ -42,9 +42,10 @@ CHECKED_LINALG = ("cholesky", "inv", "solve")
 
 #: ``(file, function name)`` whose reads happen for CPU tensors only (NumPy's sort of CPU
 #: keys, and the CPU fast paths of masks, masked sums, log sigmoid and Bernoulli quadrature,
-#: and the test for binary data that chooses it).
+#: the test for binary data that chooses it, and the search for sums near the floors).
 CPU_ONLY = {
     ("conditionals/quadrature.py", "_is_binary"),
+    ("ops/floored_exp.py", "exact_where"),
     ("ops/bernoulli.py", "log_sigmoid"),
     ("ops/quadrature_bernoulli.py", "_orient"),
     ("ops/quadrature_bernoulli.py", "forward"),

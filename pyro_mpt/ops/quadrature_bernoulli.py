@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from pyro_mpt.ops.bernoulli import log_sigmoid
-from pyro_mpt.ops.floored_exp import gemm_safe_floor
+from pyro_mpt.ops.floored_exp import exact_where, floor_margin, gemm_safe_floor
 from pyro_mpt.ops.quadrature_tabulated import (
     floored_node_posterior,
     table_conditionals_backward,
@@ -278,5 +278,21 @@ def bernoulli_log_conditionals(log_weights, logits, data, context):
     rows = shape + (num_features,)
     context = context.to(dtype).expand(rows).reshape(-1, num_features)
     ones = data.to(dtype).expand(rows).reshape(-1, num_features)
-    out = _BernoulliConditionals.apply(log_weights.detach(), logits, ones, context)
-    return out.reshape(rows)
+    log_weights = log_weights.detach()
+    out = _BernoulliConditionals.apply(log_weights, logits, ones, context)
+    # The posterior sums to one: the floors move a conditional by less than the margin
+    # (see floor_margin) unless it is that close to them, and those are computed exactly.
+    log_one, log_zero = (torch.nn.functional.logsigmoid(sign * logits) for sign in (1, -1))
+    shift = torch.lerp(log_zero.amax(0), log_one.amax(0), ones)  # (R, D)
+    margin = out - shift - math.log(floor_margin(dtype, logits.shape[0]))
+
+    def exact(index):
+        rows, features = index
+        observed_ones, seen = ones[rows], context[rows]
+        log_joint = torch.addmm(log_weights, seen * observed_ones, log_one.T)
+        log_joint = log_joint.addmm(seen * (1 - observed_ones), log_zero.T)
+        value = ones[rows, features].unsqueeze(-1)
+        observed = torch.lerp(log_zero[:, features].T, log_one[:, features].T, value)
+        return torch.logsumexp(log_joint + observed, -1) - torch.logsumexp(log_joint, -1)
+
+    return exact_where(margin, out, exact).reshape(rows)

@@ -7,7 +7,7 @@ This module is pure tensor code: no Pyro effects.
 
 import torch
 
-from pyro_mpt.ops.floored_exp import floored_exp, flushed_exp
+from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp, flushed_exp
 
 __all__ = ["quadrature_log_conditionals", "quadrature_log_marginal"]
 
@@ -38,7 +38,23 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     # A value impossible at every node keeps its -inf: shift it by a finite number instead.
     el = floored_exp(ll - ll_max.clamp(min=torch.finfo(ll.dtype).min))
     numerator = torch.einsum("p...g,g...d->p...d", wa, el)
-    return numerator.log() + ll_max - wa.sum(-1, keepdim=True).log()
+    denominator = wa.sum(-1, keepdim=True)
+    result = numerator.log() + ll_max - denominator.log()
+    # The floors move a sum by less than floor * (denominator + G): a conditional whose sum
+    # is within FLOOR_MARGIN of that is computed again in log space, exactly.
+    margin = numerator.log() - (floor_margin(ll.dtype, a.shape[-1]) * denominator).log()
+    shape = result.shape
+    return exact_where(margin, result, lambda index: _log_space(a, ll, index, shape))
+
+
+def _log_space(log_joint, log_likelihoods, index, shape):
+    """``log p(x_j | x_R)`` at the entries ``index`` (index tensors into the conditionals,
+    of shape ``shape = (P,) + batch + (D,)``), as ``LSE_g(a_g + l_gj) - LSE_g(a_g)`` from the
+    log joint ``a`` ``(P,) + batch + (G,)``: no floor, and no ``(G, P, N, D)`` tensor."""
+    rows = log_joint.expand(shape[:-1] + log_joint.shape[-1:])[index[:-1]]  # (E, G)
+    ll = log_likelihoods.movedim(0, -1)  # batch + (D, G)
+    ll = ll.expand(shape[1:] + ll.shape[-1:])[index[1:]]  # (E, G)
+    return torch.logsumexp(rows + ll, -1) - torch.logsumexp(rows, -1)
 
 
 def quadrature_log_marginal(log_weights, log_likelihoods):

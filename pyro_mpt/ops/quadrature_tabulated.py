@@ -7,9 +7,11 @@ passes are written by hand so the only large temporaries are the table and its e
 This module is pure tensor code: no Pyro effects.
 """
 
+import math
+
 import torch
 
-from pyro_mpt.ops.floored_exp import floored_exp_, flushed_exp
+from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp_, flushed_exp
 
 __all__ = [
     "tabulated_log_conditionals",
@@ -46,8 +48,14 @@ def _context_posterior(log_weights, table, onehot, context):
     :param onehot: ``[x_rj = v]``, shape ``(R, V, D)``.
     :param context: ``c_rj``, shape ``(R, D)``.
     """
-    weighted = (context.unsqueeze(-2) * onehot).flatten(-2)
+    weighted = _weighted(context, onehot)
     return weighted, floored_node_posterior(torch.addmm(log_weights, weighted, table.T))
+
+
+def _weighted(context, onehot):
+    """``W = c [x = v]``, ``(R, V * D)``, from ``context`` ``(R, D)`` and ``onehot``
+    ``(R, V, D)``."""
+    return (context.unsqueeze(-2) * onehot).flatten(-2)
 
 
 def table_conditionals_forward(posterior, table, onehot, overwrite=False):
@@ -119,7 +127,21 @@ def _tabulated(function, log_weights, table, indicators, context):
     shape = torch.broadcast_shapes(context.shape[:-1], (1,) + onehot.shape[:-2])
     context = context.to(dtype).expand(shape + (num_features,)).reshape(-1, num_features)
     onehot = onehot.expand(shape + onehot.shape[-2:]).reshape(-1, num_values, num_features)
-    out = function.apply(log_weights.detach(), table, onehot, context)
+    log_weights = log_weights.detach()
+    out = function.apply(log_weights, table, onehot, context)
+    # The posterior sums to one: the floors move a conditional by less than the margin
+    # (see floor_margin) unless it is that close to them, and those are computed exactly.
+    shift = (table.amax(0).unflatten(-1, onehot.shape[-2:]) * onehot).sum(-2)  # (R, D)
+    margin = out - shift - math.log(floor_margin(dtype, table.shape[0]))
+
+    def exact(index):
+        rows, features = index
+        log_joint = torch.addmm(log_weights, _weighted(context[rows], onehot[rows]), table.T)
+        values = onehot[rows, :, features].argmax(-1)
+        observed = table[:, values * num_features + features].T  # (E, G)
+        return torch.logsumexp(log_joint + observed, -1) - torch.logsumexp(log_joint, -1)
+
+    out = exact_where(margin, out, exact)
     return out.reshape(shape + (num_features,))
 
 
