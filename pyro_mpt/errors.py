@@ -53,7 +53,9 @@ class QuadratureAccuracyWarning(UserWarning):
 class UnmeasuredAccuracyWarning(UserWarning):
     """Conditionals that approximate ``p(x_j | x_R)`` by a rule whose error nothing measures
     (:class:`~pyro_mpt.conditionals.EncodeDecode`): their figures may be far off with no
-    other word. Given once per strategy object, when it is first used."""
+    other word. Given once per strategy object, when it is first used, and by ``MPTLoss``
+    with the measured figure when, on a step where it checks them (the 2nd, the 16th, every
+    64th), their estimate lies below an importance-sampling lower bound of ``log p(x)``."""
 
 
 class StaleStructureError(Exception):

@@ -25,7 +25,6 @@ from pyro_mpt.conditionals.exact import verify_every_call
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import (
     NotApplicableError,
-    QuadratureAccuracyWarning,
     StaleStructureError,
     check_positive_int,
     user_stacklevel,
@@ -148,7 +147,11 @@ class MPTLoss(ELBO):
         instead. Past
         :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`, ``conditionals="auto"`` searches
         again, and a rule given by the user warns
-        (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`).
+        (:class:`~pyro_mpt.errors.QuadratureAccuracyWarning`). For
+        :class:`~pyro_mpt.conditionals.EncodeDecode`, the same steps hold the estimate to an
+        importance-sampling lower bound of ``log p(x)`` (``compared_with="importance"``,
+        the gap a lower bound of the shortfall) and warn past the same limit
+        (:class:`~pyro_mpt.errors.UnmeasuredAccuracyWarning`).
 
     **References**
 
@@ -432,10 +435,9 @@ class MPTLoss(ELBO):
             before.restore()
             return self._search_again(*call)
         warnings.warn(
-            f"MPTLoss's {figure}: its conditionals are about that far off. Fix: raise "
-            f"num_points, use center='guide' with a guide fitted to the posterior, or "
-            f"conditionals='auto', which refines the rule as training goes on.",
-            QuadratureAccuracyWarning,
+            f"MPTLoss's {figure}: its conditionals are about that far off. Fix: "
+            f"{strategy.accuracy_fix}",
+            strategy.accuracy_warning,
             stacklevel=user_stacklevel(),
         )
         return prepared

@@ -219,6 +219,10 @@ class Conditionals(ABC):
     #: What ``MPTLoss(guide_loss="auto")`` trains the guide by under this strategy: None
     #: when the strategy does not use the guide.
     guide_loss = None
+    #: The warning ``MPTLoss`` gives when :meth:`checked_gap` finds the conditionals off,
+    #: and the fix it names.
+    accuracy_warning = UserWarning
+    accuracy_fix = "use exact or quadrature conditionals where the model allows."
 
     @property
     def in_use(self):
@@ -281,6 +285,12 @@ def gap_sentence(strategy, gap, compared_with):
         f"{gap.mean:.2g} nats per observation on average and by {gap.worst:.2g} at the "
         f"observation it fits worst"
     )
+    if compared_with == "importance":
+        return (
+            f"{strategy!r} estimates log p(x) at least {gap.mean:.2g} nats per observation "
+            f"below an importance-sampling lower bound of it (the batch's mean shortfall, "
+            f"less four standard errors)"
+        )
     if compared_with == "finer":
         sentence = (
             f"{strategy!r} changes log p(x) by {figures} when refined to 1.5 times its nodes "

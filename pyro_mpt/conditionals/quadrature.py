@@ -16,7 +16,12 @@ from torch.distributions import constraints
 
 from pyro_mpt.conditionals.base import Conditionals, RuleGap, SelfPredictive
 from pyro_mpt.conditionals.likelihood_draws import observation_draws, picked_draws
-from pyro_mpt.errors import NotApplicableError, check_positive_int, joint_likelihood_error
+from pyro_mpt.errors import (
+    NotApplicableError,
+    QuadratureAccuracyWarning,
+    check_positive_int,
+    joint_likelihood_error,
+)
 from pyro_mpt.ops.conditional_sampling import mixture_component_sample
 from pyro_mpt.ops.quadrature_bernoulli import bernoulli_log_conditionals, bernoulli_log_table
 from pyro_mpt.ops.quadrature_conditionals import quadrature_log_conditionals
@@ -531,6 +536,11 @@ class Quadrature(Conditionals):
     """
 
     name = "quadrature"
+    accuracy_warning = QuadratureAccuracyWarning
+    accuracy_fix = (
+        "raise num_points, use center='guide' with a guide fitted to the posterior, or "
+        "conditionals='auto', which refines the rule as training goes on."
+    )
 
     def __init__(self, num_points=20, max_latent_dim=3, center="prior", max_memory_gb=None):
         self._structure = RememberedStructure()

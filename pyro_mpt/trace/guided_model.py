@@ -509,9 +509,7 @@ def run_guided(
         try:
             if guide_trace is None:
                 guide = defensive_discrete(guided.guide) if defensive else guided.guide
-                guide_trace = poutine.trace(guide).get_trace(
-                    data, *guided.args[1:], **guide_kwargs
-                )
+                guide_trace = poutine.trace(guide).get_trace(data, *guided.args[1:], **guide_kwargs)
         except (ValueError, RuntimeError, IndexError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise NotApplicableError(
