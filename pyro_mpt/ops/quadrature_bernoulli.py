@@ -282,12 +282,16 @@ def bernoulli_log_conditionals(log_weights, logits, data, context):
     out = _BernoulliConditionals.apply(log_weights, logits, ones, context)
     # The posterior sums to one: the floors move a conditional by less than the margin
     # (see floor_margin) unless it is that close to them, and those are computed exactly.
-    log_one, log_zero = (torch.nn.functional.logsigmoid(sign * logits) for sign in (1, -1))
-    shift = torch.lerp(log_zero.amax(0), log_one.amax(0), ones)  # (R, D)
+    # The best node's log p(x_j | z_g), from the largest and smallest logits (log sigmoid
+    # is increasing): no pass over the (G, D) table unless some entry is near the floors.
+    logsigmoid = torch.nn.functional.logsigmoid
+    best_one, best_zero = logsigmoid(logits.amax(0)), logsigmoid(-logits.amin(0))
+    shift = torch.lerp(best_zero, best_one, ones)  # (R, D)
     margin = out - shift - math.log(floor_margin(dtype, logits.shape[0]))
 
     def exact(index):
         rows, features = index
+        log_one, log_zero = logsigmoid(logits), logsigmoid(-logits)  # (G, D)
         observed_ones, seen = ones[rows], context[rows]
         log_joint = torch.addmm(log_weights, seen * observed_ones, log_one.T)
         log_joint = log_joint.addmm(seen * (1 - observed_ones), log_zero.T)

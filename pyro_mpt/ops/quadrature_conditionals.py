@@ -39,10 +39,11 @@ def quadrature_log_conditionals(log_weights, log_likelihoods, context):
     el = floored_exp(ll - ll_max.clamp(min=torch.finfo(ll.dtype).min))
     numerator = torch.einsum("p...g,g...d->p...d", wa, el)
     denominator = wa.sum(-1, keepdim=True)
-    result = numerator.log() + ll_max - denominator.log()
+    log_numerator = numerator.log()
+    result = log_numerator + ll_max - denominator.log()
     # The floors move a sum by less than floor * (denominator + G): a conditional whose sum
     # is within FLOOR_MARGIN of that is computed again in log space, exactly.
-    margin = numerator.log() - (floor_margin(ll.dtype, a.shape[-1]) * denominator).log()
+    margin = log_numerator - (floor_margin(ll.dtype, a.shape[-1]) * denominator).log()
     shape = result.shape
     return exact_where(margin, result, lambda index: _log_space(a, ll, index, shape))
 
