@@ -122,3 +122,30 @@ def test_off_the_cpu_the_entries_nearest_the_floors_are_recomputed_without_a_rea
     assert MAX_EXACT_OFF_CPU >= 6
     unread = exact_where(margin, result, exact, read=False)
     assert unread.tolist() == [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]]
+
+
+def test_importance_conditionals_far_below_the_best_sample_are_exact():
+    # Two samples: the context's posterior rests on the first, under which the hidden
+    # feature's value is 100 nats less likely than under the second, which the context
+    # makes 200 nats less likely. The plain sums (the route off the CPU) are the reference.
+    from pyro_mpt.ops.self_normalised_importance import (
+        per_sample_importance_log_conditionals,
+        plain_importance_log_conditionals,
+    )
+
+    log_weights = torch.zeros(2, 1, 3, dtype=torch.float32)
+    log_likelihoods = torch.zeros(2, 1, 3, 4, dtype=torch.float32)
+    log_likelihoods[0, ..., 3] = -100.0
+    log_likelihoods[1, ..., :3] = -200.0 / 3
+    context = torch.ones(1, 3, 4, dtype=torch.bool)
+    context[..., 3] = False
+    log_likelihoods.requires_grad_()
+    out = per_sample_importance_log_conditionals(log_weights, log_likelihoods, context)
+    expected = plain_importance_log_conditionals(
+        log_weights.double(), log_likelihoods.double(), context
+    )
+    assert float(expected[0, 0, 3]) < -99  # past the float32 floor, 43.7 below the best
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
+    (grad,) = torch.autograd.grad(out[..., 3].sum(), log_likelihoods)
+    (expected_grad,) = torch.autograd.grad(expected[..., 3].sum(), log_likelihoods)
+    torch.testing.assert_close(grad.double(), expected_grad.double(), atol=1e-4, rtol=1e-4)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pyro_mpt.ops.floored_exp import floored_exp_, flushed_exp
+from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp_, flushed_exp
 from pyro_mpt.ops.importance_weights import ratio_bias
 from pyro_mpt.ops.masks import masked_sum, select_masked
 
@@ -103,12 +103,14 @@ class _ImportanceConditionals(torch.autograd.Function):
             squares.addcmul_(term, term)
         ctx.save_for_backward(weights, shifted, predictive, context)
         bias = 0.5 * (weights.square().sum(0).unsqueeze(-1) - squares / predictive.square())
-        ctx.mark_non_differentiable(bias)
-        return predictive.log().add_(ll_max), bias
+        log_predictive = predictive.log()
+        ctx.mark_non_differentiable(bias, log_predictive)
+        # The third output, log pred, says how near the floors each sum is.
+        return log_predictive + ll_max, bias, log_predictive
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, _):
+    def backward(ctx, grad, *_):
         weights, shifted, predictive, context = ctx.saved_tensors
         scaled = grad / predictive
         total = grad.sum(-1)
@@ -161,8 +163,9 @@ def per_sample_importance_log_conditionals(log_weights, log_likelihoods, context
     :returns: a tensor of shape ``(P,) + batch + (D,)``.
 
     Sums over samples are those of shifted exponentials, floored as in
-    :mod:`pyro_mpt.ops.floored_exp` (a relative error below ``S sqrt(tiny)``); the forward and
-    backward passes are written by hand (:class:`_ImportanceConditionals`).
+    :mod:`pyro_mpt.ops.floored_exp` (a relative error below ``S sqrt(tiny)``), and the few
+    that the floors could move are computed again in log space; the forward and backward
+    passes are written by hand (:class:`_ImportanceConditionals`).
     """
     return _per_sample(log_weights, log_likelihoods, context)[0]
 
@@ -176,7 +179,19 @@ def _per_sample(log_weights, log_likelihoods, context):
     context = context.to(torch.bool).expand(shape + (num_features,)).reshape(-1, num_features)
     log_weights = log_weights.expand(ll.shape[:-1]).reshape(num_samples, -1)
     ll = ll.reshape(num_samples, -1, num_features)
-    out, bias = _ImportanceConditionals.apply(log_weights, ll, context)
+    out, bias, log_predictive = _ImportanceConditionals.apply(log_weights, ll, context)
+    # The weights sum to one: the floors move a conditional by less than the margin (see
+    # floor_margin) unless it is that close to them, and those are computed exactly.
+    margin = log_predictive - math.log(floor_margin(ll.dtype, num_samples))
+
+    def exact(index):
+        rows, features = index
+        picked = ll[:, rows]  # (S, E, D)
+        log_joint = log_weights[:, rows] + torch.where(context[rows], picked, 0.0).sum(-1)
+        observed = picked[:, torch.arange(rows.numel()), features]  # (S, E)
+        return torch.logsumexp(log_joint + observed, 0) - torch.logsumexp(log_joint, 0)
+
+    out = exact_where(margin, out, exact)
     return out.reshape(shape + (num_features,)), bias.reshape(shape + (num_features,))
 
 
