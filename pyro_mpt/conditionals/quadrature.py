@@ -81,8 +81,8 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
     :param int latent_dim: how many of the ``K`` coordinates are continuous, integrated by
         the rule's nodes rather than enumerated (all of them by default).
     :param torch.Tensor on_edge: booleans ``(G,)``, True at the nodes on the edge of the
-        rule's span (:func:`~pyro_mpt.ops.quadrature_edge.outermost_nodes`), worked out from
-        ``nodes`` when they are shared by every observation and not given.
+        rule's span (:func:`~pyro_mpt.ops.quadrature_edge.outermost_nodes`); None where it
+        is not known (no share of the edge is then measured).
     :param callable run_at: ``run_at(points)``, the model run with its latents at whitened
         ``points`` (a :class:`~pyro_mpt.trace.whitened_latents.PointsRun`): :meth:`sample`
         draws the observations there; ``None`` for nodes that cannot serve draws (see
@@ -108,8 +108,6 @@ class QuadratureRuleSelfPredictive(SelfPredictive):
         # The dimension of the continuous latents, which the rule's nodes integrate over
         # (discrete ones are summed over every value, exactly).
         self.latent_dim = nodes.shape[-1] if latent_dim is None else latent_dim
-        if on_edge is None and nodes.dim() == 2:
-            on_edge = outermost_nodes(nodes, range(self.latent_dim))
         self.on_edge = on_edge
 
     @property
