@@ -21,6 +21,7 @@ from pyro_mpt.conditionals.auto import (
     too_coarse,
 )
 from pyro_mpt.conditionals.base import gap_sentence
+from pyro_mpt.conditionals.encode_decode_diagnostics import EncodeDecodeDiagnostics, warn_if_spread
 from pyro_mpt.conditionals.exact import verify_every_call
 from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import (
@@ -135,7 +136,12 @@ class MPTLoss(ELBO):
         See "Your own model" in the docs for what a model may contain.
 
     :ivar diagnostics: the accuracy figures of the last step's importance-sampled
-        conditionals (None for other strategies).
+        conditionals, or of its encode-decode ones
+        (:class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`:
+        measured from their own draws on every step where ``num_samples >= 2``, and warned
+        of on every step past
+        :data:`~pyro_mpt.conditionals.encode_decode_diagnostics.MAX_DRAW_BIAS`); None for
+        other strategies.
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
         2nd, the 16th, then every 64th call (the next call, when one falls between),
         whatever the argument shapes for a rule given by the user, and on calls like the
@@ -339,10 +345,12 @@ class MPTLoss(ELBO):
         self._pending_check = prepared.pending_check
         self._pending_weights = None
         if prepared.diagnostics is not None:
+            failing = None
             if steady and not self._checking and not is_validation_enabled():
-                # Whether the weights fail stays on the device: loss_and_grads and loss
-                # read it with the loss (_read), and warn then.
+                # Whether the weights (or encode-decode's draws) fail stays on the device:
+                # loss_and_grads and loss read it with the loss (_read), and warn then.
                 failing = prepared.diagnostics.failing()
+            if failing is not None:
                 self._pending_weights = (failing, prepared.diagnostics, model, args)
             else:
                 self._warn_if_unreliable(prepared.diagnostics, model, args)
@@ -687,8 +695,14 @@ class MPTLoss(ELBO):
     def _warn_if_unreliable(self, diagnostics, model, args, failed=None):
         """Warns when importance weights fail (:func:`warn_if_unreliable`), counting this
         loss's calls, at the line of the user's code that made the call."""
-        advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
         what, counts = "MPTLoss's conditionals", self._accuracy_counts
+        if isinstance(diagnostics, EncodeDecodeDiagnostics):
+            # Every call whose draws disagree past the limit warns, with its figure.
+            strategy = self.conditionals.in_use
+            stacklevel = user_stacklevel() + 1
+            warn_if_spread(diagnostics, what, strategy, stacklevel, counts, failed)
+            return
+        advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
         # One frame more: warn_if_unreliable's own.
         stacklevel = user_stacklevel() + 1
         warn_if_unreliable(

@@ -236,7 +236,7 @@ def test_bad_arguments():
         EncodeDecode(num_samples=0)
     with pytest.raises(ValueError, match=r"fill must be 'zeros' or 'mean', got None"):
         EncodeDecode(fill=None)
-    assert repr(EncodeDecode()) == "EncodeDecode(num_iterations=5, num_samples=1, fill='zeros')"
+    assert repr(EncodeDecode()) == "EncodeDecode(num_iterations=5, num_samples=16, fill='zeros')"
 
 
 def test_prepare_works_under_no_grad():

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from pyro_mpt.conditionals.encode_decode_diagnostics import EncodeDecodeDiagnostics, warn_if_spread
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 
@@ -139,6 +140,9 @@ class ImportanceDiagnostics(NamedTuple):
         parts = [part for part in parts if part is not None]
         if not parts:
             return None
+        if all(isinstance(part, EncodeDecodeDiagnostics) for part in parts):
+            # Encode-decode conditionals' figures, joined as theirs are.
+            return EncodeDecodeDiagnostics.joined(parts)
 
         def cat(name):
             values = [getattr(part, name) for part in parts]
@@ -430,7 +434,11 @@ def warn_if_unreliable(
     figures (a device synchronisation), with Pyro's validation on or off: an estimate off
     by nats is never left unsaid.
 
-    :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check).
+    :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check). The
+        figures of encode-decode conditionals
+        (:class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`)
+        warn on every call that fails them instead
+        (:func:`~pyro_mpt.conditionals.encode_decode_diagnostics.warn_if_spread`).
     :param str what: what was estimated, the subject of the message.
     :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
         its own calls); by default those of the model, argument shapes, ``guide`` and
@@ -444,6 +452,11 @@ def warn_if_unreliable(
         masks, no ratio of estimates), which the message then speaks of.
     """
     if diagnostics is None:
+        return
+    if isinstance(diagnostics, EncodeDecodeDiagnostics):
+        # Encode-decode conditionals: every call whose draws disagree says so, with its
+        # figure (one frame more: warn_if_spread's own).
+        warn_if_spread(diagnostics, what, strategy, stacklevel + 1, counts, failed)
         return
     if counts is None:
         counts = _counts(what, model, args, guide, strategy)
