@@ -21,7 +21,7 @@ Seeded; 1 thread recommended.
 Usage::
 
     python benchmarks/bench_encode_decode_accuracy.py --threads 1 \\
-        --json docs/results/encode-decode-accuracy.json
+        --json benchmarks/results/encode_decode_accuracy.json
 """
 
 import sys

@@ -268,7 +268,7 @@ class EncodeDecode(Conditionals):
         gradient when the hidden entries change), is run with ``T = 0``, which gives the
         same conditionals in distribution.
     :param int num_samples: ``S``, chains per mask and observation (16 by default; 1
-        before, whose estimates were 1.2 to 15 times further below ``log p(x)`` on the
+        before, whose estimates were 1.2 to 24 times further below ``log p(x)`` on the
         linear-Gaussian models of ``benchmarks/bench_encode_decode_accuracy.py``, at a
         quarter of the cost or less).
 
@@ -276,9 +276,10 @@ class EncodeDecode(Conditionals):
     own draws bias it
     (:class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`, in
     ``.diagnostics`` of the prepared conditionals and in ``MPTLoss.diagnostics``): the
-    fall of the estimate when half the draws are used, which tracked the error from 0.03
-    to 1.5 times it against exact conditionals. ``MPTLoss`` (and ``mpt_curve``,
-    ``ordering_log_likelihoods``) warn with the figure on **every** call where it passes
+    fall of the estimate when half the draws are used, which was 0.03 to 1.44 times the
+    error against exact conditionals (see 'How accurate are approximate conditionals').
+    ``MPTLoss`` (and ``mpt_curve``, ``ordering_log_likelihoods``) warn with the figure on
+    **every** call where it passes
     :data:`~pyro_mpt.conditionals.encode_decode_diagnostics.MAX_DRAW_BIAS` nats per
     observation. A bias that every draw shares (the guide's, chains that have not mixed)
     is not seen by it; ``MPTLoss`` holds the estimate to an importance-sampling lower bound
