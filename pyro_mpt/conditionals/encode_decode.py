@@ -260,18 +260,6 @@ class EncodeDecode(Conditionals):
 
     :class:`~pyro_mpt.models.LinearVAE` and :class:`~pyro_mpt.models.VAE` follow them.
 
-    :param int num_iterations: ``T``, refills of the masked features (0 or more). A
-        guide that takes ``hidden`` and ignores the values of the hidden entries (as
-        ``LinearVAE.guide`` and ``VAE.guide`` do: they zero them) never sees a refill, so
-        every iteration would cost a guide and a model run and change nothing: such a
-        guide, recognised on the first call with each model (the same ``q`` and no
-        gradient when the hidden entries change), is run with ``T = 0``, which gives the
-        same conditionals in distribution.
-    :param int num_samples: ``S``, chains per mask and observation (16 by default; 1
-        before, whose estimates were 1.2 to 24 times further below ``log p(x)`` on the
-        linear-Gaussian models of ``benchmarks/bench_encode_decode_accuracy.py``, at a
-        quarter of the cost or less).
-
     **Its error, measured on every call.** With ``S >= 2`` each call measures how far its
     own draws bias it
     (:class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`, in
@@ -284,6 +272,19 @@ class EncodeDecode(Conditionals):
     observation. A bias that every draw shares (the guide's, chains that have not mixed)
     is not seen by it; ``MPTLoss`` holds the estimate to an importance-sampling lower bound
     of ``log p(x)`` on its 2nd, 16th and every 64th step for that.
+
+    :param int num_iterations: ``T``, refills of the masked features (0 or more). A
+        guide that takes ``hidden`` and ignores the values of the hidden entries (as
+        ``LinearVAE.guide`` and ``VAE.guide`` do: they zero them) never sees a refill, so
+        every iteration would cost a guide and a model run and change nothing: such a
+        guide, recognised on the first call with each model (the same ``q`` and no
+        gradient when the hidden entries change), is run with ``T = 0``, which gives the
+        same conditionals in distribution.
+    :param int num_samples: ``S``, chains per mask and observation (16 by default; 1
+        before, whose estimates were 1.2 to 24 times further below ``log p(x)`` on the
+        linear-Gaussian models of ``benchmarks/bench_encode_decode_accuracy.py``, at a
+        quarter of the cost or less).
+
     :param str fill: the initial value of masked features: ``"zeros"`` or ``"mean"``.
     :param str refill: what replaces the masked features at each iteration: ``"mean"``, the
         decoder's mean, or ``"sample"``, a draw from the decoder.
