@@ -149,3 +149,26 @@ def test_importance_conditionals_far_below_the_best_sample_are_exact():
     (grad,) = torch.autograd.grad(out[..., 3].sum(), log_likelihoods)
     (expected_grad,) = torch.autograd.grad(expected[..., 3].sum(), log_likelihoods)
     torch.testing.assert_close(grad.double(), expected_grad.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_log_sums_of_recomputed_conditionals_are_those_of_logsumexp(dtype):
+    # Rows spanning hundreds of nats, as those exact_where recomputes do, and one row
+    # impossible at every term.
+    from pyro_mpt.ops.floored_exp import log_sum_exp
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 60, generator=generator, dtype=torch.float64) * 300 - 200
+    x[-1] = -float("inf")
+    x = x.to(dtype).requires_grad_()
+    out = log_sum_exp(x)
+    expected = torch.logsumexp(x.double(), -1)  # float64 logsumexp, no floor
+    assert out.dtype == dtype and out[-1] == -float("inf")
+    torch.testing.assert_close(out[:-1].double(), expected[:-1], atol=0.0, rtol=1e-6)
+    # No NaN reaches the gradient from the impossible row (torch.logsumexp sends NaN).
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert bool((grad[-1] == 0).all())
+    (expected_grad,) = torch.autograd.grad(expected[:-1].sum(), x)
+    torch.testing.assert_close(
+        grad[:-1].double(), expected_grad[:-1].double(), atol=1e-6, rtol=1e-5
+    )

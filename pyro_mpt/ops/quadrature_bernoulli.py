@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from pyro_mpt.ops.bernoulli import log_sigmoid
-from pyro_mpt.ops.floored_exp import exact_where, floor_margin, gemm_safe_floor
+from pyro_mpt.ops.floored_exp import exact_where, floor_margin, gemm_safe_floor, log_sum_exp
 from pyro_mpt.ops.quadrature_tabulated import (
     floored_node_posterior,
     table_conditionals_backward,
@@ -297,6 +297,6 @@ def bernoulli_log_conditionals(log_weights, logits, data, context):
         log_joint = log_joint.addmm(seen * (1 - observed_ones), log_zero.T)
         value = ones[rows, features].unsqueeze(-1)
         observed = torch.lerp(log_zero[:, features].T, log_one[:, features].T, value)
-        return torch.logsumexp(log_joint + observed, -1) - torch.logsumexp(log_joint, -1)
+        return log_sum_exp(log_joint + observed) - log_sum_exp(log_joint)
 
     return exact_where(margin, out, exact).reshape(rows)

@@ -7,7 +7,13 @@ This module is pure tensor code: no Pyro effects.
 
 import torch
 
-from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp, flushed_exp
+from pyro_mpt.ops.floored_exp import (
+    exact_where,
+    floor_margin,
+    floored_exp,
+    flushed_exp,
+    log_sum_exp,
+)
 
 __all__ = ["quadrature_log_conditionals", "quadrature_log_marginal"]
 
@@ -55,7 +61,7 @@ def _log_space(log_joint, log_likelihoods, index, shape):
     rows = log_joint.expand(shape[:-1] + log_joint.shape[-1:])[index[:-1]]  # (E, G)
     ll = log_likelihoods.movedim(0, -1)  # batch + (D, G)
     ll = ll.expand(shape[1:] + ll.shape[-1:])[index[1:]]  # (E, G)
-    return torch.logsumexp(rows + ll, -1) - torch.logsumexp(rows, -1)
+    return log_sum_exp(rows + ll) - log_sum_exp(rows)
 
 
 def quadrature_log_marginal(log_weights, log_likelihoods):

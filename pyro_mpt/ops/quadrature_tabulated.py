@@ -11,7 +11,13 @@ import math
 
 import torch
 
-from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp_, flushed_exp
+from pyro_mpt.ops.floored_exp import (
+    exact_where,
+    floor_margin,
+    floored_exp_,
+    flushed_exp,
+    log_sum_exp,
+)
 
 __all__ = [
     "tabulated_log_conditionals",
@@ -139,7 +145,7 @@ def _tabulated(function, log_weights, table, indicators, context):
         log_joint = torch.addmm(log_weights, _weighted(context[rows], onehot[rows]), table.T)
         values = onehot[rows, :, features].argmax(-1)
         observed = table[:, values * num_features + features].T  # (E, G)
-        return torch.logsumexp(log_joint + observed, -1) - torch.logsumexp(log_joint, -1)
+        return log_sum_exp(log_joint + observed) - log_sum_exp(log_joint)
 
     out = exact_where(margin, out, exact)
     return out.reshape(shape + (num_features,))
