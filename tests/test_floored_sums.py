@@ -172,3 +172,19 @@ def test_the_log_sums_of_recomputed_conditionals_are_those_of_logsumexp(dtype):
     torch.testing.assert_close(
         grad[:-1].double(), expected_grad[:-1].double(), atol=1e-6, rtol=1e-5
     )
+
+
+def test_a_hidden_value_impossible_at_every_node_sends_no_nan_to_the_gradient():
+    # Its conditional is -inf and is recomputed in log space; the finite conditionals'
+    # gradient must stay finite (torch.logsumexp of an all -inf row sends NaN back).
+    generator = torch.Generator().manual_seed(0)
+    log_likelihoods = torch.randn(20, 3, 4, generator=generator) - 1
+    log_likelihoods[:, 1, 2] = -float("inf")
+    log_likelihoods.requires_grad_()
+    context = torch.ones(1, 3, 4, dtype=torch.bool)
+    context[0, :, 2] = False
+    out = quadrature_log_conditionals(torch.full((20,), -3.0), log_likelihoods, context)
+    assert out[0, 1, 2] == -float("inf")
+    finite = torch.isfinite(out)
+    (grad,) = torch.autograd.grad(out[finite].sum(), log_likelihoods)
+    assert bool(torch.isfinite(grad).all())
