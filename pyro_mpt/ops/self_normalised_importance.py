@@ -9,7 +9,13 @@ import math
 
 import torch
 
-from pyro_mpt.ops.floored_exp import exact_where, floor_margin, floored_exp_, flushed_exp
+from pyro_mpt.ops.floored_exp import (
+    exact_where,
+    floor_margin,
+    floored_exp_,
+    flushed_exp,
+    log_sum_exp,
+)
 from pyro_mpt.ops.importance_weights import ratio_bias
 from pyro_mpt.ops.masks import masked_sum, select_masked
 
@@ -189,7 +195,7 @@ def _per_sample(log_weights, log_likelihoods, context):
         picked = ll[:, rows]  # (S, E, D)
         log_joint = log_weights[:, rows] + torch.where(context[rows], picked, 0.0).sum(-1)
         observed = picked[:, torch.arange(rows.numel()), features]  # (S, E)
-        return torch.logsumexp(log_joint + observed, 0) - torch.logsumexp(log_joint, 0)
+        return log_sum_exp(log_joint + observed, 0) - log_sum_exp(log_joint, 0)
 
     out = exact_where(margin, out, exact)
     return out.reshape(shape + (num_features,)), bias.reshape(shape + (num_features,))
