@@ -12,6 +12,8 @@ import torch
 from pyro_mpt import MPTLoss
 from pyro_mpt.conditionals import EncodeDecode, Exact
 from pyro_mpt.conditionals.encode_decode_diagnostics import (
+    BENCHMARK_ERROR_PER_DRAW_BIAS,
+    BENCHMARK_ERRORS,
     MAX_DRAW_BIAS,
     EncodeDecodeDiagnostics,
 )
@@ -141,18 +143,114 @@ def test_an_accurate_configuration_does_not_warn_per_call():
     assert not [w for w in caught if "halving its" in str(w.message)]
 
 
-def test_one_draw_is_unmeasured():
+def _unmeasured(caught):
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, UnmeasuredAccuracyWarning)
+        and "unmeasured error" in str(w.message)
+    ]
+
+
+def test_one_draw_is_unmeasured_and_every_call_says_so():
+    """With ``num_samples=1`` no call has a figure: every MPTLoss step says that its error is
+    unmeasured and names the fix, numbered so that the warnings module (which shows an
+    identical message once per line under its default filter) hides none of them."""
     pyro.set_rng_seed(0)
     gauss = _Gaussian(0.3, trained=False)
     x = gauss.sample(8)
     loss = MPTLoss(num_masks=12, conditionals=EncodeDecode(num_samples=1))
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loss.loss(gauss.model, gauss.guide, x)
-    assert not loss.diagnostics.measured() and loss.diagnostics.failing() is None
-    first = [str(w.message) for w in caught if issubclass(w.category, UnmeasuredAccuracyWarning)]
+        warnings.simplefilter("default")
+        for call in range(3):
+            (loss.loss if call % 2 else loss.loss_and_grads)(gauss.model, gauss.guide, x)
+            assert not loss.diagnostics.measured() and loss.diagnostics.failing() is None
+    first = [str(w.message) for w in caught if "approximates the conditionals" in str(w.message)]
     assert len(first) == 1 and "num_samples=1 no call measures its error" in first[0]
     assert "126" not in first[0]
+    said = _unmeasured(caught)
+    assert len(said) == 3
+    assert all(w.filename == __file__ for w in caught)
+    for call, message in enumerate(said, 1):
+        assert f"(call {call} with num_samples=1)" in message
+        assert "raise num_samples" in message and "'importance'" in message
+        assert "2.2 to 3527 nats per observation" in message
+
+
+def test_one_draw_in_the_package_functions_says_so_on_every_call():
+    """``mpt_curve`` keeps no count of its own: its calls are numbered in the process."""
+    from pyro_mpt import mpt_curve
+
+    pyro.set_rng_seed(0)
+    gauss = _Gaussian(0.3, trained=False)
+    x = gauss.sample(8)
+    strategy = EncodeDecode(num_samples=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            mpt_curve(gauss.model, x, guide=gauss.guide, sizes=[3], conditionals=strategy)
+    said = _unmeasured(caught)
+    assert len(said) == 2 and said[0] != said[1]
+
+
+def test_measured_calls_do_not_say_they_are_unmeasured():
+    pyro.set_rng_seed(0)
+    gauss = _Gaussian(3.0, trained=True, num_features=4, latent_dim=1)
+    x = gauss.sample(8)
+    loss = MPTLoss(num_masks=4, conditionals=EncodeDecode(num_samples=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss.loss(gauss.model, gauss.guide, x)
+    assert not _unmeasured(caught)
+
+
+def test_the_quoted_figures_are_those_of_the_committed_benchmark():
+    """The warnings' figures are the least and most errors (and error per figure) of
+    ``benchmarks/results/encode_decode_accuracy.json``, to the digits they are quoted to, and
+    ``docs/accuracy.rst`` quotes the same."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks/results/encode_decode_accuracy.json").read_text())
+    rows = rows["results"]
+    assert len(rows) == 75 and all(row["error"] < 0 for row in rows)
+    for num_samples, (low, high) in BENCHMARK_ERRORS.items():
+        errors = [-row["error"] for row in rows if row["S"] == num_samples]
+        assert min(errors) == pytest.approx(low, rel=0.02)
+        assert max(errors) == pytest.approx(high, rel=0.02)
+    ratios = [-row["error"] / row["figure"] for row in rows if row["figure"] is not None]
+    low, high = BENCHMARK_ERROR_PER_DRAW_BIAS
+    assert min(ratios) == pytest.approx(low, rel=0.02)
+    assert max(ratios) == pytest.approx(high, rel=0.02)
+    docs = " ".join((root / "docs/accuracy.rst").read_text().split())
+    for figure in (*BENCHMARK_ERRORS[1], *BENCHMARK_ERRORS[16], low, high):
+        assert f"{figure:g}" in docs, figure
+    assert "126 nats" not in docs
+
+
+def test_the_per_call_warning_says_how_far_the_error_may_exceed_the_figure():
+    pyro.set_rng_seed(0)
+    gauss = _Gaussian(0.3, trained=False)
+    x = gauss.sample(20)
+    loss = MPTLoss(num_masks=12, conditionals=EncodeDecode())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss.loss(gauss.model, gauss.guide, x)
+    said = [str(w.message) for w in caught if "halving its" in str(w.message)]
+    assert len(said) == 1
+    assert "the error was 0.69 to 37 times this figure" in said[0]
+
+
+def test_the_first_use_quotes_measured_figures():
+    pyro.set_rng_seed(0)
+    gauss = _Gaussian(0.7, trained=True)
+    x = gauss.sample(4)
+    with pytest.warns(UnmeasuredAccuracyWarning, match="approximates") as caught:
+        EncodeDecode().prepare(gauss.model, gauss.guide, (x,), {})
+    message = str(caught[0].message)
+    assert "0.31 to 269 nats per observation" in message and "2.2 to 3527 with 1" in message
 
 
 def test_refills_that_a_hidden_aware_guide_never_reads_are_skipped():

@@ -7,7 +7,10 @@ import warnings
 import torch
 
 from pyro_mpt.conditionals.base import Conditionals, RuleGap, SelfPredictive
-from pyro_mpt.conditionals.encode_decode_diagnostics import EncodeDecodeDiagnostics
+from pyro_mpt.conditionals.encode_decode_diagnostics import (
+    BENCHMARK_ERRORS,
+    EncodeDecodeDiagnostics,
+)
 from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.likelihood_draws import observation_draws
 from pyro_mpt.errors import (
@@ -364,21 +367,25 @@ class EncodeDecode(Conditionals):
             self._warned = True
             if self.num_samples < 2:
                 measured = (
-                    "with num_samples=1 no call measures its error (num_samples >= 2 has "
-                    "every call measure the bias of its draws, in .diagnostics, and warn "
-                    "when it is large)"
+                    "with num_samples=1 no call measures its error, and MPTLoss and the "
+                    "package's functions say so on every call (num_samples >= 2 has every "
+                    "call measure the bias of its draws, in .diagnostics, and warn when it "
+                    "is large)"
                 )
             else:
                 measured = (
                     "every call measures the bias of its own draws (in .diagnostics) and "
                     "warns when it is large, but not a bias that every draw shares"
                 )
+            one, many = BENCHMARK_ERRORS[1], BENCHMARK_ERRORS[16]
             warnings.warn(
                 f"{self!r} approximates the conditionals by a rule that is not exact and is "
-                f"mostly below them, by 0.3 to hundreds of nats per observation on "
-                f"linear-Gaussian models against exact conditionals (more for sharp "
-                f"likelihoods, more latent dimensions and untrained guides; see 'How "
-                f"accurate are approximate conditionals' in the docs): {measured}; MPTLoss "
+                f"mostly below them: on linear-Gaussian models its estimate of log p(x) was "
+                f"{many[0]:g} to {many[1]:g} nats per observation below exact conditionals' "
+                f"with num_samples=16 and {one[0]:g} to {one[1]:g} with 1 (more for sharp "
+                f"likelihoods, more latent dimensions and untrained guides; "
+                f"benchmarks/bench_encode_decode_accuracy.py, and 'How accurate are "
+                f"approximate conditionals' in the docs): {measured}; MPTLoss "
                 f"also holds it to an importance-sampling lower bound of log p(x) on its "
                 f"2nd step, 16th and every 64th. Before relying on its figures, compare them "
                 f"with conditionals='importance' (whose error is measured) or, where the "
