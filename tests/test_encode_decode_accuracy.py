@@ -228,6 +228,18 @@ def test_the_quoted_figures_are_those_of_the_committed_benchmark():
     for figure in (*BENCHMARK_ERRORS[1], *BENCHMARK_ERRORS[16], low, high):
         assert f"{figure:g}" in docs, figure
     assert "126 nats" not in docs
+    # What 16 draws cut the error by against one, and cost, per configuration.
+    by_samples = {
+        num_samples: {(r["K"], r["s"], r["guide"]): r for r in rows if r["S"] == num_samples}
+        for num_samples in (1, 16)
+    }
+    cut, cost = [], []
+    for key, one in by_samples[1].items():
+        many = by_samples[16][key]
+        cut.append(one["error"] / many["error"])
+        cost.append(many["ms"] / one["ms"])
+    assert f"cut it {min(cut):.2g} to {max(cut):.2g} times" in docs
+    assert f"at {min(cost):.2g} to {max(cost):.2g} times the cost" in docs
 
 
 def test_the_per_call_warning_says_how_far_the_error_may_exceed_the_figure():

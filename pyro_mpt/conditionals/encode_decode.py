@@ -286,7 +286,7 @@ class EncodeDecode(Conditionals):
     :param int num_samples: ``S``, chains per mask and observation (16 by default; 1
         before, whose estimates were 1.2 to 24 times further below ``log p(x)`` on the
         linear-Gaussian models of ``benchmarks/bench_encode_decode_accuracy.py``, at
-        1/11 to 1/3.5 of the cost). With 1 no call measures its error, and every call
+        1/12 to 1/3.5 of the cost). With 1 no call measures its error, and every call
         of ``MPTLoss`` (and ``mpt_curve``, ``ordering_log_likelihoods``) warns that it
         is unmeasured, naming the fix.
 
