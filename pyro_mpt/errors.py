@@ -53,7 +53,9 @@ class QuadratureAccuracyWarning(UserWarning):
 class UnmeasuredAccuracyWarning(UserWarning):
     """Conditionals that approximate ``p(x_j | x_R)`` by a rule whose error nothing measures
     (:class:`~pyro_mpt.conditionals.EncodeDecode`): their figures may be far off with no
-    other word. Given once per strategy object, when it is first used, and by ``MPTLoss``
+    other word. Given once per strategy object, when it is first used; where a call's own
+    figure passes its limit, or one draw leaves the call with none (at the 1st, 10th,
+    100th, ... such call of an ``MPTLoss``, once per call of a function); and by ``MPTLoss``
     with the measured figure when, on a step where it checks them (the 2nd, the 16th, every
     64th), their estimate lies below an importance-sampling lower bound of ``log p(x)``."""
 
@@ -134,17 +136,18 @@ def without_trace_shapes(message):
     return message.split("\nTrace Shapes:")[0].rstrip()
 
 
-#: Where pyro_mpt's and Pyro's own source files lie, and torch's ``nn.Module`` call (the
-#: module form of a loss, ``MPTLoss()(model, guide)``): frames there are not the user's.
+#: Where pyro_mpt's, Pyro's and torch's own source files lie (torch's: the ``nn.Module``
+#: call of the module form of a loss, ``MPTLoss()(model, guide)``, and the ``no_grad``
+#: wrapper of the package's functions): frames there are not the user's.
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-    for module in (sys.modules[__name__], pyro, torch.nn.modules.module)
+    for module in (sys.modules[__name__], pyro, torch)
 )
 
 
 def user_stacklevel():
     """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at
-    the first frame outside pyro_mpt and Pyro: the user's line, however many of their
+    the first frame outside pyro_mpt, Pyro and torch: the user's line, however many of their
     functions (``SVI.step``, ``SVI.evaluate_loss``, a direct call) lie between."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):

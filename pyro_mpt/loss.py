@@ -12,6 +12,7 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.util import warn_if_nan
 
+from pyro_mpt.conditionals.accuracy_warnings import warn_if_unreliable
 from pyro_mpt.conditionals.auto import (
     ACCURACY_TOL,
     STRUCTURE_AWARE,
@@ -21,9 +22,7 @@ from pyro_mpt.conditionals.auto import (
     too_coarse,
 )
 from pyro_mpt.conditionals.base import gap_sentence
-from pyro_mpt.conditionals.encode_decode_diagnostics import EncodeDecodeDiagnostics, warn_if_spread
 from pyro_mpt.conditionals.exact import verify_every_call
-from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.errors import (
     NotApplicableError,
     StaleStructureError,
@@ -693,20 +692,17 @@ class MPTLoss(ELBO):
         return True
 
     def _warn_if_unreliable(self, diagnostics, model, args, failed=None):
-        """Warns when importance weights fail (:func:`warn_if_unreliable`), counting this
-        loss's calls, at the line of the user's code that made the call."""
-        what, counts = "MPTLoss's conditionals", self._accuracy_counts
-        if isinstance(diagnostics, EncodeDecodeDiagnostics):
-            # Every call whose draws disagree past the limit warns, with its figure.
-            strategy = self.conditionals.in_use
-            stacklevel = user_stacklevel() + 1
-            warn_if_spread(diagnostics, what, strategy, stacklevel, counts, failed)
-            return
-        advice = "" if self.num_masks == ALL_MASKS else _EVERY_MASK_ADVICE
-        # One frame more: warn_if_unreliable's own.
-        stacklevel = user_stacklevel() + 1
+        """Warns when the conditionals' figures fail (:func:`warn_if_unreliable`), counting
+        this loss's calls, at the line of the user's code that made the call."""
         warn_if_unreliable(
-            diagnostics, what, model, args, stacklevel, counts, advice=advice, failed=failed
+            diagnostics,
+            "MPTLoss's conditionals",
+            model,
+            args,
+            counts=self._accuracy_counts,
+            strategy=self.conditionals.in_use,
+            failed=failed,
+            every_mask_possible=self.num_masks != ALL_MASKS,
         )
 
     def _warn_if_guide_untrained(self, model, guide, args, kwargs, loss):
@@ -746,14 +742,6 @@ def _same_callables(first, second):
 
 #: ``num_masks`` for the exact average over every mask.
 ALL_MASKS = "all"
-
-#: What the accuracy warning of an ``MPTLoss`` over drawn masks adds to its fix.
-_EVERY_MASK_ADVICE = (
-    " To train a deep model, average over every mask instead (MPTLoss(num_masks='all'), "
-    "whose draws all come from the guide on the unmasked input; see the deep-VAE docs): "
-    "every mask's conditionals rest on every draw, and the one term by which its objective "
-    "departs from the importance-weighted bound is known exactly."
-)
 
 #: The call on which ``MPTLoss`` checks a strategy's accuracy next after the 2nd (then
 #: every 64th).

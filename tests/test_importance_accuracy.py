@@ -16,7 +16,8 @@ from pyro.infer import SVI
 
 from pyro_mpt import MPTLoss, impute, log_marginal
 from pyro_mpt.conditionals import ImportanceSampling, Quadrature
-from pyro_mpt.conditionals.importance_diagnostics import _CHECKS, MAX_PARETO_K
+from pyro_mpt.conditionals.accuracy_warnings import _CHECKS
+from pyro_mpt.conditionals.importance_diagnostics import MAX_PARETO_K
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.masks import masks_of_sizes
 
@@ -340,10 +341,8 @@ def test_counts_of_a_model_go_with_it():
     # Outside one evaluation, failures are counted per model; a model that is gone leaves no
     # count behind, so a new model (which may take the old one's id) warns at its first
     # failing call.
-    from pyro_mpt.conditionals.importance_diagnostics import (
-        ImportanceDiagnostics,
-        warn_if_unreliable,
-    )
+    from pyro_mpt.conditionals.accuracy_warnings import warn_if_unreliable
+    from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
 
     x = _data()
     log_w = torch.zeros(8, 10)

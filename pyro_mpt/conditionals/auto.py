@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 import torch
 
+from pyro_mpt.conditionals.accuracy_warnings import warn_if_unreliable
 from pyro_mpt.conditionals.base import MAX_EDGE_SHARE, Conditionals, RuleGap, edge_clause
 from pyro_mpt.conditionals.encode_decode import EncodeDecode
 from pyro_mpt.conditionals.exact import Exact
 from pyro_mpt.conditionals.importance import ImportanceSampling
-from pyro_mpt.conditionals.importance_diagnostics import warn_if_unreliable
 from pyro_mpt.conditionals.quadrature import (
     MAX_POINTS,
     Quadrature,
@@ -285,8 +285,7 @@ class Auto(Conditionals):
                     f"conditionals='auto' (importance sampling, as {best.rule!r} measured "
                     f"itself coarse: {_gap_text(best)}, past {COARSE_RULE_TOL:g})"
                 )
-            stacklevel = user_stacklevel() + 1  # warn_if_unreliable's own frame
-            warn_if_unreliable(diagnostics, what, model, args, stacklevel, None, guide, importance)
+            warn_if_unreliable(diagnostics, what, model, args, guide=guide, strategy=importance)
             reason = "its weights fail, and nothing more accurate applies"
             return self._choose(importance, key, model, reason, prepared, reasons)
         raise NotApplicableError(

@@ -13,6 +13,7 @@ __all__ = [
     "SelfPredictive",
     "edge_clause",
     "gap_sentence",
+    "joined_diagnostics",
 ]
 
 #: The largest share of an observation's posterior over a quadrature rule's nodes that its
@@ -313,3 +314,11 @@ def edge_clause(gap):
         f"posterior of an observation, so part of it lies beyond both rules' nodes and the "
         f"error may be many times that figure"
     )
+
+
+def joined_diagnostics(parts):
+    """The accuracy figures of several batches of one call's conditionals (e.g. one batch
+    per mask size), as one, joined by their own kind's ``joined``; None when no part has
+    any. Every part is of one kind: one strategy made them."""
+    parts = [part for part in parts if part is not None]
+    return type(parts[0]).joined(parts) if parts else None

@@ -269,12 +269,13 @@ class EncodeDecode(Conditionals):
     ``.diagnostics`` of the prepared conditionals and in ``MPTLoss.diagnostics``): the
     fall of the estimate when half the draws are used, which was 0.03 to 1.44 times the
     error against exact conditionals (see 'How accurate are approximate conditionals').
-    ``MPTLoss`` (and ``mpt_curve``, ``ordering_log_likelihoods``) warn with the figure on
-    **every** call where it passes
-    :data:`~pyro_mpt.conditionals.encode_decode_diagnostics.MAX_DRAW_BIAS` nats per
-    observation. A bias that every draw shares (the guide's, chains that have not mixed)
-    is not seen by it; ``MPTLoss`` holds the estimate to an importance-sampling lower bound
-    of ``log p(x)`` on its 2nd, 16th and every 64th step for that.
+    ``MPTLoss`` (and ``mpt_curve``, ``ordering_log_likelihoods``) warn with the figure
+    where it passes :data:`~pyro_mpt.conditionals.encode_decode_diagnostics.MAX_DRAW_BIAS`
+    nats per observation, at the 1st, 10th, 100th, ... such call, as importance
+    sampling's failing weights warn. A bias that every draw shares (the guide's, chains
+    that have not mixed) is not seen by it; ``MPTLoss`` holds the estimate to an
+    importance-sampling lower bound of ``log p(x)`` on its 2nd, 16th and every 64th step
+    for that.
 
     :param int num_iterations: ``T``, refills of the masked features (0 or more). A
         guide that takes ``hidden`` and ignores the values of the hidden entries (as
@@ -286,9 +287,9 @@ class EncodeDecode(Conditionals):
     :param int num_samples: ``S``, chains per mask and observation (16 by default; 1
         before, whose estimates were 1.2 to 24 times further below ``log p(x)`` on the
         linear-Gaussian models of ``benchmarks/bench_encode_decode_accuracy.py``, at
-        1/12 to 1/3.5 of the cost). With 1 no call measures its error, and every call
-        of ``MPTLoss`` (and ``mpt_curve``, ``ordering_log_likelihoods``) warns that it
-        is unmeasured, naming the fix.
+        1/12 to 1/3.5 of the cost). With 1 no call measures its error, and ``MPTLoss``
+        (and ``mpt_curve``, ``ordering_log_likelihoods``) warn that it is unmeasured,
+        naming the fix, at the 1st, 10th, 100th, ... call.
 
     :param str fill: the initial value of masked features: ``"zeros"`` or ``"mean"``.
     :param str refill: what replaces the masked features at each iteration: ``"mean"``, the
@@ -369,10 +370,10 @@ class EncodeDecode(Conditionals):
             self._warned = True
             if self.num_samples < 2:
                 measured = (
-                    "with num_samples=1 no call measures its error, and MPTLoss and the "
-                    "package's functions say so on every call (num_samples >= 2 has every "
-                    "call measure the bias of its draws, in .diagnostics, and warn when it "
-                    "is large)"
+                    "with num_samples=1 no call measures its error, which MPTLoss and the "
+                    "package's functions say again on the 10th, 100th, ... call "
+                    "(num_samples >= 2 has every call measure the bias of its draws, in "
+                    ".diagnostics, and warn when it is large)"
                 )
             else:
                 measured = (

@@ -1,13 +1,13 @@
 """The accuracy figures that encode-decode conditionals measure on every call from their own
 ``S`` draws of the codes, and the warning that states them."""
 
-import itertools
 import math
 import warnings
 from typing import NamedTuple
 
 import torch
 
+from pyro_mpt.conditionals.accuracy_warnings import failure_history
 from pyro_mpt.errors import UnmeasuredAccuracyWarning
 from pyro_mpt.ops.masks import mask_scores
 
@@ -16,7 +16,6 @@ __all__ = [
     "BENCHMARK_ERROR_PER_DRAW_BIAS",
     "MAX_DRAW_BIAS",
     "EncodeDecodeDiagnostics",
-    "warn_if_spread",
 ]
 
 #: The most nats of ``log p(x)`` per observation, on average, by which encode-decode
@@ -38,10 +37,6 @@ BENCHMARK_ERRORS = {1: (2.2, 3527.0), 16: (0.31, 269.0)}
 #: every draw shares), rarely overstate it.
 BENCHMARK_ERROR_PER_DRAW_BIAS = (0.69, 37.0)
 
-# Numbers the unmeasured calls' warnings, so that the warnings module, which shows an
-# identical message once per line, shows every one.
-_UNMEASURED_CALLS = itertools.count(1)
-
 
 class EncodeDecodeDiagnostics(NamedTuple):
     """The accuracy figures of one call of encode-decode conditionals, measured from its own
@@ -58,8 +53,8 @@ class EncodeDecodeDiagnostics(NamedTuple):
       ``S`` (a jackknife); the estimate lies about that far below what more draws would
       give, and so at least that far below ``log p(x)`` wherever more draws would not rise
       above it (on the linear-Gaussian models measured, they never did). ``MPTLoss`` and
-      the package's functions warn on every call where its mean passes
-      :data:`MAX_DRAW_BIAS`.
+      the package's functions warn where its mean passes :data:`MAX_DRAW_BIAS` (at the
+      1st, 10th, 100th, ... such call).
     * :attr:`spread`: the estimate less ``mean_s log p(x_j | z_s)``, how far the draws
       disagree: what an estimate from one draw would lose against them, in expectation.
 
@@ -156,8 +151,7 @@ class EncodeDecodeDiagnostics(NamedTuple):
     def reliable(self, each_row=False):
         """Whether the draws' bias (:attr:`draw_bias`) is within :data:`MAX_DRAW_BIAS` nats
         per observation on average (with ``each_row``, at every observation too). An
-        unmeasured call (``S = 1``) passes: it has no figure, which
-        :func:`warn_if_spread` says on every such call."""
+        unmeasured call (``S = 1``) passes: it has no figure, which :meth:`warn` says."""
         figures = self.summary()
         worst = figures["worst_draw_bias"] if each_row else figures["draw_bias"]
         return not (figures["draw_bias"] > MAX_DRAW_BIAS or worst > MAX_DRAW_BIAS)
@@ -188,57 +182,54 @@ class EncodeDecodeDiagnostics(NamedTuple):
             f"(benchmarks/bench_encode_decode_accuracy.py)"
         )
 
-
-def warn_if_spread(diagnostics, what, strategy, stacklevel, counts=None, failed=None, advice=""):
-    """Warns (:class:`~pyro_mpt.errors.UnmeasuredAccuracyWarning`) on every call whose draws'
-    bias passes :data:`MAX_DRAW_BIAS`, with the call's figures, and from the second such
-    call how many of the calls so far did; and on every call with one draw
-    (``num_samples=1``), which has no figure, that its error is unmeasured, numbered so that
-    none is hidden as a repeat.
-
-    :param counts: ``[checks, failures]`` kept by the caller, or None.
-    :param bool failed: whether the figure fails, where the caller has read
-        :meth:`EncodeDecodeDiagnostics.failing` already (worked out here otherwise).
-    """
-    if diagnostics is None:
-        return
-    fix = (
-        "conditionals='importance' (whose error is measured at every step) or, where the "
-        "model allows, 'exact' or 'quadrature'"
-    )
-    if not diagnostics.measured():
-        if counts is not None:
-            counts[0] += 1
-        number = counts[0] if counts is not None else next(_UNMEASURED_CALLS)
-        one, many = BENCHMARK_ERRORS[1], BENCHMARK_ERRORS[16]
-        warnings.warn(
-            f"{what} by encode-decode ({strategy!r}) have an unmeasured error (call "
-            f"{number} with num_samples=1): one draw of the codes per mask cannot measure "
-            f"how far off it is, and one draw put the estimate of log p(x) {one[0]:g} to "
-            f"{one[1]:g} nats per observation below exact conditionals on linear-Gaussian "
-            f"models ({many[0]:g} to {many[1]:g} with 16 draws; "
-            f"benchmarks/bench_encode_decode_accuracy.py). Fix: raise num_samples (16 by "
-            f"default; from 2 up every call measures the bias of its draws and warns with "
-            f"it when it is large), or use {fix}.{advice}",
-            UnmeasuredAccuracyWarning,
-            stacklevel=stacklevel,
+    def warn(
+        self,
+        what,
+        stacklevel,
+        counts,
+        strategy=None,
+        failed=None,
+        each_row=False,
+        whole=False,
+        every_mask_possible=False,
+    ):
+        """Counts this call in ``counts`` and warns
+        (:class:`~pyro_mpt.errors.UnmeasuredAccuracyWarning`) on a warned failure (the 1st,
+        10th, 100th, ...: :func:`~pyro_mpt.conditionals.accuracy_warnings.failure_history`):
+        a call whose draws' bias passes :data:`MAX_DRAW_BIAS` on average, with its figures,
+        and every call with one draw (``num_samples=1``), which has no figure: its error is
+        unmeasured. The arguments are those of
+        :func:`~pyro_mpt.conditionals.accuracy_warnings.warn_if_unreliable`; the figure is
+        judged on average whatever ``each_row``, and ``whole`` and ``every_mask_possible``
+        (importance sampling's) change nothing here."""
+        measured = self.measured()
+        if not measured:
+            failed = True
+        elif failed is None:
+            failed = not self.reliable()
+        history = failure_history(counts, failed)
+        if history is None:
+            return
+        fix = (
+            "conditionals='importance' (whose error is measured at every step) or, where the "
+            "model allows, 'exact' or 'quadrature'"
         )
-        return
-    if counts is not None:
-        counts[0] += 1
-    if failed is None:
-        failed = not diagnostics.reliable()
-    if not failed:
-        return
-    history = ""
-    if counts is not None:
-        counts[1] += 1
-        if counts[1] > 1:
-            history = f" ({counts[1]} of the {counts[0]} calls so far)"
-    warnings.warn(
-        f"{what} by encode-decode ({strategy!r}) are off here{history}: "
-        f"{diagnostics.describe()}. Fix: raise num_samples (the figures fall with it), or use "
-        f"{fix}.{advice}",
-        UnmeasuredAccuracyWarning,
-        stacklevel=stacklevel,
-    )
+        if not measured:
+            one, many = BENCHMARK_ERRORS[1], BENCHMARK_ERRORS[16]
+            message = (
+                f"{what} by encode-decode ({strategy!r}) have an unmeasured error{history}: "
+                f"one draw of the codes per mask (num_samples=1) cannot measure how far off "
+                f"it is, and one draw put the estimate of log p(x) {one[0]:g} to {one[1]:g} "
+                f"nats per observation below exact conditionals on linear-Gaussian models "
+                f"({many[0]:g} to {many[1]:g} with 16 draws; "
+                f"benchmarks/bench_encode_decode_accuracy.py). Fix: raise num_samples (16 by "
+                f"default; from 2 up every call measures the bias of its draws and warns with "
+                f"it when it is large), or use {fix}."
+            )
+        else:
+            message = (
+                f"{what} by encode-decode ({strategy!r}) are off here{history}: "
+                f"{self.describe()}. Fix: raise num_samples (the figures fall with it), or "
+                f"use {fix}."
+            )
+        warnings.warn(message, UnmeasuredAccuracyWarning, stacklevel=stacklevel)

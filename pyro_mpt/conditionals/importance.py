@@ -9,11 +9,9 @@ import warnings
 import torch
 from pyro.poutine import replay
 
+from pyro_mpt.conditionals.accuracy_warnings import warn_if_unreliable
 from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
-from pyro_mpt.conditionals.importance_diagnostics import (
-    ImportanceDiagnostics,
-    warn_if_unreliable,
-)
+from pyro_mpt.conditionals.importance_diagnostics import ImportanceDiagnostics
 from pyro_mpt.conditionals.likelihood_draws import picked_draws
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.bernoulli import observed_log_prob
@@ -318,7 +316,7 @@ class ImportanceSelfPredictive(SelfPredictive):
         what = "Draws of hidden features"
         diagnostics = ImportanceDiagnostics.of(log_w, None, context)
         model, args, guide = guided.model, guided.args, guided.guide
-        warn_if_unreliable(diagnostics, what, model, args, 6, None, guide, each_row=True)
+        warn_if_unreliable(diagnostics, what, model, args, guide=guide, each_row=True)
         if not joint:
             log_w = log_w.unsqueeze(-1).expand(log_w.shape + (observed.num_features,))
         index = mixture_component_sample(log_w, (num_samples,))

@@ -2,16 +2,13 @@
 (mask, observation) row, the thresholds past which an estimate cannot be trusted, and the
 warning that states the figures."""
 
-import contextlib
-import contextvars
 import math
 import warnings
-import weakref
 from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.encode_decode_diagnostics import EncodeDecodeDiagnostics, warn_if_spread
+from pyro_mpt.conditionals.accuracy_warnings import failure_history
 from pyro_mpt.errors import ImportanceAccuracyWarning
 from pyro_mpt.ops.importance_weights import effective_sample_size, pareto_shape
 
@@ -26,8 +23,6 @@ __all__ = [
     "MIN_ROW_ESS_SHARE",
     "MIN_SAMPLES_FOR_ROW_K",
     "SINGLE_DRAW_ESS",
-    "counted_per_call",
-    "warn_if_unreliable",
 ]
 
 #: Above this Pareto k-hat the importance estimate cannot be trusted: its variance is
@@ -140,9 +135,6 @@ class ImportanceDiagnostics(NamedTuple):
         parts = [part for part in parts if part is not None]
         if not parts:
             return None
-        if all(isinstance(part, EncodeDecodeDiagnostics) for part in parts):
-            # Encode-decode conditionals' figures, joined as theirs are.
-            return EncodeDecodeDiagnostics.joined(parts)
 
         def cat(name):
             values = [getattr(part, name) for part in parts]
@@ -318,6 +310,55 @@ class ImportanceDiagnostics(NamedTuple):
             f"{ess}"
         )
 
+    def warn(
+        self,
+        what,
+        stacklevel,
+        counts,
+        strategy=None,
+        failed=None,
+        each_row=False,
+        whole=False,
+        every_mask_possible=False,
+    ):
+        """Counts this call in ``counts`` and, when the weights fail on a warned failure
+        (:func:`~pyro_mpt.conditionals.accuracy_warnings.failure_history`), warns with the
+        figures and the fix (:class:`~pyro_mpt.errors.ImportanceAccuracyWarning`). The
+        arguments are those of
+        :func:`~pyro_mpt.conditionals.accuracy_warnings.warn_if_unreliable`; ``strategy``
+        is named by the counts only."""
+        if failed is None:
+            failed = not self.reliable(each_row)
+        history = failure_history(counts, failed)
+        if history is None:
+            return
+        if whole:
+            described = self.describe(rows="observations")
+            reading = (
+                "Each log p(x) is such an estimate and may be off by nats, mostly low (an "
+                "importance-weighted bound in expectation)."
+            )
+            fix = (
+                "fit the guide (or a fresh encoder) to the posterior p(z | x) on these data, "
+                "longer or with more particles, raise ImportanceSampling(num_samples=...), or "
+                "use exact or quadrature conditionals where the model allows (Quadrature("
+                "center='guide') up to 3 latent dimensions)."
+            )
+        else:
+            described = self.describe()
+            reading = (
+                "Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats "
+                "per observation, in either direction."
+            )
+            fix = _fix(self)
+        advice = _EVERY_MASK_ADVICE if every_mask_possible else ""
+        warnings.warn(
+            f"{what} by importance sampling cannot be trusted here{history}: "
+            f"{described}. {reading} Fix: {fix}{advice}",
+            ImportanceAccuracyWarning,
+            stacklevel=stacklevel,
+        )
+
 
 def _fix(diagnostics):
     """What to do about failing weights: over every mask the guide sees the unmasked input
@@ -345,153 +386,10 @@ def _fix(diagnostics):
     )
 
 
-#: Owner of a model (the object of a bound method, else the function) -> {(what, method
-#: or None, argument shapes): ``[checks, failures]``} of :func:`warn_if_unreliable`. Weak
-#: keys: the counts go with their model, and a new model never inherits an old one's.
-_CHECKS = weakref.WeakKeyDictionary()
-#: The same for models that cannot be weakly referenced, by ``id``.
-_CHECKS_BY_ID = {}
-
-
-#: The counts of the call under way, where one is (:func:`counted_per_call`).
-_PER_CALL = contextvars.ContextVar("importance_warning_counts", default=None)
-
-
-@contextlib.contextmanager
-def counted_per_call():
-    """Inside the block, :func:`warn_if_unreliable` counts failing calls afresh: one
-    evaluation (``log_marginal``, ``mpt_curve``, ``impute``, a ``gibbs`` chain) warns at its
-    own first failure, whatever earlier evaluations of the same model and shapes found, once
-    for ``auto``'s search and the estimate it then makes, and a chain of many draws is not
-    flooded."""
-    token = _PER_CALL.set({})
-    try:
-        yield
-    finally:
-        _PER_CALL.reset(token)
-
-
-def _owner_and_method(fn):
-    """The object of a bound method and its function, or ``(fn, None)``."""
-    owner = getattr(fn, "__self__", None)
-    if owner is None:
-        return fn, None
-    return owner, getattr(fn, "__func__", None)
-
-
-def _counts(what, model, args, guide=None, strategy=None):
-    """The ``[checks, failures]`` of ``what`` for ``model`` on arguments of these shapes,
-    with this guide and this strategy (by its ``repr``): a new guide, or another number of
-    samples, is counted afresh and warns at its first failing call."""
-    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
-    owner, method = _owner_and_method(model)
-    guide_owner, guide_method = _owner_and_method(guide)
-    per_call = _PER_CALL.get()
-    if per_call is not None:
-        # One count for the whole evaluation of this model: what auto's search found and
-        # what the function then estimates are one failure, told once.
-        key = (id(owner), method, shapes, id(guide_owner), guide_method)
-        return per_call.setdefault(key, [0, 0])
-    try:
-        per_model = _CHECKS.setdefault(owner, {})
-    except TypeError:
-        per_model = _CHECKS_BY_ID.setdefault(id(owner), {})
-    key = (what, method, shapes, repr(strategy), id(guide_owner), guide_method)
-    entry = per_model.get(key)
-    # The guide is held weakly where it can be: an id its guide outlived starts afresh.
-    if entry is None or entry[1]() is not guide_owner:
-        entry = per_model[key] = ([0, 0], _weak_or_strong(guide_owner))
-    return entry[0]
-
-
-def _weak_or_strong(value):
-    """A callable returning ``value``: a weak reference where one can be taken."""
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
-
-
-def warn_if_unreliable(
-    diagnostics,
-    what,
-    model,
-    args,
-    stacklevel=3,
-    counts=None,
-    guide=None,
-    strategy=None,
-    advice="",
-    failed=None,
-    each_row=False,
-    whole=False,
-):
-    """Warns when ``diagnostics`` fail the thresholds: at the 1st, 10th, 100th, ... failing
-    call per model, argument shapes, guide and strategy (within one evaluation, inside
-    :func:`counted_per_call`), stating the figures and, from the
-    second warning, how many of the calls so far failed. Early failures of an untrained
-    guide thus do not hide later ones, and a long run is not flooded. The check reads the
-    figures (a device synchronisation), with Pyro's validation on or off: an estimate off
-    by nats is never left unsaid.
-
-    :param diagnostics: an :class:`ImportanceDiagnostics`, or None (nothing to check). The
-        figures of encode-decode conditionals
-        (:class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`)
-        warn on every call that fails them instead
-        (:func:`~pyro_mpt.conditionals.encode_decode_diagnostics.warn_if_spread`).
-    :param str what: what was estimated, the subject of the message.
-    :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
-        its own calls); by default those of the model, argument shapes, ``guide`` and
-        ``strategy``.
-    :param str advice: a sentence the caller adds to the fix (e.g. a setting of its own).
-    :param bool failed: whether the weights fail, where the caller has read
-        :meth:`ImportanceDiagnostics.failing` already (worked out here otherwise).
-    :param bool each_row: whether every row must pass on its own too (see
-        :meth:`ImportanceDiagnostics.reliable`).
-    :param bool whole: whether the estimates are ``log p(x)`` of whole observations (no
-        masks, no ratio of estimates), which the message then speaks of.
-    """
-    if diagnostics is None:
-        return
-    if isinstance(diagnostics, EncodeDecodeDiagnostics):
-        # Encode-decode conditionals: every call whose draws disagree says so, with its
-        # figure (one frame more: warn_if_spread's own).
-        warn_if_spread(diagnostics, what, strategy, stacklevel + 1, counts, failed)
-        return
-    if counts is None:
-        counts = _counts(what, model, args, guide, strategy)
-    counts[0] += 1
-    if failed is None:
-        failed = not diagnostics.reliable(each_row)
-    if not failed:
-        return
-    counts[1] += 1
-    checks, failures = counts
-    if failures != 10 ** int(math.log10(failures) + 1e-9):
-        return
-    history = "" if failures == 1 else f" ({failures} of the {checks} calls so far failed)"
-    if whole:
-        described = diagnostics.describe(rows="observations")
-        reading = (
-            "Each log p(x) is such an estimate and may be off by nats, mostly low (an "
-            "importance-weighted bound in expectation)."
-        )
-        fix = (
-            "fit the guide (or a fresh encoder) to the posterior p(z | x) on these data, "
-            "longer or with more particles, raise ImportanceSampling(num_samples=...), or use "
-            "exact or quadrature conditionals where the model allows (Quadrature("
-            "center='guide') up to 3 latent dimensions)."
-        )
-    else:
-        described = diagnostics.describe()
-        reading = (
-            "Each log p(x_j | x_R) is a ratio of two such estimates and may be off by nats per "
-            "observation, in either direction."
-        )
-        fix = _fix(diagnostics)
-    warnings.warn(
-        f"{what} by importance sampling cannot be trusted here{history}: "
-        f"{described}. {reading} Fix: {fix}{advice}",
-        ImportanceAccuracyWarning,
-        stacklevel=stacklevel,
-    )
+#: What a failing ``MPTLoss`` that draws its masks is advised besides the weights' fix.
+_EVERY_MASK_ADVICE = (
+    " To train a deep model, average over every mask instead (MPTLoss(num_masks='all'), "
+    "whose draws all come from the guide on the unmasked input; see the deep-VAE docs): "
+    "every mask's conditionals rest on every draw, and the one term by which its objective "
+    "departs from the importance-weighted bound is known exactly."
+)

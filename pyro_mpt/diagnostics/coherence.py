@@ -7,11 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from pyro_mpt.conditionals.importance_diagnostics import (
-    ImportanceDiagnostics,
-    counted_per_call,
-    warn_if_unreliable,
-)
+from pyro_mpt.conditionals.accuracy_warnings import counted_per_call, warn_if_unreliable
+from pyro_mpt.conditionals.base import joined_diagnostics
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import (
@@ -222,7 +219,7 @@ def ordering_log_likelihoods(
         # spread would read as incoherence, and the mean as log p(x).
         what = "ordering_log_likelihoods"
         warn_if_unreliable(
-            diagnostics, what, model, args, 4, None, guide, strategy.in_use, each_row=True
+            diagnostics, what, model, args, guide=guide, strategy=strategy.in_use, each_row=True
         )
         try:
             reference = prepared.log_marginal()
@@ -273,7 +270,7 @@ def _chain_rule_sums(prepared, num_orderings, progress):
             bar.update(terms.shape[0] * terms.shape[1])
     if values is None:  # no observed entry anywhere
         values = value.new_zeros((num_orderings,) + tuple(batch_shape))
-    return values, ImportanceDiagnostics.joined(diagnostics)
+    return values, joined_diagnostics(diagnostics)
 
 
 def _score_steps(prepared, orderings, steps, counts):

@@ -2,7 +2,7 @@
 
 import math
 
-from pyro_mpt.conditionals.importance_diagnostics import counted_per_call, warn_if_unreliable
+from pyro_mpt.conditionals.accuracy_warnings import counted_per_call, warn_if_unreliable
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.trace.subsampled_plates import refusing_subsampled_plates
@@ -87,10 +87,8 @@ def log_marginal(
             what,
             model,
             args,
-            4,
-            None,
-            guide,
-            strategy.in_use,
+            guide=guide,
+            strategy=strategy.in_use,
             each_row=True,
             whole=True,
         )

@@ -5,11 +5,8 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.importance_diagnostics import (
-    ImportanceDiagnostics,
-    counted_per_call,
-    warn_if_unreliable,
-)
+from pyro_mpt.conditionals.accuracy_warnings import counted_per_call, warn_if_unreliable
+from pyro_mpt.conditionals.base import joined_diagnostics
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, rate_sizes
@@ -130,7 +127,13 @@ def mpt_curve(
         # Every (observation, mask) row of every size is a conditional the curve rests on:
         # one warning for the call when the weights of any of them fail.
         warn_if_unreliable(
-            diagnostics, "mpt_curve", model, args, 4, None, guide, strategy.in_use, each_row=True
+            diagnostics,
+            "mpt_curve",
+            model,
+            args,
+            guide=guide,
+            strategy=strategy.in_use,
+            each_row=True,
         )
     num_obs = scores.shape[0]
     return MPTCurve.from_scores(
@@ -165,4 +168,4 @@ def _scores_by_size(prepared, sizes, num_masks, share_masks, progress):
         scores = torch.cat(scores).expand((num_masks,) + batch_shape)
         per_size.append(scores.reshape(num_masks, -1))
     scores = torch.stack(per_size).permute(2, 0, 1)  # (N, R, P)
-    return scores, ImportanceDiagnostics.joined(diagnostics)
+    return scores, joined_diagnostics(diagnostics)

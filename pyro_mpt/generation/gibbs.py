@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_mpt.conditionals.importance_diagnostics import counted_per_call
+from pyro_mpt.conditionals.accuracy_warnings import counted_per_call
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
 from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.generation._arguments import check_count

@@ -1,0 +1,151 @@
+"""When approximate conditionals warn that a call's figures fail: failing calls are counted
+per model, argument shapes, guide and strategy (or by the caller, as an ``MPTLoss`` counts
+its own calls) and warned of at the 1st, 10th, 100th, ... failure. Early failures of an
+untrained guide then hide no later one, and a long run is not flooded. Each kind of
+diagnostics writes its own message (its ``warn`` method); this module only decides when."""
+
+import contextlib
+import contextvars
+import math
+import weakref
+
+import torch
+
+from pyro_mpt.errors import user_stacklevel
+
+__all__ = ["counted_per_call", "failure_history", "warn_if_unreliable"]
+
+#: Owner of a model (the object of a bound method, else the function) -> {(what, method
+#: or None, argument shapes, strategy, guide): ``[checks, failures]``} of
+#: :func:`warn_if_unreliable`. Weak keys: the counts go with their model, and a new model
+#: never inherits an old one's.
+_CHECKS = weakref.WeakKeyDictionary()
+#: The same for models that cannot be weakly referenced, by ``id``.
+_CHECKS_BY_ID = {}
+
+#: The counts of the call under way, where one is (:func:`counted_per_call`).
+_PER_CALL = contextvars.ContextVar("accuracy_warning_counts", default=None)
+
+
+@contextlib.contextmanager
+def counted_per_call():
+    """Inside the block, :func:`warn_if_unreliable` counts failing calls afresh: one
+    evaluation (``log_marginal``, ``mpt_curve``, ``impute``, a ``gibbs`` chain) warns at its
+    own first failure, whatever earlier evaluations of the same model and shapes found, once
+    for ``auto``'s search and the estimate it then makes, and a chain of many draws is not
+    flooded."""
+    token = _PER_CALL.set({})
+    try:
+        yield
+    finally:
+        _PER_CALL.reset(token)
+
+
+def failure_history(counts, failed):
+    """Counts one call in ``counts`` (``[checks, failures]``) and says whether it warns: None
+    unless it failed and is the 1st, 10th, 100th, ... failure; then ``""`` for the first and
+    ``" (F of the C calls so far failed)"`` for the later ones."""
+    counts[0] += 1
+    if not failed:
+        return None
+    counts[1] += 1
+    checks, failures = counts
+    if failures != 10 ** int(math.log10(failures) + 1e-9):
+        return None
+    return "" if failures == 1 else f" ({failures} of the {checks} calls so far failed)"
+
+
+def warn_if_unreliable(
+    diagnostics,
+    what,
+    model,
+    args,
+    stacklevel=None,
+    counts=None,
+    guide=None,
+    strategy=None,
+    failed=None,
+    each_row=False,
+    whole=False,
+    every_mask_possible=False,
+):
+    """Warns when ``diagnostics`` fail their thresholds, at the 1st, 10th, 100th, ... failing
+    call (:func:`failure_history`), with the figures in the diagnostics' own words (their
+    ``warn`` method). The check reads the figures (a device synchronisation), with Pyro's
+    validation on or off: an estimate off by nats is never left unsaid.
+
+    :param diagnostics: an
+        :class:`~pyro_mpt.conditionals.importance_diagnostics.ImportanceDiagnostics`, an
+        :class:`~pyro_mpt.conditionals.encode_decode_diagnostics.EncodeDecodeDiagnostics`,
+        or None (nothing to check).
+    :param str what: what was estimated, the subject of the message.
+    :param int stacklevel: as for :func:`warnings.warn`, from this function's frame; by
+        default the user's line (:func:`~pyro_mpt.errors.user_stacklevel`).
+    :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss`` counts
+        its own calls); by default those of the model, argument shapes, ``guide`` and
+        ``strategy`` (within one evaluation, inside :func:`counted_per_call`).
+    :param bool failed: whether the figures fail, where the caller has read the
+        diagnostics' ``failing()`` already (worked out here otherwise).
+    :param bool each_row: whether every row must pass on its own too.
+    :param bool whole: whether the estimates are ``log p(x)`` of whole observations (no
+        masks, no ratio of estimates), which the message then speaks of.
+    :param bool every_mask_possible: whether the caller could average over every mask
+        instead (an ``MPTLoss`` that draws them), which importance sampling then advises.
+    """
+    if diagnostics is None:
+        return
+    if counts is None:
+        counts = _counts(what, model, args, guide, strategy)
+    if stacklevel is None:
+        stacklevel = user_stacklevel()
+    diagnostics.warn(
+        what,
+        stacklevel + 1,  # the method's own frame
+        counts,
+        strategy=strategy,
+        failed=failed,
+        each_row=each_row,
+        whole=whole,
+        every_mask_possible=every_mask_possible,
+    )
+
+
+def _owner_and_method(fn):
+    """The object of a bound method and its function, or ``(fn, None)``."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None:
+        return fn, None
+    return owner, getattr(fn, "__func__", None)
+
+
+def _counts(what, model, args, guide=None, strategy=None):
+    """The ``[checks, failures]`` of ``what`` for ``model`` on arguments of these shapes,
+    with this guide and this strategy (by its ``repr``): a new guide, or another number of
+    samples, is counted afresh and warns at its first failing call."""
+    shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args)
+    owner, method = _owner_and_method(model)
+    guide_owner, guide_method = _owner_and_method(guide)
+    per_call = _PER_CALL.get()
+    if per_call is not None:
+        # One count for the whole evaluation of this model: what auto's search found and
+        # what the function then estimates are one failure, told once.
+        key = (id(owner), method, shapes, id(guide_owner), guide_method)
+        return per_call.setdefault(key, [0, 0])
+    try:
+        per_model = _CHECKS.setdefault(owner, {})
+    except TypeError:
+        per_model = _CHECKS_BY_ID.setdefault(id(owner), {})
+    key = (what, method, shapes, repr(strategy), id(guide_owner), guide_method)
+    entry = per_model.get(key)
+    # The guide is held weakly where it can be: an id its guide outlived starts afresh.
+    if entry is None or entry[1]() is not guide_owner:
+        entry = per_model[key] = ([0, 0], _weak_or_strong(guide_owner))
+    return entry[0]
+
+
+def _weak_or_strong(value):
+    """A callable returning ``value``: a weak reference where one can be taken."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
