@@ -366,3 +366,49 @@ def test_mpt_loss_measures_how_far_below_log_p_x_encode_decode_falls():
     assert len(said) == 1 and check["compared_with"] == "importance"
     assert 10 < check["mean_gap"] <= 1.2 * shortfall
     assert "raise num_samples" in said[0]
+
+
+def test_mpt_curve_holds_encode_decode_to_a_lower_bound_of_log_p_x():
+    """The setting above (little noise, the exact posterior as guide: hundreds of nats per
+    observation below log p(x)): ``mpt_curve``'s check of its conditionals warns with a
+    figure that is a lower bound of the exact shortfall of its curve's area; with
+    ``check_rule=False`` it does not measure, and with much noise it stays quiet."""
+    from pyro_mpt import log_marginal, mpt_curve
+    from pyro_mpt.errors import UnmeasuredAccuracyWarning
+
+    def curve_warnings(setup, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            curve = mpt_curve(
+                setup.ppca.model,
+                setup.x,
+                guide=setup.guide,
+                conditionals=EncodeDecode(),
+                sizes=list(range(1, setup.x.shape[-1] + 1)),  # the area estimates log p(x)
+                num_masks=4,
+                **options,
+            )
+        said = [
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, UnmeasuredAccuracyWarning)
+            and "below an importance-sampling lower bound" in str(w.message)
+        ]
+        return curve, said, caught
+
+    pyro.set_rng_seed(0)
+    sharp = _Setup(num_features=12, latent_dim=2, num_data=64, noise_scale=0.1)
+    exact = log_marginal(sharp.ppca.model, sharp.x, conditionals="exact").detach()
+    curve, said, caught = curve_warnings(sharp)
+    shortfall = float(exact.mean()) - curve.area
+    assert shortfall > 100  # nats per observation, against the exact log p(x)
+    assert len(said) == 1 and said[0].startswith("mpt_curve with EncodeDecode(")
+    figure = float(said[0].split("at least ")[1].split(" nats")[0])
+    assert 10 < figure <= 1.2 * shortfall
+    assert "raise num_samples" in said[0]
+    assert all(w.filename == __file__ for w in caught)
+    assert not curve_warnings(sharp, check_rule=False)[1]
+
+    pyro.set_rng_seed(0)
+    blunt = _Setup(num_features=6, latent_dim=1, num_data=64, noise_scale=3.0)
+    assert not curve_warnings(blunt)[1]

@@ -41,9 +41,11 @@ def prepare_checked(
 ):
     """``strategy.prepare(...)``, and with ``check_rule`` the rule's check of itself on the
     same data, from the same random state (the same subsample), leaving the caller's random
-    state as the preparation alone leaves it. Strategies with no such measure (exact,
-    importance) are not checked, nor ``auto``, which measures the rule it chooses while
-    choosing it and warns itself.
+    state as the preparation alone leaves it: a quadrature rule against a finer one,
+    encode-decode against an importance-sampling lower bound of ``log p(x)``
+    (:meth:`~pyro_mpt.conditionals.Conditionals.checked_gap`). Strategies with no such
+    measure (exact, importance) are not checked, nor ``auto``, which measures the rule it
+    chooses while choosing it and warns itself.
 
     :param str caller: the function's name, for the warning.
     :param scored: if given, called with the prepared conditionals before the check: it may
@@ -51,7 +53,10 @@ def prepare_checked(
         ``batch + (D,)`` of the entries the caller's use rests on, whose ``log p`` the check
         compares (for :func:`~pyro_mpt.impute`, those not drawn), or ``None`` for all.
     """
-    measures = type(strategy).refinement_gap is not Conditionals.refinement_gap
+    measures = (
+        type(strategy).refinement_gap is not Conditionals.refinement_gap
+        or type(strategy).checked_gap is not Conditionals.checked_gap
+    )
     check_rule = check_rule and measures and strategy.in_use is strategy
     before = RandomState() if check_rule else None
     structure = None
@@ -138,6 +143,16 @@ def _warn_if_coarse(strategy, gap, compared_with, caller, context=None, complete
     if gap is None or not gap.measured() or not too_coarse(gap):
         return
     sentence = gap_sentence(strategy, gap, compared_with)
+    if compared_with == "importance":
+        warnings.warn(
+            f"{caller} with {sentence}, so its values are at least about that far off "
+            f"(the figure is a lower bound of the error; a shortfall of "
+            f"{ACCURACY_TOL:g} nats per observation is tolerated). Fix: "
+            f"{strategy.accuracy_fix}",
+            strategy.accuracy_warning,
+            stacklevel=user_stacklevel(),
+        )
+        return
     if completed:
         sentence = sentence.replace("log p(x)", "log p(x_S | x_R) of its own draws of x_S")
         sentence += ": it draws the hidden entries jointly from too few nodes"

@@ -48,6 +48,7 @@ def log_marginal(
         the nodes of a 2-dimensional rule), or, for a rule at the limit of
         :data:`~pyro_mpt.conditionals.quadrature.MAX_POINTS`, at two thirds of them. Pass
         False where the rule is known to be accurate on such data and the cost matters.
+        (Encode-decode conditionals, which give no ``log p(x)``, are refused first.)
         (``conditionals="auto"`` checks the rule it chooses either way.)
     :param kwargs: the model's keyword arguments.
     :returns: a tensor of the data plate's batch shape (differentiable). An importance
@@ -73,14 +74,20 @@ def log_marginal(
     # Each call is an evaluation of its own: it warns of its failing weights whatever
     # earlier calls found, and of any one observation whose value rests on a single draw.
     with param_store_rollback(always=True), counted_per_call():
-        with refusing_subsampled_plates("log_marginal returns one value per observation"):
-            prepared = prepare_checked(
-                strategy, *call, max_plate_nesting, check_rule, "log_marginal"
-            )
+        values = []
+
+        def whole(prepared):
+            # Refuses a strategy that gives no log p(x) before its check spends a run.
             try:
-                result = prepared.log_marginal()
+                values.append(prepared.log_marginal())
             except NotImplementedError as error:
                 raise ValueError(f"conditionals={strategy!r}: {error}") from None
+
+        with refusing_subsampled_plates("log_marginal returns one value per observation"):
+            prepared = prepare_checked(
+                strategy, *call, max_plate_nesting, check_rule, "log_marginal", whole
+            )
+        result = values[0]
         diagnostics, what = prepared.diagnostics, "log_marginal"
         warn_if_unreliable(
             diagnostics,

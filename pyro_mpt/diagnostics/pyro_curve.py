@@ -82,7 +82,10 @@ def mpt_curve(
     :param bool progress: show a progress bar over mask sizes.
     :param bool check_rule: whether a quadrature rule given here measures its own error on
         the data first, as :func:`~pyro_mpt.log_marginal` does (one more model run), and
-        warns with the figure when it is coarse.
+        warns with the figure when it is coarse; and whether encode-decode conditionals
+        given here are held to an importance-sampling lower bound of ``log p(x)`` (64 draws
+        of the guide, as ``MPTLoss`` holds them on its checked steps), warning with the
+        figure when their estimate falls below it.
     :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
     :raises ValueError: for ``Quadrature(center="guide")``, whose nodes miss the
         conditionals of masked inputs.

@@ -66,7 +66,9 @@ def gibbs(
     :param bool check_rule: whether a quadrature rule given here measures its own error on
         the data before drawing, as in :func:`~pyro_mpt.log_marginal` (one more run of the
         model; a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` states the figure when
-        it is large). Checked once, on the data the chain starts from.
+        it is large). Checked once, on the data the chain starts from. Encode-decode
+        conditionals are held to an importance-sampling lower bound of ``log p(x)`` instead,
+        as in :func:`~pyro_mpt.mpt_curve`.
     :param kwargs: the model's keyword arguments.
     :returns: the chain, ``(num_steps + 1,) + x.shape``; its first entry is the data.
 
