@@ -12,7 +12,7 @@ from pyro.infer import ELBO, Trace_ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.util import warn_if_nan
 
-from pyro_mpt.conditionals.accuracy_warnings import warn_if_unreliable
+from pyro_mpt.conditionals.accuracy_warnings import warn_if_floored, warn_if_unreliable
 from pyro_mpt.conditionals.auto import (
     ACCURACY_TOL,
     STRUCTURE_AWARE,
@@ -30,6 +30,7 @@ from pyro_mpt.errors import (
     user_stacklevel,
 )
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
+from pyro_mpt.ops.floored_exp import floored_ledger
 from pyro_mpt.ops.masks import (
     UniformRate,
     as_rate_schedule,
@@ -241,6 +242,10 @@ class MPTLoss(ELBO):
         self.diagnostics = None
         self._pending_check = None
         self._pending_weights = None
+        # The count of conditionals the floors kept off the CPU, on the device, and
+        # [checks, failures] of those counts (see _counted_estimate).
+        self._pending_floored = None
+        self._floored_counts = [0, 0]
         self._checking = False
         self.rule_check = None
 
@@ -259,6 +264,7 @@ class MPTLoss(ELBO):
             diagnostics=None,
             _pending_check=None,
             _pending_weights=None,
+            _pending_floored=None,
         )
         if self._nesting_guessed_for is not None:  # guessed, not given: guessed again
             state.update(_nesting_guessed_for=None, max_plate_nesting=math.inf)
@@ -294,7 +300,8 @@ class MPTLoss(ELBO):
         """The call's loss, its prepared conditionals and the per-observation estimates: a
         call like the last successful one (the next mini-batch) takes the steady route."""
         verify = contextlib.nullcontext()
-        if self._pending_check is not None or self._pending_weights is not None:
+        pending = (self._pending_check, self._pending_weights, self._pending_floored)
+        if any(check is not None for check in pending):
             # Left unread by a differentiable_loss call of its own (the module form of the
             # loss): read now, before they are replaced.
             if self._read_left_over():
@@ -393,7 +400,7 @@ class MPTLoss(ELBO):
                     raise
                 # Auto's choice no longer applies (the model changed): auto searches again.
                 prepared = self._search_again(model, guide, args, kwargs)
-        return prepared, self._estimate(prepared)
+        return prepared, self._counted_estimate(prepared)
 
     def _search_again(self, model, guide, args, kwargs):
         """``auto``'s search for a call like the last, whose choice then prepares the later
@@ -532,9 +539,18 @@ class MPTLoss(ELBO):
                 prepared.check_masked_contexts("MPTLoss with drawn masks")
             if not self.schedule.unbiased:
                 check_data_not_read(model, args, kwargs, f"MPTLoss with {self.schedule!r}")
-            estimates = self._estimate(prepared)
+            estimates = self._counted_estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates
+
+    def _counted_estimate(self, prepared):
+        """:meth:`_estimate`, counting on the device the conditionals that the floors kept
+        off the CPU (:func:`~pyro_mpt.ops.floored_exp.floored_ledger`; none on the CPU, where
+        every one is computed again). The count is read with the loss (:meth:`_read`)."""
+        with floored_ledger() as ledger:
+            estimates = self._estimate(prepared)
+        self._pending_floored = ledger.total()
+        return estimates
 
     def _estimate(self, prepared):
         if self.num_masks == ALL_MASKS:
@@ -645,38 +661,50 @@ class MPTLoss(ELBO):
         """The loss as a float, read from the device in one synchronisation with the checks
         that the call left unread with validation off: whether a linear-Gaussian form still
         holds (:attr:`SelfPredictive.pending_check`) and whether importance weights fail
-        (:meth:`ImportanceDiagnostics.failing`, warned of here). ``None`` when the form
-        failed, after which the call is made afresh and verified (the loss's value is then
-        not used, and nothing has been back-propagated)."""
-        form, weights = self._pending_check, self._pending_weights
-        self._pending_check = self._pending_weights = None
+        (:meth:`ImportanceDiagnostics.failing`, warned of here), and how many conditionals
+        the floors kept off the CPU (:meth:`_counted_estimate`, warned of here). ``None``
+        when the form failed, after which the call is made afresh and verified (the loss's
+        value is then not used, and nothing has been back-propagated)."""
+        form, weights, floored = self._pending_check, self._pending_weights, self._pending_floored
+        self._pending_check = self._pending_weights = self._pending_floored = None
         pending = [loss.detach().double()]
-        for check in (form, weights and weights[0]):
+        for check in (form, weights and weights[0], floored):
             if check is not None:
                 pending.append(check.double())
         if len(pending) == 1:
             return loss.item()
         value, *failed = torch.stack(pending).tolist()
+        left_floored = int(failed.pop()) if floored is not None else 0
         if form is not None and failed.pop(0):
             self._last_call = None
             return None
         if weights is not None:
             self._warn_if_unreliable(*weights[1:], failed=bool(failed[0]))
+        if floored is not None:
+            warn_if_floored(left_floored, "MPTLoss", counts=self._floored_counts)
         return value
 
     def _read_left_over(self):
         """Reads the checks that the last call left on the device when nothing read them
         with its loss (:meth:`differentiable_loss` called on its own, as by
-        ``MPTLoss()(model, guide)``): warns of failing importance weights, and of a
-        linear-Gaussian form that no longer held, whose call's loss and gradient were then
-        those of a form that does not hold. Returns whether the form failed: this call then
-        reads the model afresh, verified."""
-        form, weights = self._pending_check, self._pending_weights
-        self._pending_check = self._pending_weights = None
+        ``MPTLoss()(model, guide)``): warns of failing importance weights, of conditionals
+        that the floors kept off the CPU, and of a linear-Gaussian form that no longer held,
+        whose call's loss and gradient were then those of a form that does not hold. Returns
+        whether the form failed: this call then reads the model afresh, verified. The checks
+        are read in one synchronisation."""
+        form, weights, floored = self._pending_check, self._pending_weights, self._pending_floored
+        self._pending_check = self._pending_weights = self._pending_floored = None
+        checks = [check for check in (form, weights and weights[0], floored) if check is not None]
+        if not checks:
+            return False
+        read = torch.stack([check.double() for check in checks]).tolist()
+        form_failed = form is not None and bool(read.pop(0))
         if weights is not None:
-            failing, diagnostics, model, args = weights
-            self._warn_if_unreliable(diagnostics, model, args, failed=bool(failing))
-        if form is None or not bool(form):
+            _, diagnostics, model, args = weights
+            self._warn_if_unreliable(diagnostics, model, args, failed=bool(read.pop(0)))
+        if floored is not None:
+            warn_if_floored(int(read.pop(0)), "MPTLoss", counts=self._floored_counts)
+        if not form_failed:
             return False
         self._last_call = None
         warnings.warn(

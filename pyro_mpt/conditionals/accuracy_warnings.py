@@ -2,18 +2,22 @@
 per model, argument shapes, guide and strategy (or by the caller, as an ``MPTLoss`` counts
 its own calls) and warned of at the 1st, 10th, 100th, ... failure. Early failures of an
 untrained guide then hide no later one, and a long run is not flooded. Each kind of
-diagnostics writes its own message (its ``warn`` method); this module only decides when."""
+diagnostics writes its own message (its ``warn`` method); this module only decides when,
+and writes the one of conditionals that the floors kept off the CPU
+(:func:`warn_if_floored`)."""
 
 import contextlib
 import contextvars
 import math
+import warnings
 import weakref
 
 import torch
 
-from pyro_mpt.errors import user_stacklevel
+from pyro_mpt.errors import QuadratureAccuracyWarning, user_stacklevel
+from pyro_mpt.ops import floored_exp
 
-__all__ = ["counted_per_call", "failure_history", "warn_if_unreliable"]
+__all__ = ["counted_per_call", "failure_history", "warn_if_floored", "warn_if_unreliable"]
 
 #: Owner of a model (the object of a bound method, else the function) -> {(what, method
 #: or None, argument shapes, strategy, guide): ``[checks, failures]``} of
@@ -107,6 +111,36 @@ def warn_if_unreliable(
         each_row=each_row,
         whole=whole,
         every_mask_possible=every_mask_possible,
+    )
+
+
+def warn_if_floored(left_floored, what, counts=None):
+    """Warns, with a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` at the user's line,
+    when ``left_floored`` conditionals (the total of a
+    :class:`~pyro_mpt.ops.floored_exp.FlooredLedger`, read) stayed floored off the CPU.
+
+    :param int left_floored: how many.
+    :param str what: who computed them, the subject of the message (``"mpt_curve"``).
+    :param list counts: ``[checks, failures]`` kept by the caller (an ``MPTLoss``'s steps),
+        which then warns at the 1st, 10th, 100th, ... such call only; by default every such
+        call warns (a function of the package, once at its end).
+    """
+    history = "" if counts is None else failure_history(counts, left_floored > 0)
+    if not left_floored or history is None:
+        return
+    # Floored terms only add mass: a sum far below its best term is too large, and its log
+    # too high (dropped weights lower it by log(G + 1) nats at most).
+    warnings.warn(
+        f"{what} kept {left_floored} conditionals floored{history}: off the CPU nothing is "
+        f"read back to find the quadrature sums near the floors of the fast matrix "
+        f"products, and only the {floored_exp.MAX_EXACT_OFF_CPU} of an evaluation nearest "
+        f"them are computed again exactly. Each of the others is too high, by tens of nats or "
+        f"more, and so is an estimate of log p(x) that sums them. Fix: use float64 (its "
+        f"floors lie 354 nats below the best node, float32's 43.7), fewer observations or "
+        f"masks per call (fewer conditionals near the floors at once), or compute on the "
+        f"CPU, where every such conditional is computed again.",
+        QuadratureAccuracyWarning,
+        stacklevel=user_stacklevel(),
     )
 
 

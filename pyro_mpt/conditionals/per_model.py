@@ -13,9 +13,11 @@ model's posterior is narrower, and a quadrature rule that was accurate may no lo
 import collections
 import functools
 
+from pyro_mpt.conditionals.accuracy_warnings import warn_if_floored
 from pyro_mpt.conditionals.auto import Auto, as_conditionals
 from pyro_mpt.conditionals.exact import verify_every_call
 from pyro_mpt.errors import StaleStructureError
+from pyro_mpt.ops.floored_exp import floored_ledger
 
 __all__ = ["MAX_KEPT_MODELS", "conditionals_for", "forget_strategies", "package_function"]
 
@@ -69,14 +71,29 @@ def package_function(function):
     :func:`~pyro_mpt.conditionals.exact.verify_every_call`), and call themselves once more
     when the model changed under the kept read
     (:class:`~pyro_mpt.errors.StaleStructureError`), which is forgotten by then, so that the
-    second call reads the model afresh."""
+    second call reads the model afresh. Conditionals that the floors kept off the CPU are
+    counted on the device and warned of once, at the end of the call
+    (:func:`_floors_counted`)."""
 
     @functools.wraps(function)
     def checked_call(*args, **kwargs):
         with verify_every_call():
             try:
-                return function(*args, **kwargs)
+                return _floors_counted(function, args, kwargs)
             except StaleStructureError:
-                return function(*args, **kwargs)
+                return _floors_counted(function, args, kwargs)
 
     return checked_call
+
+
+def _floors_counted(function, args, kwargs):
+    """``function(*args, **kwargs)`` in a :func:`~pyro_mpt.ops.floored_exp.floored_ledger`,
+    warning at its end of the conditionals that the floors kept off the CPU
+    (:func:`~pyro_mpt.conditionals.accuracy_warnings.warn_if_floored`). The count is read
+    once, off the CPU only: these functions are evaluations, not training steps."""
+    with floored_ledger() as ledger:
+        result = function(*args, **kwargs)
+    left_floored = ledger.total()
+    if left_floored is not None:
+        warn_if_floored(int(left_floored), function.__name__)
+    return result

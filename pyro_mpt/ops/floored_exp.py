@@ -1,8 +1,11 @@
 """Exponentials floored above the subnormal numbers, which would slow the matrix products
 of sums over nodes or samples many times over on CPUs, and the exact recomputation of the
-few sums that the floors could move (:ref:`theory-floors`).
+few sums that the floors could move (:ref:`theory-floors`), and the ledger that counts on
+the device those that stay floored off the CPU.
 """
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -10,8 +13,10 @@ import torch
 __all__ = [
     "FLOOR_MARGIN",
     "MAX_EXACT_OFF_CPU",
+    "FlooredLedger",
     "exact_where",
     "floor_margin",
+    "floored_ledger",
     "floored_exp",
     "floored_exp_",
     "flushed_exp",
@@ -73,8 +78,53 @@ def floor_margin(dtype, num_terms):
 
 
 #: Off the CPU, how many conditionals per call :func:`exact_where` computes again, with no
-#: read of the device: those nearest the floors.
+#: read of the device: those nearest the floors. The ones it leaves floored beyond these are
+#: counted in the open :class:`FlooredLedger`.
 MAX_EXACT_OFF_CPU = 1024
+
+
+class FlooredLedger:
+    """A count, kept on the device, of the entries below margin that :func:`exact_where`
+    left floored off the CPU (those beyond the :data:`MAX_EXACT_OFF_CPU` it computes
+    again). Adding reads nothing back: whoever opened the ledger reads its total once, e.g.
+    ``MPTLoss`` with the loss, in the synchronisation it makes anyway."""
+
+    def __init__(self):
+        self._total = None
+
+    def add(self, count):
+        """Adds ``count``, a 0-dim integer tensor on the device."""
+        self._total = count if self._total is None else self._total + count
+
+    def total(self):
+        """The entries left floored so far, a 0-dim device tensor, or None when no call
+        could leave any (none on the CPU, nor off it with at most
+        :data:`MAX_EXACT_OFF_CPU` entries in a call): then there is nothing to read."""
+        return self._total
+
+
+#: The ledger :func:`exact_where` adds to, where one is open (:func:`floored_ledger`).
+_OPEN_LEDGER = contextvars.ContextVar("floored_ledger", default=None)
+
+
+@contextlib.contextmanager
+def floored_ledger():
+    """Opens a :class:`FlooredLedger` for the block and yields it: the calls of
+    :func:`exact_where` in the block (in this thread or task) add what they leave floored
+    to it. A ledger opened inside another counts its own block only, so the caller that
+    opened it reads and reports those alone. With none open nothing is counted."""
+    ledger = FlooredLedger()
+    token = _OPEN_LEDGER.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _OPEN_LEDGER.reset(token)
+
+
+def _may_read(tensor):
+    """Whether :func:`exact_where` may read ``tensor``'s values to find the entries below
+    margin: on the CPU only, where the read waits for no device."""
+    return tensor.device.type == "cpu"
 
 
 def exact_where(margin, result, exact, read=None):
@@ -85,11 +135,12 @@ def exact_where(margin, result, exact, read=None):
     On the CPU one read of ``margin`` finds them. Elsewhere nothing is read back: the
     :data:`MAX_EXACT_OFF_CPU` entries of lowest margin are computed again whatever their
     margins (an exact value replaces an accurate one), so that only a call with more entries
-    than that near the floors keeps some floored. ``read`` chooses the way (by the device
-    when None).
+    than that near the floors keeps some floored; how many it keeps is counted on the
+    device into the open :class:`FlooredLedger`, if any (:func:`floored_ledger`). ``read``
+    chooses the way (by the device when None).
     """
     margin = margin.expand(result.shape)
-    if read if read is not None else result.device.type == "cpu":
+    if read if read is not None else _may_read(result):
         below = margin < 0
         if not bool(below.any()):
             return result
@@ -98,4 +149,8 @@ def exact_where(margin, result, exact, read=None):
         count = min(MAX_EXACT_OFF_CPU, margin.numel())
         flat = margin.reshape(-1).topk(count, largest=False).indices
         index = torch.unravel_index(flat, result.shape)
+        ledger = _OPEN_LEDGER.get()
+        if ledger is not None and count < margin.numel():
+            # The entries below margin beyond the `count` of lowest margin computed again.
+            ledger.add(((margin < 0).sum() - count).clamp_(min=0))
     return result.index_put(index, exact(index).to(result.dtype))
