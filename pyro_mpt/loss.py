@@ -29,8 +29,8 @@ from pyro_mpt.errors import (
     check_positive_int,
     user_stacklevel,
 )
+from pyro_mpt.ops import floored_exp
 from pyro_mpt.ops.autograd_graph import gradients, reaches, with_zero_gradients
-from pyro_mpt.ops.floored_exp import floored_ledger
 from pyro_mpt.ops.masks import (
     UniformRate,
     as_rate_schedule,
@@ -300,8 +300,11 @@ class MPTLoss(ELBO):
         """The call's loss, its prepared conditionals and the per-observation estimates: a
         call like the last successful one (the next mini-batch) takes the steady route."""
         verify = contextlib.nullcontext()
-        pending = (self._pending_check, self._pending_weights, self._pending_floored)
-        if any(check is not None for check in pending):
+        if not (
+            self._pending_check is None
+            and self._pending_weights is None
+            and self._pending_floored is None
+        ):
             # Left unread by a differentiable_loss call of its own (the module form of the
             # loss): read now, before they are replaced.
             if self._read_left_over():
@@ -547,7 +550,9 @@ class MPTLoss(ELBO):
         """:meth:`_estimate`, counting on the device the conditionals that the floors kept
         off the CPU (:func:`~pyro_mpt.ops.floored_exp.floored_ledger`; none on the CPU, where
         every one is computed again). The count is read with the loss (:meth:`_read`)."""
-        with floored_ledger() as ledger:
+        if prepared.observed.value.device.type == _READ_BACK_ON:
+            return self._estimate(prepared)  # every one computed again: nothing to count
+        with floored_exp.floored_ledger() as ledger:
             estimates = self._estimate(prepared)
         self._pending_floored = ledger.total()
         return estimates
@@ -770,6 +775,10 @@ def _same_callables(first, second):
 
 #: ``num_masks`` for the exact average over every mask.
 ALL_MASKS = "all"
+
+#: The device on which :func:`~pyro_mpt.ops.floored_exp.exact_where` reads back the
+#: sums near the floors, so that none is left to count (see ``MPTLoss._counted_estimate``).
+_READ_BACK_ON = "cpu"
 
 #: The call on which ``MPTLoss`` checks a strategy's accuracy next after the 2nd (then
 #: every 64th).

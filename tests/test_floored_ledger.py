@@ -15,6 +15,7 @@ import pytest
 import torch
 from pyro.infer import SVI
 
+import pyro_mpt.loss
 from experiments.zoo.host_reads import host_reads
 from pyro_mpt import MPTLoss, mpt_curve
 from pyro_mpt.conditionals import Quadrature
@@ -29,7 +30,8 @@ WEIGHTS = torch.tensor([1.0, 0.8, 1.2, -0.9, 1.1, 0.7], dtype=torch.float32)
 
 def _off_the_cpu(monkeypatch, limit=LIMIT):
     """``exact_where`` takes its route for devices it may not read, with ``limit``."""
-    monkeypatch.setattr(floored_exp, "_may_read", lambda tensor: False)
+    monkeypatch.setattr(floored_exp, "host_readable", lambda tensor: False)
+    monkeypatch.setattr(pyro_mpt.loss, "_READ_BACK_ON", "no device")
     monkeypatch.setattr(floored_exp, "MAX_EXACT_OFF_CPU", limit)
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "exact_where",
     "floor_margin",
     "floored_ledger",
+    "host_readable",
     "floored_exp",
     "floored_exp_",
     "flushed_exp",
@@ -121,9 +122,10 @@ def floored_ledger():
         _OPEN_LEDGER.reset(token)
 
 
-def _may_read(tensor):
+def host_readable(tensor):
     """Whether :func:`exact_where` may read ``tensor``'s values to find the entries below
-    margin: on the CPU only, where the read waits for no device."""
+    margin: on the CPU only, where the read waits for no device (and so nothing is left
+    floored to count in a :class:`FlooredLedger`)."""
     return tensor.device.type == "cpu"
 
 
@@ -140,7 +142,7 @@ def exact_where(margin, result, exact, read=None):
     chooses the way (by the device when None).
     """
     margin = margin.expand(result.shape)
-    if read if read is not None else _may_read(result):
+    if read if read is not None else host_readable(result):
         below = margin < 0
         if not bool(below.any()):
             return result
