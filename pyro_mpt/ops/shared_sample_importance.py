@@ -14,7 +14,14 @@ import math
 
 import torch
 
-from pyro_mpt.ops.floored_exp import flushed_exp
+from pyro_mpt.ops.floored_exp import (
+    FLOOR_MARGIN,
+    exact_where,
+    floor_margin,
+    floored_exp,
+    flushed_exp,
+    log_sum_exp,
+)
 
 __all__ = [
     "context_log_likelihoods",
@@ -62,18 +69,78 @@ def shared_sample_log_conditionals(log_joint, log_likelihoods):
         samples, shape ``(P,) + batch + (D,)``. Equal to
         :func:`~pyro_mpt.ops.self_normalised_importance.plain_importance_log_conditionals`
         given the log-likelihoods repeated for every mask.
+
+    The sums over samples are matrix products of the weights and of the likelihoods shifted
+    by their largest over samples. A conditional far below its best sample's likelihood (a
+    feature that the samples of large weight explain badly) makes a sum that underflows:
+    unchecked it would come out ``-inf``, or a subnormal number with a few bits, in
+    float32 as soon as it lies 87 nats below. On the CPU the factors are floored as in
+    :mod:`pyro_mpt.ops.floored_exp` (subnormal numbers would slow the products several
+    times over); elsewhere they are plain exponentials. Either way the sums that the floors
+    or the underflow could move by more than ``1 / FLOOR_MARGIN`` relatively are computed
+    again in log space over their own samples
+    (:func:`~pyro_mpt.ops.floored_exp.exact_where`), with gradients through them.
     """
+    floors = log_likelihoods.device.type == "cpu"
+    return _shared_sample_log_conditionals(log_joint, log_likelihoods, floors)
+
+
+def _reach(dtype, num_samples, floors):
+    """How small a sum of ``num_samples`` weighted factors may be, relative to the largest
+    factor, before the floors (``floors``) or the underflow of plain exponentials could move
+    it by ``1 / FLOOR_MARGIN`` relatively. Without floors each weight, each factor and each
+    product is off by at most ``tiny`` (the smallest normal number, below which a device
+    may flush to zero): the weights sum to one, so the sum is off by at most
+    ``(2 S + 1) tiny``."""
+    if floors:
+        return floor_margin(dtype, num_samples)
+    return FLOOR_MARGIN * torch.finfo(dtype).tiny * 2 * (num_samples + 1)
+
+
+def _shared_sample_log_conditionals(log_joint, log_likelihoods, floors, read=None):
+    """:func:`shared_sample_log_conditionals` with the factors floored or not (``floors``),
+    and ``read`` passed to :func:`~pyro_mpt.ops.floored_exp.exact_where` (by the device
+    when None)."""
     batch = log_likelihoods.shape[1:-1]
     num_samples, num_masks = log_joint.shape[:2]
-    weights = torch.softmax(log_joint.reshape(num_samples, num_masks, -1), 0)  # (S, P, N)
+    log_joint = log_joint.reshape(num_samples, num_masks, -1)  # (S, P, N)
     ll = _rows(log_likelihoods, 1)  # (S, N, D)
+    lowest = torch.finfo(ll.dtype).min
     # Each feature shifted by its largest log-likelihood over samples; a feature impossible
-    # under every sample keeps its -inf (a shift of 0).
-    shift = ll.detach().amax(0)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    scaled = torch.exp(ll - shift)
+    # under every sample keeps its -inf (its sum is computed again).
+    shift = ll.detach().amax(0).clamp(min=lowest)
+    if floors:
+        top = log_joint.detach().amax(0).clamp(min=lowest)
+        weights = flushed_exp(log_joint - top)
+        weights = weights / weights.sum(0)
+        scaled = floored_exp(ll - shift)
+    else:
+        weights = torch.softmax(log_joint, 0)
+        scaled = torch.exp(ll - shift)
     predictive = torch.einsum("spn,snd->pnd", weights, scaled)
-    out = predictive.log() + shift
+    # The floors keep the sums above 0; without them a sum may underflow to 0, computed
+    # again below, and the clamp keeps 0 / 0 out of the gradient of the log.
+    kept = predictive if floors else predictive.clamp(min=torch.finfo(ll.dtype).tiny)
+    out = kept.log() + shift
+    # The weights sum to one and the factors are at most one: a sum above the reach is
+    # moved by less than 1 / FLOOR_MARGIN relatively.
+    reach = _reach(ll.dtype, num_samples, floors)
+    may_read = ll.device.type == "cpu" if read is None else read
+    # Where it may read, one read of the smallest sum (comparing every entry costs ten
+    # times as much on CPUs) skips the search when none is near the reach: the common case.
+    if may_read and not float(predictive.detach().amin()) < reach:
+        return out.reshape((num_masks,) + batch + out.shape[-1:])
+
+    def exact(index):
+        masks, rows, features = index
+        joint = log_joint[:, masks, rows]  # (S, E)
+        # Log joints are sums over the context, thousands of nats in float32: relative to
+        # their largest they lose no precision to the likelihood added.
+        joint = joint - joint.detach().amax(0).clamp(min=lowest)
+        observed = ll[:, rows, features]  # (S, E)
+        return log_sum_exp(joint + observed, 0) - log_sum_exp(joint, 0)
+
+    out = exact_where(predictive.detach() - reach, out, exact, read)
     return out.reshape((num_masks,) + batch + out.shape[-1:])
 
 
