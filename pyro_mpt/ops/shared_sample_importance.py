@@ -20,6 +20,7 @@ from pyro_mpt.ops.floored_exp import (
     floor_margin,
     floored_exp,
     flushed_exp,
+    host_readable,
     log_sum_exp,
 )
 
@@ -125,7 +126,7 @@ def _shared_sample_log_conditionals(log_joint, log_likelihoods, floors, read=Non
     # The weights sum to one and the factors are at most one: a sum above the reach is
     # moved by less than 1 / FLOOR_MARGIN relatively.
     reach = _reach(ll.dtype, num_samples, floors)
-    may_read = ll.device.type == "cpu" if read is None else read
+    may_read = host_readable(ll) if read is None else read
     # Where it may read, one read of the smallest sum (comparing every entry costs ten
     # times as much on CPUs) skips the search when none is near the reach: the common case.
     if may_read and not float(predictive.detach().amin()) < reach:
