@@ -61,7 +61,7 @@ class UnmeasuredAccuracyWarning(UserWarning):
     other word. Given once per strategy object, when it is first used; where a call's own
     figure passes its limit, or one draw leaves the call with none (at the 1st, 10th,
     100th, ... such call of an ``MPTLoss``, once per call of a function); and by ``MPTLoss``
-    with the measured figure when, on a step where it checks them (the 2nd, the 16th, every
+    with the measured figure when, on a step where it checks them (the 1st, 2nd, 16th, every
     64th), their estimate lies below an importance-sampling lower bound of ``log p(x)``."""
 
 

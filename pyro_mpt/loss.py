@@ -143,7 +143,9 @@ class MPTLoss(ELBO):
         :data:`~pyro_mpt.conditionals.encode_decode_diagnostics.MAX_DRAW_BIAS`); None for
         other strategies.
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
-        2nd, the 16th, then every 64th call (the next call, when one falls between),
+        1st call (for a rule given by the user: ``auto`` measures its choice while it
+        chooses), the 2nd, the 16th, then every 64th call (the next call, when one falls
+        between),
         whatever the argument shapes for a rule given by the user, and on calls like the
         last for ``auto``'s choice (its search measures the rule it chooses):
         ``dict(step, strategy, mean_gap, compared_with)``, the gap in nats of ``log p(x)``
@@ -235,8 +237,8 @@ class MPTLoss(ELBO):
         # The model's and the guide's parameters, found once per call like the last.
         self._parameters = ParameterLists()
         # Calls so far, and the next at which the strategy checks its accuracy (see
-        # _due_check): from the 2nd call, whose batch is not the one auto chose on.
-        self._num_calls, self._next_check = 0, 2
+        # _first_due_call and _due_check).
+        self._num_calls, self._next_check = 0, self._first_due_call()
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
         self.diagnostics = None
@@ -369,15 +371,28 @@ class MPTLoss(ELBO):
             warn_if_nan(loss, "loss")
         return loss, prepared, estimates
 
+    def _first_due_call(self):
+        """The first call on which the strategy measures its own error: the 1st for a
+        strategy given by the user (a one-off ``loss`` or ``estimate`` is then never left
+        unmeasured), the 2nd for ``auto``, which measured its choice on the 1st call's batch
+        while choosing it."""
+        return 2 if self.conditionals.name == "auto" else 1
+
     def _due_check(self):
         """Whether this call is one on which the strategy measures its own error on the
-        call's data: the 2nd, the 16th, then every 64th (64, 128, ...; the first call from
-        each on, should it have other argument shapes). Every batch is new data and training
-        moves the parameters, so a rule that was accurate can stop being so at any step."""
+        call's data: the 1st (a strategy given by the user) and the 2nd, the 16th, then every
+        64th (64, 128, ...; the first call from each on, should it have other argument
+        shapes). Every batch is new data and training moves the parameters, so a rule that
+        was accurate can stop being so at any step."""
         self._checking = self._num_calls >= self._next_check
         if self._checking:
             calls = self._num_calls
-            self._next_check = _FIRST_CHECK if calls < _FIRST_CHECK else (calls // 64 + 1) * 64
+            if calls < 2:
+                self._next_check = 2
+            elif calls < _FIRST_CHECK:
+                self._next_check = _FIRST_CHECK
+            else:
+                self._next_check = (calls // 64 + 1) * 64
         return self._checking
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):

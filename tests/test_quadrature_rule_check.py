@@ -75,9 +75,9 @@ def _checked_steps(batches):
 
 def test_ragged_batches_are_checked_too():
     # Every epoch ends with a smaller batch, a call of another shape: the check still runs on
-    # the 2nd, the 16th and the 64th call, whatever their shapes (warned three times).
+    # the 1st, 2nd, the 16th and the 64th call, whatever their shapes (warned each time).
     epoch = torch.arange(70).split(8)  # 8 batches of 8, then one of 6
-    assert _checked_steps(10 * epoch) == ([2, 16, 64], 3)
+    assert _checked_steps(10 * epoch) == ([1, 2, 16, 64], 4)
 
 
 def test_auto_refines_a_rule_that_became_coarse():
@@ -111,8 +111,9 @@ def test_auto_measures_its_choice_on_the_second_batch():
 
 def test_a_rule_given_by_the_user_checks_itself_when_every_call_has_new_shapes():
     # Batches of 8 and 9 rows in turn: no call is like the one before, and the rule still
-    # measures itself on the 2nd and 16th call (it never did: every call was a first one).
-    assert _checked_steps([torch.arange(8 + step % 2) for step in range(20)]) == ([2, 16], 2)
+    # measures itself on the 1st, 2nd and 16th call (it never did: every call was a first
+    # one).
+    assert _checked_steps([torch.arange(8 + step % 2) for step in range(20)]) == ([1, 2, 16], 3)
 
 
 def test_a_rule_given_by_the_user_warns_with_its_figure():
@@ -162,7 +163,7 @@ def test_a_rule_too_fine_to_refine_is_compared_with_a_coarser_one():
 
 def test_a_rule_at_the_limit_that_is_still_moving_warns():
     # The scale mixture of test_function_rule_check, on data where 200 nodes are 0.037 nats
-    # per observation off: MPTLoss says so on its 2nd step, as log_marginal does.
+    # per observation off: MPTLoss says so on its 1st and 2nd step, as log_marginal does.
     from tests.test_function_rule_check import (
         _data,
         _scale_mixture,
@@ -176,7 +177,7 @@ def test_a_rule_at_the_limit_that_is_still_moving_warns():
         loss.loss(_scale_mixture, None, x)
         loss.loss(_scale_mixture, None, x)
     warned = [str(w.message) for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
-    assert len(warned) == 1 and "cannot be refined" in warned[0]
+    assert len(warned) == 2 and all("cannot be refined" in message for message in warned)
     assert loss.rule_check["compared_with"] == "coarser"
     with torch.no_grad():
         rule = Quadrature(MAX_POINTS)
@@ -184,24 +185,41 @@ def test_a_rule_at_the_limit_that_is_still_moving_warns():
     assert float((value - _scale_mixture_reference(x)).abs().mean()) > ACCURACY_TOL
 
 
-def test_a_rule_given_by_the_user_is_checked_on_the_second_step():
-    # A rule coarse from the start is flagged on the first steady call, not after 15 steps;
-    # the figure is the rule's own change under refinement on that step's batch.
+def test_a_rule_given_by_the_user_is_checked_on_the_first_and_second_step():
+    # A rule coarse from the start is flagged on the first call (a one-off loss or estimate
+    # is never left unmeasured) and on the first steady one, not after 15 steps; the figure
+    # is the rule's own change under refinement on that step's batch.
     data = torch.bernoulli(torch.full((100, NUM_FEATURES), 0.5))
     pyro.param("weight", 3.0 * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
+    weight = pyro.param("weight").detach()
     loss = MPTLoss(conditionals=Quadrature(8))
     svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.0}), loss=loss)
+    for step, batch in enumerate((data[:50], data[50:]), 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            svi.step(batch)
+        warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+        assert len(warned) == 1 and loss.rule_check["step"] == step
+        with torch.no_grad():
+            coarse = log_marginal(_model, batch, conditionals=Quadrature(8), check_rule=False)
+        error = float((coarse - _grid_log_marginal(batch, weight)).abs().mean())
+        assert error > ACCURACY_TOL and loss.rule_check["mean_gap"] > ACCURACY_TOL
+
+
+def test_a_one_off_estimate_with_a_coarse_rule_warns():
+    # MPTLoss.estimate called once, as an evaluation would: the rule's error against the
+    # grid is past the threshold, and the call says so with its figure.
+    pyro.set_rng_seed(0)
+    data = torch.bernoulli(torch.full((50, NUM_FEATURES), 0.5))
+    pyro.param("weight", 3.0 * torch.linspace(-1, 1, NUM_FEATURES).reshape(-1, 1))
+    weight = pyro.param("weight").detach()
+    loss = MPTLoss(conditionals=Quadrature(8), num_masks="all")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        svi.step(data[:50])
-        assert loss.rule_check is None
-        svi.step(data[50:])
-    warned = [w for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
-    assert len(warned) == 1 and loss.rule_check["step"] == 2
-    weight = pyro.param("weight").detach()
-    with torch.no_grad():
-        coarse = log_marginal(_model, data[50:], conditionals=Quadrature(8), check_rule=False)
-    error = float((coarse - _grid_log_marginal(data[50:], weight)).abs().mean())
+        estimate = loss.estimate(_model, _no_guide, data).detach()
+    warned = [str(w.message) for w in caught if issubclass(w.category, QuadratureAccuracyWarning)]
+    assert len(warned) == 1 and "(step 1;" in warned[0]
+    error = float((estimate - _grid_log_marginal(data, weight)).abs().mean())
     assert error > ACCURACY_TOL and loss.rule_check["mean_gap"] > ACCURACY_TOL
 
 

@@ -274,7 +274,7 @@ class EncodeDecode(Conditionals):
     nats per observation, at the 1st, 10th, 100th, ... such call, as importance
     sampling's failing weights warn. A bias that every draw shares (the guide's, chains
     that have not mixed) is not seen by it; ``MPTLoss`` holds the estimate to an
-    importance-sampling lower bound of ``log p(x)`` on its 2nd, 16th and every 64th step
+    importance-sampling lower bound of ``log p(x)`` on its 1st, 2nd, 16th and every 64th step
     for that.
 
     :param int num_iterations: ``T``, refills of the masked features (0 or more). A
@@ -343,8 +343,8 @@ class EncodeDecode(Conditionals):
     ):
         """How far below ``log p(x)`` the conditionals' MPT estimate lies at least, on the
         call's data (:func:`_mpt_shortfall`): ``(gap, "importance")``, or ``(None, None)``
-        where it cannot be measured. ``MPTLoss`` measures it on the 2nd step, the 16th and
-        every 64th, and warns past a hundredth of a nat per observation; ``context`` (the
+        where it cannot be measured. ``MPTLoss`` measures it on the 1st and 2nd step, the
+        16th and every 64th, and warns past a hundredth of a nat per observation; ``context`` (the
         check of given entries) is not measured."""
         if context is not None:
             return None, None
@@ -390,8 +390,9 @@ class EncodeDecode(Conditionals):
                 f"benchmarks/bench_encode_decode_accuracy.py, and 'How accurate are "
                 f"approximate conditionals' in the docs): {measured}; MPTLoss "
                 f"also holds it to an importance-sampling lower bound of log p(x) on its "
-                f"2nd step, 16th and every 64th. Before relying on its figures, compare them "
-                f"with conditionals='importance' (whose error is measured) or, where the "
+                f"1st and 2nd step, 16th and every 64th. Before relying on its figures, "
+                f"compare them with conditionals='importance' (whose error is measured) or, "
+                f"where the "
                 f"model allows, 'exact' or 'quadrature'.",
                 UnmeasuredAccuracyWarning,
                 stacklevel=user_stacklevel(),
