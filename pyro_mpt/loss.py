@@ -145,9 +145,8 @@ class MPTLoss(ELBO):
     :ivar rule_check: the last check of a quadrature rule against a finer one, made on the
         1st call (for a rule given by the user: ``auto`` measures its choice while it
         chooses), the 2nd, the 16th, then every 64th call (the next call, when one falls
-        between),
-        whatever the argument shapes for a rule given by the user, and on calls like the
-        last for ``auto``'s choice (its search measures the rule it chooses):
+        between), whatever the argument shapes for a rule given by the user, and on calls
+        like the last for ``auto``'s choice (its search measures the rule it chooses):
         ``dict(step, strategy, mean_gap, compared_with)``, the gap in nats of ``log p(x)``
         per observation against the ``"finer"`` rule (1.5 times the nodes per dimension).
         Where no finer rule fits (more than 200 nodes per dimension, or more memory than is
