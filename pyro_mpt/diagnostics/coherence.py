@@ -10,6 +10,7 @@ import torch
 from pyro_mpt.conditionals.accuracy_warnings import counted_per_call, warn_if_unreliable
 from pyro_mpt.conditionals.base import joined_diagnostics
 from pyro_mpt.conditionals.per_model import conditionals_for, package_function
+from pyro_mpt.conditionals.rule_check import prepare_checked
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.ops.orderings import (
     observed_steps,
@@ -151,6 +152,7 @@ def ordering_log_likelihoods(
     conditionals="auto",
     progress=False,
     max_plate_nesting=math.inf,
+    check_rule=True,
     **kwargs,
 ):
     """``log p(x)`` of every observation by the chain rule along random orderings of its
@@ -187,6 +189,10 @@ def ordering_log_likelihoods(
         as in :class:`~pyro_mpt.MPTLoss`.
     :param bool progress: show a progress bar over the masks.
     :param max_plate_nesting: as in :class:`~pyro_mpt.MPTLoss`.
+    :param bool check_rule: whether a quadrature rule given here measures its own error on
+        the data first, and encode-decode conditionals are held to an importance-sampling
+        lower bound of ``log p(x)``, as in :func:`~pyro_mpt.mpt_curve`, warning with the
+        figure: the spread across orderings does not see a bias they all share.
     :param kwargs: the model's keyword arguments.
     :returns: an :class:`OrderingLogLikelihoods`, on the device and in the dtype of the
         conditionals; its ``log_marginal`` is the strategy's own (an estimate for
@@ -212,7 +218,8 @@ def ordering_log_likelihoods(
     )
     strategy = conditionals_for(conditionals, model)
     with param_store_rollback(always=True), counted_per_call():
-        prepared = strategy.prepare(model, guide, args, kwargs, max_plate_nesting)
+        call = (model, guide, args, kwargs, max_plate_nesting)
+        prepared = prepare_checked(strategy, *call, check_rule, "ordering_log_likelihoods")
         prepared.check_masked_contexts("ordering_log_likelihoods")
         values, diagnostics = _chain_rule_sums(prepared, num_orderings, progress)
         # Failing importance weights make the sums disagree for a reason of their own: the
