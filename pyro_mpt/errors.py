@@ -48,10 +48,11 @@ class QuadratureAccuracyWarning(UserWarning):
     The message states the measured figure and the fix; the figure is also readable from code
     (``MPTLoss.rule_check``).
 
-    Also given, with their number, for quadrature conditionals that the floors of the fast
-    sums kept off the CPU, too high by up to tens of nats: more of them lay near the floors
-    in one call than :data:`~pyro_mpt.ops.floored_exp.MAX_EXACT_OFF_CPU`, which are computed
-    again (:ref:`theory-floors`).
+    Also given, with their number, for conditionals that the floors of the fast sums kept
+    off the CPU (quadrature's too high, those of importance sampling over shared draws too
+    low, by up to tens of nats): more of them lay near the floors in one call than
+    :data:`~pyro_mpt.ops.floored_exp.MAX_EXACT_OFF_CPU`, which are computed again
+    (:ref:`theory-floors`).
     """
 
 

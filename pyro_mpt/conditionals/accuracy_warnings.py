@@ -117,7 +117,9 @@ def warn_if_unreliable(
 def warn_if_floored(left_floored, what, counts=None):
     """Warns, with a :class:`~pyro_mpt.errors.QuadratureAccuracyWarning` at the user's line,
     when ``left_floored`` conditionals (the total of a
-    :class:`~pyro_mpt.ops.floored_exp.FlooredLedger`, read) stayed floored off the CPU.
+    :class:`~pyro_mpt.ops.floored_exp.FlooredLedger`, read) stayed floored off the CPU:
+    quadrature sums, whose floored factors make them too high, or importance sums over
+    shared draws, whose plain exponentials underflow and make them too low.
 
     :param int left_floored: how many.
     :param str what: who computed them, the subject of the message (``"mpt_curve"``).
@@ -128,17 +130,17 @@ def warn_if_floored(left_floored, what, counts=None):
     history = "" if counts is None else failure_history(counts, left_floored > 0)
     if not left_floored or history is None:
         return
-    # Floored terms only add mass: a sum far below its best term is too large, and its log
-    # too high (dropped weights lower it by log(G + 1) nats at most).
     warnings.warn(
         f"{what} kept {left_floored} conditionals floored{history}: off the CPU nothing is "
-        f"read back to find the quadrature sums near the floors of the fast matrix "
-        f"products, and only the {floored_exp.MAX_EXACT_OFF_CPU} of an evaluation nearest "
-        f"them are computed again exactly. Each of the others is too high, by tens of nats or "
-        f"more, and so is an estimate of log p(x) that sums them. Fix: use float64 (its "
-        f"floors lie 354 nats below the best node, float32's 43.7), fewer observations or "
-        f"masks per call (fewer conditionals near the floors at once), or compute on the "
-        f"CPU, where every such conditional is computed again.",
+        f"read back to find the sums over nodes or draws that the floors of the fast matrix "
+        f"products (or the underflow of their exponentials) move, and only the "
+        f"{floored_exp.MAX_EXACT_OFF_CPU} of each call nearest them are computed again "
+        f"exactly. The others may be off by tens of nats or more: too high for "
+        f"quadrature (floored factors add mass), too low or -inf for importance sampling "
+        f"over shared draws (underflow), and so is an estimate of log p(x) that sums them. "
+        f"Fix: use float64 (its floors lie 354 nats below the best node or draw, float32's "
+        f"43.7), fewer observations or masks per call (fewer conditionals near the floors at "
+        f"once), or compute on the CPU, where every such conditional is computed again.",
         QuadratureAccuracyWarning,
         stacklevel=user_stacklevel(),
     )
