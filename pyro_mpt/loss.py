@@ -548,12 +548,13 @@ class MPTLoss(ELBO):
                 prepared = prepare_call(
                     conditionals, model, guide, args, kwargs, nesting, signature
                 )
+                # Refused before the check would spend a run on conditionals not used.
+                if self.num_masks != ALL_MASKS:
+                    prepared.check_masked_contexts("MPTLoss with drawn masks")
                 if check:
                     strategy, structure, _ = self._steady_route(signature)
                     call = (model, guide, args, kwargs)
                     prepared = self._check_accuracy(strategy, structure, prepared, call, before)
-            if self.num_masks != ALL_MASKS:
-                prepared.check_masked_contexts("MPTLoss with drawn masks")
             if not self.schedule.unbiased:
                 check_data_not_read(model, args, kwargs, f"MPTLoss with {self.schedule!r}")
             estimates = self._counted_estimate(prepared)
