@@ -236,7 +236,7 @@ class MPTLoss(ELBO):
         # The model's and the guide's parameters, found once per call like the last.
         self._parameters = ParameterLists()
         # Calls so far, and the next at which the strategy checks its accuracy (see
-        # _first_due_call and _due_check).
+        # _first_due_call and _schedule_next_check).
         self._num_calls, self._next_check = 0, self._first_due_call()
         # [checks, failures] of the importance diagnostics of this loss's calls like the last.
         self._accuracy_counts = [0, 0]
@@ -244,7 +244,7 @@ class MPTLoss(ELBO):
         self._pending_check = None
         self._pending_weights = None
         # The count of conditionals the floors kept off the CPU, on the device, and
-        # [checks, failures] of those counts (see _counted_estimate).
+        # [checks, failures] of those counts (see _estimate).
         self._pending_floored = None
         self._floored_counts = [0, 0]
         self._checking = False
@@ -377,26 +377,25 @@ class MPTLoss(ELBO):
         while choosing it."""
         return 2 if self.conditionals.name == "auto" else 1
 
-    def _due_check(self):
-        """Whether this call is one on which the strategy measures its own error on the
-        call's data: the 1st (a strategy given by the user) and the 2nd, the 16th, then every
-        64th (64, 128, ...; the first call from each on, should it have other argument
-        shapes). Every batch is new data and training moves the parameters, so a rule that
-        was accurate can stop being so at any step."""
-        self._checking = self._num_calls >= self._next_check
-        if self._checking:
-            calls = self._num_calls
-            if calls < 2:
-                self._next_check = 2
-            elif calls < _FIRST_CHECK:
-                self._next_check = _FIRST_CHECK
-            else:
-                self._next_check = (calls // 64 + 1) * 64
-        return self._checking
+    def _schedule_next_check(self):
+        """Called on a call on which the strategy measures its own error on the call's data
+        (``_num_calls >= _next_check``): the 1st (a strategy given by the user) and the 2nd,
+        the 16th, then every 64th (64, 128, ...; the first call from each on, should it have
+        other argument shapes). Every batch is new data and training moves the parameters,
+        so a rule that was accurate can stop being so at any step."""
+        calls = self._num_calls
+        if calls < 2:
+            self._next_check = 2
+        elif calls < _FIRST_CHECK:
+            self._next_check = _FIRST_CHECK
+        else:
+            self._next_check = (calls // 64 + 1) * 64
 
     def _steady_prepare_and_estimate(self, model, guide, args, kwargs):
         strategy, structure, _ = self._steady
-        check = self._due_check()
+        check = self._checking = self._num_calls >= self._next_check
+        if check:
+            self._schedule_next_check()
         before = RandomState() if check else None
         # On those calls a linear-Gaussian form is verified again, validation on or off (and
         # by auto's search, if it searches again): parameters trained since the first call
@@ -417,7 +416,7 @@ class MPTLoss(ELBO):
                     raise
                 # Auto's choice no longer applies (the model changed): auto searches again.
                 prepared = self._search_again(model, guide, args, kwargs)
-        return prepared, self._counted_estimate(prepared)
+        return prepared, self._estimate(prepared)
 
     def _search_again(self, model, guide, args, kwargs):
         """``auto``'s search for a call like the last, whose choice then prepares the later
@@ -542,7 +541,9 @@ class MPTLoss(ELBO):
             # A rule given by the user measures itself when due on such calls too (auto
             # measures its choice while it searches): with argument shapes that change from
             # call to call (ragged batches), every call is one.
-            check = conditionals.name != "auto" and self._due_check()
+            check = conditionals.name != "auto" and self._num_calls >= self._next_check
+            if check:
+                self._schedule_next_check()
             before = RandomState() if check else None
             with verify_every_call() if check else contextlib.nullcontext():
                 prepared = prepare_call(
@@ -557,51 +558,51 @@ class MPTLoss(ELBO):
                     prepared = self._check_accuracy(strategy, structure, prepared, call, before)
             if not self.schedule.unbiased:
                 check_data_not_read(model, args, kwargs, f"MPTLoss with {self.schedule!r}")
-            estimates = self._counted_estimate(prepared)
+            estimates = self._estimate(prepared)
         self._steady = self._steady_route(signature)
         return prepared, estimates
 
-    def _counted_estimate(self, prepared):
-        """:meth:`_estimate`, counting on the device the conditionals that the floors kept
-        off the CPU (:func:`~pyro_mpt.ops.floored_exp.floored_ledger`; none on the CPU, where
-        every one is computed again). The count is read with the loss (:meth:`_read`)."""
-        if prepared.observed.value.device.type == _READ_BACK_ON:
-            return self._estimate(prepared)  # every one computed again: nothing to count
-        with floored_exp.floored_ledger() as ledger:
-            estimates = self._estimate(prepared)
-        self._pending_floored = ledger.total()
-        return estimates
-
     def _estimate(self, prepared):
-        if self.num_masks == ALL_MASKS:
-            try:
-                return prepared.mask_average()
-            except NotImplementedError as error:
-                raise ValueError(f"MPTLoss(num_masks='all'): {error}") from None
+        """The per-observation estimates of ``prepared``'s conditionals, counting on the
+        device the conditionals that the floors kept off the CPU
+        (:func:`~pyro_mpt.ops.floored_exp.floored_ledger`; none on the CPU, where every one
+        is computed again). The count is read with the loss (:meth:`_read`)."""
         observed = prepared.observed
-        batch_shape = observed.batch_shape
-        if self.share_masks and observed.entries is not None:
-            raise ValueError(
-                f"share_masks=True draws one mask for the whole batch, but observed site "
-                f"{observed.name!r} has missing entries, so each observation needs masks of "
-                f"its own. Use share_masks=False."
+        every_mask = self.num_masks == ALL_MASKS
+        if not every_mask:
+            batch_shape = observed.batch_shape
+            if self.share_masks and observed.entries is not None:
+                raise ValueError(
+                    f"share_masks=True draws one mask for the whole batch, but observed site "
+                    f"{observed.name!r} has missing entries, so each observation needs masks "
+                    f"of its own. Use share_masks=False."
+                )
+            masks, sizes = sample_masks(
+                self.schedule,
+                self.num_masks,
+                torch.Size() if self.share_masks else batch_shape,
+                observed.value.shape[-1],
+                device=observed.value.device,
+                entries=observed.entries,
+                # The global generator in one process; each data-parallel process a seed of
+                # its own.
+                generator=process_generator(observed.value.device),
             )
-        mask_batch = torch.Size() if self.share_masks else batch_shape
-        masks, sizes = sample_masks(
-            self.schedule,
-            self.num_masks,
-            mask_batch,
-            observed.value.shape[-1],
-            device=observed.value.device,
-            entries=observed.entries,
-            # The global generator in one process; each data-parallel process a seed of its own.
-            generator=process_generator(observed.value.device),
-        )
-        if self.share_masks:
-            masks = masks.reshape((self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:])
-            sizes = sizes.reshape(masks.shape[:-1])
-        counts = None if observed.entries is None else observed.feature_counts()
-        return mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
+            if self.share_masks:
+                shape = (self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:]
+                masks, sizes = masks.reshape(shape), sizes.reshape(shape[:-1])
+        counted = observed.value.device.type != _READ_BACK_ON
+        with floored_exp.floored_ledger() if counted else contextlib.nullcontext() as ledger:
+            if every_mask:
+                try:
+                    estimates = prepared.mask_average()
+                except NotImplementedError as error:
+                    raise ValueError(f"MPTLoss(num_masks='all'): {error}") from None
+            else:
+                counts = None if observed.entries is None else observed.feature_counts()
+                estimates = mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
+        self._pending_floored = None if ledger is None else ledger.total()
+        return estimates
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """Minus the summed MPT estimate, as a differentiable scalar tensor.
@@ -682,7 +683,7 @@ class MPTLoss(ELBO):
         that the call left unread with validation off: whether a linear-Gaussian form still
         holds (:attr:`SelfPredictive.pending_check`) and whether importance weights fail
         (:meth:`ImportanceDiagnostics.failing`, warned of here), and how many conditionals
-        the floors kept off the CPU (:meth:`_counted_estimate`, warned of here). ``None``
+        the floors kept off the CPU (:meth:`_estimate`, warned of here). ``None``
         when the form failed, after which the call is made afresh and verified (the loss's
         value is then not used, and nothing has been back-propagated)."""
         form, weights, floored = self._pending_check, self._pending_weights, self._pending_floored
@@ -792,7 +793,7 @@ def _same_callables(first, second):
 ALL_MASKS = "all"
 
 #: The device on which :func:`~pyro_mpt.ops.floored_exp.exact_where` reads back the
-#: sums near the floors, so that none is left to count (see ``MPTLoss._counted_estimate``).
+#: sums near the floors, so that none is left to count (see ``MPTLoss._estimate``).
 _READ_BACK_ON = "cpu"
 
 #: The call on which ``MPTLoss`` checks a strategy's accuracy next after the 2nd (then

@@ -109,20 +109,13 @@ _CHECK_DRAWS = torch.Generator(device="cpu").manual_seed(0)
 
 def _probe_points(num_latent, dtype, device):
     """The origin, each unit vector, then the two far check points: ``(K + 3, K)``, the
-    same on every call (the prior draws are added per call, :func:`_checked_points`)."""
+    same on every call (the prior draws are added per call, by
+    :func:`extract_gaussian_form`)."""
     direction = check_points(1, num_latent)[0]
     far = _FAR_RADIUS * direction / direction.norm()
     eye = torch.eye(num_latent, device="cpu")
     points = torch.cat([eye.new_zeros(1, num_latent), eye, far[None], -far.flip(0)[None]])
     return points.to(dtype=dtype, device=device)
-
-
-def _checked_points(fixed):
-    """``fixed`` (:func:`_probe_points`) followed by :data:`_NUM_RANDOM_CHECKS` fresh draws
-    of the whitened prior from :data:`_CHECK_DRAWS`."""
-    shape = (_NUM_RANDOM_CHECKS, fixed.shape[-1])
-    draws = torch.randn(shape, generator=_CHECK_DRAWS, dtype=torch.float64)
-    return torch.cat([fixed, draws.to(dtype=fixed.dtype, device=fixed.device)])
 
 
 def _drop_broadcast_dims(matrix):
@@ -211,7 +204,10 @@ def extract_gaussian_form(model, args, kwargs, structure):
         points = _probe_points(structure.latent_dim, first.dtype, first.device)
         if layout is not None:
             _PROBES[layout] = points
-    points = _checked_points(points)
+    # Followed by _NUM_RANDOM_CHECKS fresh draws of the whitened prior from _CHECK_DRAWS.
+    shape = (_NUM_RANDOM_CHECKS, points.shape[-1])
+    draws = torch.randn(shape, generator=_CHECK_DRAWS, dtype=torch.float64)
+    points = torch.cat([points, draws.to(dtype=points.dtype, device=points.device)])
     run = run_at_points(model, args, kwargs, structure, points)
     observed, fn = run.observed, run.fn
     base = unwrap_independent(fn)

@@ -88,33 +88,6 @@ def _entry_mask(name, mask, inner, event_shape, full_shape, num_feature_dims):
     return None if bool(mask.all()) else mask
 
 
-def _check_dtype(name, value, fn):
-    if not torch.is_tensor(value):
-        kind = type(value).__module__ + "." + type(value).__name__
-        raise TypeError(
-            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
-            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
-        )
-    base = unwrap_independent(fn)
-    discrete = getattr(base.support, "is_discrete", False)
-    family = type(base).__name__
-    if value.dtype == torch.bool or (
-        isinstance(base, torch.distributions.Bernoulli) and not value.is_floating_point()
-    ):
-        # Bernoulli's log-density (and others' under bool) does float arithmetic on the
-        # value: torch fails with a casting error of its own.
-        raise TypeError(
-            f"Observed site {name!r} holds {value.dtype} data under a {family} likelihood, "
-            f"which scores floats (0. and 1. for a Bernoulli). Convert it, e.g. x = x.float()."
-        )
-    if not value.is_floating_point() and not discrete:
-        raise TypeError(
-            f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
-            f"{family} likelihood. Convert it to floats, e.g. "
-            f"x = x.float()."
-        )
-
-
 def read_observed_site(site, full_shape, num_batch, checked=False):
     """The :class:`ObservedSite` of ``site``, whose distribution has the batch and event
     shape ``full_shape`` (after any leading dims of points or samples), of which the first
@@ -145,15 +118,41 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     if entries is not None:
         value = _fill_missing(value, entries)
     unfilled = None if value is given else given
-    if validate:
-        _check_support(name, unwrap_independent(fn), value, entries, num_feature_dims)
+    base = unwrap_independent(fn)
+    # A real support holds every finite value: the NaN check above covers it.
+    if validate and base.support is not constraints.real:
+        _check_support(name, base, value, entries, num_feature_dims)
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
 
 
 def _check_value(name, value, fn, full_shape):
     """Raises for an observed value that is not a tensor, holds integers under a continuous
-    likelihood, or does not broadcast to the distribution's shape ``full_shape``."""
-    _check_dtype(name, value, fn)
+    likelihood (or booleans, or integers under a Bernoulli), or does not broadcast to the
+    distribution's shape ``full_shape``."""
+    if not torch.is_tensor(value):
+        kind = type(value).__module__ + "." + type(value).__name__
+        raise TypeError(
+            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
+            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
+        )
+    base = unwrap_independent(fn)
+    discrete = getattr(base.support, "is_discrete", False)
+    family = type(base).__name__
+    if value.dtype == torch.bool or (
+        isinstance(base, torch.distributions.Bernoulli) and not value.is_floating_point()
+    ):
+        # Bernoulli's log-density (and others' under bool) does float arithmetic on the
+        # value: torch fails with a casting error of its own.
+        raise TypeError(
+            f"Observed site {name!r} holds {value.dtype} data under a {family} likelihood, "
+            f"which scores floats (0. and 1. for a Bernoulli). Convert it, e.g. x = x.float()."
+        )
+    if not value.is_floating_point() and not discrete:
+        raise TypeError(
+            f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
+            f"{family} likelihood. Convert it to floats, e.g. "
+            f"x = x.float()."
+        )
     shape = value.shape
     broadcasts = len(shape) <= len(full_shape)
     for size, target in zip(reversed(shape), reversed(full_shape)):
@@ -227,9 +226,7 @@ def _fill_missing(value, entries):
 def _check_support(name, fn, value, entries, num_feature_dims):
     """Raises ``ValueError`` for observed entries outside the support of ``fn``, when the
     support does not depend on the distribution's parameters."""
-    # Boolean tests are slow on CPUs: the two common supports are checked by arithmetic.
-    if fn.support is constraints.real and bool(torch.isfinite(value.sum())):
-        return
+    # Boolean tests are slow on CPUs: the common binary support is checked by arithmetic.
     if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
         return
     if fn.event_shape:
