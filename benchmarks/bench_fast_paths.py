@@ -203,8 +203,12 @@ def run(device="cpu", steps=5, repeats=5, seed=0):
     plain_share, fast_share = subnormal_share(device, seed)
     config.update(
         every_mask=dict(
-            hidden=HIDDEN, samples=EVERY_MASK_SAMPLES, images=EVERY_MASK_IMAGES, spread=SPREAD,
-            plain_subnormal_share=plain_share, fast_subnormal_share=fast_share,
+            hidden=HIDDEN,
+            samples=EVERY_MASK_SAMPLES,
+            images=EVERY_MASK_IMAGES,
+            spread=SPREAD,
+            plain_subnormal_share=plain_share,
+            fast_subnormal_share=fast_share,
         )
     )
     return make_report(device, results, config, steps=steps, repeats=repeats)

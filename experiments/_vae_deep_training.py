@@ -166,8 +166,7 @@ def masks_text(cfg, proposals="masks"):
     masks = cfg.get("train_masks", 1)
     if proposals in EVERY_MASK:
         return (
-            f"every mask, averaged exactly, the unmasked image drawing all "
-            f"{cfg['train_samples']}"
+            f"every mask, averaged exactly, the unmasked image drawing all {cfg['train_samples']}"
         )
     if proposals == "unmasked":
         return (

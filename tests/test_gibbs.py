@@ -1,6 +1,5 @@
 """gibbs: block Gibbs chains against the model's joint distribution."""
 
-
 import pyro
 import pyro.distributions as dist
 import pytest

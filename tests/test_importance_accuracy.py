@@ -544,7 +544,11 @@ def test_a_row_that_sees_nothing_measures_its_proposal_against_the_prior():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         draws = impute(
-            _model, x, missing=missing, guide=guide, conditionals=ImportanceSampling(256),
+            _model,
+            x,
+            missing=missing,
+            guide=guide,
+            conditionals=ImportanceSampling(256),
             num_samples=2000,
         )
     # The prior predictive mean of row 0 is B; its draws lean toward the hidden values.
