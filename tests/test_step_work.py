@@ -184,12 +184,12 @@ def test_a_steady_step_finds_its_structure_by_identity(name, validation):
         svi.step(data[16:32])
         with _called() as names:
             svi.step(data[32:48])
-    assert {"call_signature", "read_structure", "_check_dtype"} <= first
+    assert {"call_signature", "read_structure", "_check_value"} <= first
     assert "call_signature" not in names
     assert "_Same.__eq__" not in names
     assert "read_structure" not in names
     # Data whose shape and dtype the key fixes is checked again only under validation.
-    assert ("_check_dtype" in names) == validation
+    assert ("_check_value" in names) == validation
     if name == "exact":
         # The first step verified the affine form; later ones again only under validation.
         assert "_verify_affine" in first
