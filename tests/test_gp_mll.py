@@ -53,7 +53,7 @@ def test_conditionals_match_a_dense_schur_complement():
     mll = MaskedPredictiveLogLikelihood(likelihood, model)
     marginal = likelihood(model(x))
     cov, loc = marginal.covariance_matrix, marginal.mean
-    for size in (1, 4, 8, 9):
+    for size in (0, 1, 4, 8, 9):  # a mask that holds nothing out has no conditional
         mask = torch.zeros(9, dtype=torch.bool)
         mask[torch.randperm(9)[:size]] = True
         log_p = mll.masked_log_prob(model(x), y, mask)
@@ -61,6 +61,14 @@ def test_conditionals_match_a_dense_schur_complement():
         assert log_p.shape == (size,)
         for value, j in zip(log_p, torch.nonzero(mask).flatten().tolist()):
             assert value.item() == pytest.approx(expected[j].item(), abs=1e-10)
+
+
+def test_a_batch_with_nothing_held_out_scores_no_output():
+    x, y, likelihood, model = _problem(num_data=5, batch_shape=(3,))
+    mll = MaskedPredictiveLogLikelihood(likelihood, model)
+    log_p = mll.masked_log_prob(model(x), y, torch.zeros(5, dtype=torch.bool))
+    assert log_p.shape == (3, 0)
+    assert log_p.dtype == torch.float64
 
 
 def test_conditionals_match_refitting_an_exact_gp_on_the_context():

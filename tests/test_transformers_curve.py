@@ -5,6 +5,7 @@ import itertools
 import math
 import os
 import types
+import warnings
 
 import pytest
 import torch
@@ -253,6 +254,31 @@ def test_bad_arguments_raise_clear_errors(tokenizer):
         mlm_mpt_curve(model, tokenizer, texts, num_masks=0)
     with pytest.raises(TypeError, match="batch_size must be a positive int"):
         mlm_mpt_curve(model, tokenizer, texts, batch_size=2.5)
+    ids = torch.tensor([[2, 5, 6, 3]])
+    with pytest.raises(TypeError, match=r"shape \(1, 4\) and dtype torch.float32; token ids"):
+        mlm_mpt_curve(model, tokenizer, ids.float())
+    with pytest.raises(TypeError, match=r"shape \(1, 1, 4\) and dtype torch.int64"):
+        mlm_mpt_curve(model, tokenizer, ids[None])
+    with pytest.raises(TypeError, match=r"texts\[0\] holds float 6.0 at position 2"):
+        mlm_mpt_curve(model, tokenizer, [[2, 5, 6.0, 3]])
+
+
+def test_unknown_tokens_are_warned_of_as_never_masked(tokenizer):
+    """Text the vocabulary lacks (capitals, for these lowercase letters) becomes [UNK], a
+    special token: never masked, always seen, so the score is not that of the text."""
+    model = _bert(len(tokenizer), hidden=16, layers=1)
+    with pytest.warns(
+        UserWarning,
+        match=r"1 of the 2 sequences hold the unknown token '\[UNK\]' "
+        r"\(2 in all; the first: texts\[1\]\)",
+    ):
+        mlm_mpt_curve(model, tokenizer, ["a b c", "a B C"], num_masks=1)
+    unk = tokenizer.unk_token_id
+    with pytest.warns(UserWarning, match="never masked but stays visible"):
+        mlm_mpt_curve(model, tokenizer, [[2, 5, unk, 3]], num_masks=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlm_mpt_curve(model, tokenizer, ["a b c", "d e"], num_masks=1)
 
 
 def test_half_precision_models_score_in_float32(tokenizer):

@@ -159,8 +159,12 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
     tasks, targets of shape ``(..., n, t)`` as for ``ExactMarginalLogLikelihood``) the tokens
     are the ``N = n t`` scalar outputs: a mask hides single (input, task) entries, each
     scored given every output left visible, under the Gaussian over the stacked outputs in
-    GPyTorch's layout (interleaved or not). The estimate is again unbiased for
-    ``ExactMarginalLogLikelihood``, which divides by ``n t``. The likelihood
+    GPyTorch's layout (interleaved or not). The estimate is again unbiased for the log
+    marginal likelihood over the ``n t`` outputs, which ``ExactMarginalLogLikelihood``
+    divides by ``n t``. For an output stored task by task (``interleaved=False``), GPyTorch
+    1.15's ``MultitaskMultivariateNormal.log_prob``, and so ``ExactMarginalLogLikelihood``,
+    differs from the density of the same normal stored interleaved; this estimate follows
+    the latter, the dense normal's (``tests/test_gp_multitask.py``). The likelihood
     (``MultitaskGaussianLikelihood``) evaluates the ``n x n`` input kernel, so only the
     Cholesky factor shrinks to ``|R| x |R|``.
 
@@ -296,6 +300,8 @@ class MaskedPredictiveLogLikelihood(ExactMarginalLogLikelihood):
                 f"shape), got shape {tuple(mask.shape)} and dtype {mask.dtype}."
             )
         output = self.likelihood(function_dist, *params, **kwargs)
+        if not bool(mask.any()):  # nothing held out: no conditional to score
+            return output.mean.new_zeros(output.batch_shape + (0,))
         return self._masked_log_prob(output, target, mask.reshape(num_data))
 
     def _masked_log_prob(self, output, target, mask):

@@ -3,12 +3,13 @@ masked tokens at each masking rate, and its area, an estimate of log p(x)."""
 
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 
 import torch
 
 from pyro_mpt.diagnostics.curve import MPTCurve, check_rates, default_rates, rate_sizes
-from pyro_mpt.errors import check_positive_int
+from pyro_mpt.errors import check_positive_int, user_stacklevel
 from pyro_mpt.ops.masks import masks_of_sizes
 from pyro_mpt.progress import progress_bar
 from pyro_mpt.transformers._padding import read_encoding
@@ -97,24 +98,65 @@ def _encode(tokenizer, texts, max_length):
         kwargs = dict(truncation=max_length is not None, add_special_tokens=True)
         if max_length is not None:
             kwargs["max_length"] = max_length
-        return [list(ids) for ids in tokenizer(list(texts), **kwargs)["input_ids"]]
+        encoded = [list(ids) for ids in tokenizer(list(texts), **kwargs)["input_ids"]]
+        _warn_if_unknown(tokenizer, encoded)
+        return encoded
+    if isinstance(texts, torch.Tensor) and (
+        texts.dim() != 2 or texts.is_floating_point() or texts.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"texts is a tensor of shape {tuple(texts.shape)} and dtype {texts.dtype}; token "
+            f"ids come as a 2-D integer tensor (batch, length), e.g. "
+            f"tokenizer(texts, return_tensors='pt')['input_ids'], or a list of lists of ints."
+        )
     closing = _closing_ids(tokenizer)
     encoded = []
     for index, ids in enumerate(texts):
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        if isinstance(ids, str) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
-        ):
+        if isinstance(ids, str) or not hasattr(ids, "__iter__"):
             raise TypeError(
                 f"texts[{index}] must be a string or a list of token ids; texts mixes kinds or "
                 f"holds {type(ids).__name__}. Pass all strings or all lists of ints."
+            )
+        ids = list(ids)
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(
+                f"texts[{index}] holds {type(bad[0]).__name__} {bad[0]!r} at position "
+                f"{ids.index(bad[0])}, not a token id; token ids are ints (a torch.long "
+                f"tensor). Pass all strings or all lists of ints."
             )
         # Padding (of a batch padded by a tokenizer, on either side) is not part of the
         # sequence: a padded row scores as the same row unpadded.
         ids = _strip_padding([int(t) for t in ids], tokenizer.pad_token_id)
         encoded.append(_truncated(ids, max_length, closing))
+    _warn_if_unknown(tokenizer, encoded)
     return encoded
+
+
+def _warn_if_unknown(tokenizer, encoded):
+    """Warns when sequences hold the tokenizer's unknown token (``[UNK]``, what it makes of
+    text its vocabulary lacks, e.g. lowercase letters for a cased vocabulary): like every
+    special token it is never masked and the model sees it, so a sequence's score is that of
+    its other tokens given it, not of the text."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    counts = [ids.count(unk) for ids in encoded]
+    holding = [index for index, count in enumerate(counts) if count]
+    if not holding:
+        return
+    warnings.warn(
+        f"{len(holding)} of the {len(encoded)} sequences hold the unknown token "
+        f"{tokenizer.unk_token!r} ({sum(counts)} in all; the first: texts[{holding[0]}]), "
+        f"which the tokenizer makes of text its vocabulary lacks. Like every special token it "
+        f"is never masked but stays visible, so each such sequence is scored as its other "
+        f"tokens given it, not as the text. Write the text in the vocabulary's alphabet "
+        f"(e.g. the case it expects) or drop what it cannot spell.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _model_limits(model):
@@ -319,7 +361,8 @@ def mlm_mpt_curve(
     :param texts: a list of strings (tokenized with special tokens), of lists of token ids
         or a ``(B, L)`` tensor (used as given; the padding token at either end is dropped
         and elsewhere not attended to, so a padded row scores as unpadded; special tokens
-        are never masked), or a tokenizer's output (its ``input_ids`` where its
+        are never masked, the unknown token ``[UNK]`` among them, which is warned of), or a
+        tokenizer's output (its ``input_ids`` where its
         ``attention_mask`` keeps them; one segment each: sentence pairs, whose
         ``token_type_ids`` mark a second segment, are refused).
     :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%).
