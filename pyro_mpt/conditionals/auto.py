@@ -77,13 +77,15 @@ MAX_NODES, MAX_LIKELIHOOD_ENTRIES = 4096, 2**24
 NUM_PROBE_MASKS = 4
 
 
-def too_coarse(gap):
+def too_coarse(gap, tolerance=None):
     """Whether a rule whose refinement moved ``log p(x)`` by ``gap`` (a
     :class:`~pyro_mpt.conditionals.base.RuleGap`) is off by more than the data allow: past
-    :data:`ACCURACY_TOL` on average or :data:`WORST_TOL` at any observation, or whose finer
-    rule holds more than :data:`~pyro_mpt.conditionals.base.MAX_EDGE_SHARE` of an
-    observation's posterior on its outermost nodes."""
-    return gap.mean > ACCURACY_TOL or gap.worst > WORST_TOL or gap.edge > MAX_EDGE_SHARE
+    ``tolerance`` (None: :data:`ACCURACY_TOL`) on average or :data:`WORST_TOL` at any
+    observation, or whose finer rule holds more than
+    :data:`~pyro_mpt.conditionals.base.MAX_EDGE_SHARE` of an observation's posterior on its
+    outermost nodes."""
+    tolerance = ACCURACY_TOL if tolerance is None else tolerance
+    return gap.mean > tolerance or gap.worst > WORST_TOL or gap.edge > MAX_EDGE_SHARE
 
 
 def _gap_text(rule):

@@ -224,6 +224,13 @@ class Conditionals(ABC):
     #: and the fix it names.
     accuracy_warning = UserWarning
     accuracy_fix = "use exact or quadrature conditionals where the model allows."
+    #: How many nats per observation :meth:`checked_gap` may find on average before the
+    #: conditionals count as off; None: :data:`~pyro_mpt.conditionals.auto.ACCURACY_TOL`.
+    gap_tolerance = None
+    #: Whether :meth:`checked_gap` measures the conditionals' MPT estimate against a
+    #: reference of ``log p(x)`` rather than the strategy's own ``log p(x)``: a caller that
+    #: uses ``log p(x)`` alone (:func:`~pyro_mpt.log_marginal`) has no use for it.
+    gap_of_mpt_estimate = False
 
     @property
     def in_use(self):
@@ -291,6 +298,15 @@ def gap_sentence(strategy, gap, compared_with):
             f"{strategy!r} estimates log p(x) at least {gap.mean:.2g} nats per observation "
             f"below an importance-sampling lower bound of it (the batch's mean shortfall, "
             f"less four standard errors)"
+        )
+    if compared_with == "importance above":
+        return (
+            f"{strategy!r} estimates log p(x) about {gap.mean:.2g} nats per observation "
+            f"above an importance-sampling estimate of it with the guide on the whole "
+            f"observation, whose weights are reliable (the batch's mean excess, less that "
+            f"estimate's own first-order bias and four standard errors): a guide fitted to "
+            f"whole observations proposes too narrowly for masked ones, whose conditionals "
+            f"then come out too high"
         )
     if compared_with == "finer":
         sentence = (

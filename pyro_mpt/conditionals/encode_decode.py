@@ -6,13 +6,17 @@ import warnings
 
 import torch
 
-from pyro_mpt.conditionals.base import Conditionals, RuleGap, SelfPredictive
+from pyro_mpt.conditionals.base import Conditionals, SelfPredictive
 from pyro_mpt.conditionals.encode_decode_diagnostics import (
     BENCHMARK_ERRORS,
     EncodeDecodeDiagnostics,
 )
-from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.conditionals.likelihood_draws import observation_draws
+from pyro_mpt.conditionals.reference_check import (
+    NUM_CHECK_MASKS,
+    NUM_REFERENCE_SAMPLES,
+    mpt_gap_to_reference,
+)
 from pyro_mpt.errors import (
     NotApplicableError,
     UnmeasuredAccuracyWarning,
@@ -20,7 +24,7 @@ from pyro_mpt.errors import (
     user_stacklevel,
 )
 from pyro_mpt.ops.bernoulli import observed_log_prob
-from pyro_mpt.ops.masks import UniformRate, mpt_estimate, sample_masks, select_masked
+from pyro_mpt.ops.masks import select_masked
 from pyro_mpt.ops.self_normalised_importance import check_fill, fill_masked, importance_log_marginal
 from pyro_mpt.trace.factors import factor_log_prob
 from pyro_mpt.trace.guide_densities import observed_tensor
@@ -36,9 +40,7 @@ __all__ = ["NUM_BOUND_SAMPLES", "NUM_CHECK_MASKS", "EncodeDecode", "EncodeDecode
 
 #: Draws of the guide on the whole observation for the importance-sampling lower bound of
 #: ``log p(x)`` that ``MPTLoss`` holds the conditionals' estimate to.
-NUM_BOUND_SAMPLES = 64
-#: Uniform-size masks per observation of the estimate held to that bound.
-NUM_CHECK_MASKS = 4
+NUM_BOUND_SAMPLES = NUM_REFERENCE_SAMPLES
 
 
 class EncodeDecodeSelfPredictive(SelfPredictive):
@@ -338,11 +340,15 @@ class EncodeDecode(Conditionals):
             f"num_samples={self.num_samples}, fill={self.fill!r}{refill})"
         )
 
+    gap_of_mpt_estimate = True
+
     def checked_gap(
         self, prepared, model, guide, args, kwargs, structure=None, restore=None, context=None
     ):
         """How far below ``log p(x)`` the conditionals' MPT estimate lies at least, on the
-        call's data (:func:`_mpt_shortfall`): ``(gap, "importance")``, or ``(None, None)``
+        call's data (below an importance-sampling lower bound of it,
+        :func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`):
+        ``(gap, "importance")``, or ``(None, None)``
         where it cannot be measured. ``MPTLoss`` measures it on the 1st and 2nd step, the
         16th and every 64th, and warns past a hundredth of a nat per observation; ``context`` (the
         check of given entries) is not measured."""
@@ -350,8 +356,7 @@ class EncodeDecode(Conditionals):
             return None, None
         if restore is not None:
             restore()
-        gap = _mpt_shortfall(self, prepared, model, guide, args, kwargs)
-        return (None, None) if gap is None else (gap, "importance")
+        return mpt_gap_to_reference(prepared, model, guide, args, kwargs, above=False)
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):
         # The model is read, and the guide checked, once per model, guide and argument shapes.
@@ -401,39 +406,6 @@ class EncodeDecode(Conditionals):
         return EncodeDecodeSelfPredictive(
             guided, num_iterations, self.num_samples, self.fill, self.refill
         )
-
-
-def _mpt_shortfall(strategy, prepared, model, guide, args, kwargs):
-    """How far the uniform-rate MPT estimate of ``prepared`` (encode-decode conditionals)
-    lies below an importance-sampling estimate of ``log p(x)`` from the guide on the whole
-    observation, which is a lower bound of it in expectation: a
-    :class:`~pyro_mpt.conditionals.base.RuleGap` whose figures are the batch's mean
-    shortfall less four standard errors (0 when it is not past them), or None where
-    importance sampling does not apply. Leaves the random state as it found it."""
-    observed = prepared.observed
-    with same_random_state(), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the bound's own weights are not the question
-        try:
-            bound = ImportanceSampling(NUM_BOUND_SAMPLES).prepare(model, guide, args, kwargs)
-        except NotApplicableError:
-            return None
-        bound = bound.log_marginal()
-        masks, sizes = sample_masks(
-            UniformRate(),
-            NUM_CHECK_MASKS,
-            observed.batch_shape,
-            observed.value.shape[-1],
-            device=observed.value.device,
-            entries=observed.entries,
-        )
-        counts = None if observed.entries is None else observed.feature_counts()
-        estimate = mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
-    shortfall = (bound - estimate).double().flatten()
-    if shortfall.numel() < 2:
-        return None
-    stderr = float(shortfall.std()) / math.sqrt(shortfall.numel())
-    below = max(0.0, float(shortfall.mean()) - 4 * stderr)
-    return RuleGap(below, below)
 
 
 def _check_decoder_and_encoder(guided):

@@ -42,10 +42,11 @@ def prepare_checked(
     """``strategy.prepare(...)``, and with ``check_rule`` the rule's check of itself on the
     same data, from the same random state (the same subsample), leaving the caller's random
     state as the preparation alone leaves it: a quadrature rule against a finer one,
-    encode-decode against an importance-sampling lower bound of ``log p(x)``
+    encode-decode and importance sampling against an importance-sampling estimate of
+    ``log p(x)`` with the guide on the whole observation
     (:meth:`~pyro_mpt.conditionals.Conditionals.checked_gap`). Strategies with no such
-    measure (exact, importance) are not checked, nor ``auto``, which measures the rule it
-    chooses while choosing it and warns itself.
+    measure (exact) are not checked, nor ``auto``, which measures the rule it chooses
+    while choosing it and warns itself.
 
     :param str caller: the function's name, for the warning.
     :param scored: if given, called with the prepared conditionals before the check: it may
@@ -140,14 +141,17 @@ def _measure(strategy, prepared, call, structure, before, context=None):
 
 def _warn_if_coarse(strategy, gap, compared_with, caller, context=None, completed=False):
     """The warning of a rule whose gap is past the limits (none otherwise)."""
-    if gap is None or not gap.measured() or not too_coarse(gap):
+    if gap is None or not gap.measured() or not too_coarse(gap, strategy.gap_tolerance):
         return
     sentence = gap_sentence(strategy, gap, compared_with)
-    if compared_with == "importance":
+    if compared_with in ("importance", "importance above"):
+        tolerance = ACCURACY_TOL if strategy.gap_tolerance is None else strategy.gap_tolerance
+        below = compared_with == "importance"
         warnings.warn(
-            f"{caller} with {sentence}, so its values are at least about that far off "
-            f"(the figure is a lower bound of the error; a shortfall of "
-            f"{ACCURACY_TOL:g} nats per observation is tolerated). Fix: "
+            f"{caller} with {sentence}, so its values are "
+            f"{'at least ' if below else ''}about that far off (the figure is "
+            f"{'a lower bound of' if below else 'an estimate of'} the error; "
+            f"{tolerance:g} nats per observation is tolerated). Fix: "
             f"{strategy.accuracy_fix}",
             strategy.accuracy_warning,
             stacklevel=user_stacklevel(),

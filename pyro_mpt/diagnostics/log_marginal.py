@@ -84,6 +84,8 @@ def log_marginal(
                 raise ValueError(f"conditionals={strategy!r}: {error}") from None
 
         with refusing_subsampled_plates("log_marginal returns one value per observation"):
+            # A check of the conditionals' MPT estimate says nothing of log p(x) alone.
+            check_rule = check_rule and not strategy.gap_of_mpt_estimate
             prepared = prepare_checked(
                 strategy, *call, max_plate_nesting, check_rule, "log_marginal", whole
             )
