@@ -72,6 +72,11 @@ def test_explicit_orderings_match_the_chain_rule_summed_by_hand(tokenizer):
     # The orderings disagree by far more than the tolerance, so the check tells them apart.
     assert float(expected.max() - expected.min()) > 1e-2
     assert torch.allclose(result.mean, result.values.mean(0))
+    # Without num_orderings, the orderings say how many there are.
+    alone = mlm_ordering_log_likelihoods(
+        model, tokenizer, ids[None], orderings=orderings[:1], progress=False
+    )
+    assert torch.allclose(alone.values.double(), expected[:1].double(), atol=1e-5, rtol=0)
 
 
 def test_random_orderings_are_orderings_of_the_content_tokens(tokenizer):

@@ -182,7 +182,7 @@ def mlm_ordering_log_likelihoods(
     model,
     tokenizer,
     sequences,
-    num_orderings=8,
+    num_orderings=None,
     *,
     attention_mask=None,
     orderings=None,
@@ -226,7 +226,8 @@ def mlm_ordering_log_likelihoods(
         ``(B, L)`` tensor of token ids, or a dict such as a tokenizer's output with
         ``input_ids`` and ``attention_mask``. Padding is never attended to, and a row's
         leading padding is moved to its end, so that a padded row scores as unpadded.
-    :param int num_orderings: random orderings per sequence (at least 2 for a spread).
+    :param int num_orderings: random orderings per sequence (at least 2 for a spread);
+        None: 8, or with ``orderings`` their leading size.
     :param attention_mask: with ``sequences`` of ids, ``(B, L)`` or one list per sequence,
         0 at padding (default: 0 at the tokenizer's padding token).
     :param torch.Tensor orderings: explicit orderings instead of random ones: long
@@ -261,6 +262,9 @@ def mlm_ordering_log_likelihoods(
         >>> result.values.shape  # doctest: +SKIP
         torch.Size([4, 1])
     """
+    if num_orderings is None:
+        given = None if orderings is None else torch.as_tensor(orderings)
+        num_orderings = 8 if given is None or given.dim() != 3 else given.shape[0]
     num_orderings = check_positive_int(
         "num_orderings",
         num_orderings,
