@@ -304,9 +304,9 @@ def gap_sentence(strategy, gap, compared_with):
             f"{strategy!r} estimates log p(x) about {gap.mean:.2g} nats per observation "
             f"above an importance-sampling estimate of it with the guide on the whole "
             f"observation, whose weights are reliable (the batch's mean excess, less that "
-            f"estimate's own first-order bias and four standard errors): a guide fitted to "
-            f"whole observations proposes too narrowly for masked ones, whose conditionals "
-            f"then come out too high"
+            f"estimate's own first-order bias and four standard errors), as when a guide "
+            f"fitted to whole observations proposes too narrowly for masked ones, whose "
+            f"conditionals then come out too high"
         )
     if compared_with == "finer":
         sentence = (
