@@ -185,7 +185,11 @@ _NON_FINITE_FIXES = {
 
 
 def _check_nan(name, value, entries):
-    """Raises for an infinite or NaN value among the entries of ``value`` that count."""
+    """Raises for an infinite or NaN value among the entries of ``value`` that count: one
+    read of the device when there is none."""
+    finite = torch.isfinite(value)
+    if bool((finite if entries is None else finite | ~entries).all()):
+        return
     for kind, stray in (("infinite", torch.isinf(value)), ("NaN", torch.isnan(value))):
         if entries is not None:
             stray = stray & entries
