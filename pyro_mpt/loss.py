@@ -444,7 +444,7 @@ class MPTLoss(ELBO):
         # A rule that cannot be refined (at MAX_POINTS) is compared with a coarser one, as
         # the package's functions compare it: a rule auto chose at that limit is checked too.
         gap, compared_with = strategy.checked_gap(
-            prepared, *call, structure=structure, restore=before.restore
+            prepared, *call, structure=structure, restore=before.restore, num_masks=self.num_masks
         )
         after.restore()
         if gap is None:  # a strategy with no such measure

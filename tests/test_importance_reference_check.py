@@ -120,15 +120,29 @@ def test_the_mpt_curve_checks_itself_and_log_marginal_does_not():
     torch.testing.assert_close(value, exact)
 
 
-def test_pooled_draws_are_not_checked():
-    """Pooled draws' estimate depends on the caller's masks per observation."""
+def test_pooled_draws_are_checked_with_the_loss_s_masks_per_observation():
+    """Pooled draws' estimate depends on the masks per observation: ``MPTLoss`` checks it
+    with its own ``num_masks``; ``mpt_curve``, whose masks per observation vary by size, does
+    not check it."""
     pyro.set_rng_seed(0)
-    model, data, _, guide, _ = _problem(noise=0.1)
-    loss = MPTLoss(conditionals=ImportanceSampling(16, share_samples=True), num_masks=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loss.estimate(model, guide, data)
-    assert loss.rule_check is None
+    model, data, exact, guide, _ = _problem(noise=0.1)
+    strategy = ImportanceSampling(16, share_samples=True, num_proposals=2)
+    loss = MPTLoss(conditionals=strategy, num_masks=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors = torch.stack([loss.estimate(model, guide, data).detach() for _ in range(8)])
+        figure = loss.rule_check["mean_gap"]
+    per_call = (errors - exact).mean(-1)
+    true_error = float(per_call.mean())
+    stderr = float(per_call.std()) / len(per_call) ** 0.5
+    assert true_error > 1.0
+    assert loss.rule_check["compared_with"] == "importance above"
+    assert 0.3 * true_error < figure < true_error + 4 * stderr
+    assert _reference_warnings(caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mpt_curve(model, data, conditionals=strategy, guide=guide, num_masks=2)
+    assert not _reference_warnings(caught)
 
 
 def test_every_mask_is_refused_before_a_check_of_drawn_masks_spends_runs():

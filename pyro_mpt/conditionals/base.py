@@ -248,7 +248,16 @@ class Conditionals(ABC):
         return None
 
     def checked_gap(
-        self, prepared, model, guide, args, kwargs, structure=None, restore=None, context=None
+        self,
+        prepared,
+        model,
+        guide,
+        args,
+        kwargs,
+        structure=None,
+        restore=None,
+        context=None,
+        num_masks=None,
     ):
         """:meth:`refinement_gap` against 1.5 times the nodes, or, for a rule that cannot be
         refined, against two thirds of them (a sign that the rule is still moving, not a
@@ -256,7 +265,9 @@ class Conditionals(ABC):
         strategy with no such measure. ``restore``, if given, is called before each rule is
         prepared (to put back the random state ``prepared`` was made from). ``context``, if
         given, restricts the ``log p`` compared to those entries (booleans ``batch + (D,)``;
-        passed on to :meth:`refinement_gap` only then)."""
+        passed on to :meth:`refinement_gap` only then). ``num_masks``: the masks per
+        observation of the caller's MPT estimate, where it draws them (``MPTLoss``), for the
+        strategies whose check measures that estimate (:attr:`gap_of_mpt_estimate`)."""
         call = (prepared, model, guide, args, kwargs)
         options = {"structure": structure}
         if context is not None:

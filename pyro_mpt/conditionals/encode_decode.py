@@ -343,7 +343,16 @@ class EncodeDecode(Conditionals):
     gap_of_mpt_estimate = True
 
     def checked_gap(
-        self, prepared, model, guide, args, kwargs, structure=None, restore=None, context=None
+        self,
+        prepared,
+        model,
+        guide,
+        args,
+        kwargs,
+        structure=None,
+        restore=None,
+        context=None,
+        num_masks=None,
     ):
         """How far below ``log p(x)`` the conditionals' MPT estimate lies at least, on the
         call's data (below an importance-sampling lower bound of it,
@@ -356,6 +365,7 @@ class EncodeDecode(Conditionals):
             return None, None
         if restore is not None:
             restore()
+        # Each mask's draws are its own: the masks per observation do not change the estimate.
         return mpt_gap_to_reference(prepared, model, guide, args, kwargs, above=False)
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf):

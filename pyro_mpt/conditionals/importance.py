@@ -597,25 +597,37 @@ class ImportanceSampling(Conditionals):
     gap_of_mpt_estimate = True
 
     def checked_gap(
-        self, prepared, model, guide, args, kwargs, structure=None, restore=None, context=None
+        self,
+        prepared,
+        model,
+        guide,
+        args,
+        kwargs,
+        structure=None,
+        restore=None,
+        context=None,
+        num_masks=None,
     ):
         """How far the conditionals' MPT estimate lies from an importance-sampling estimate
         of ``log p(x)`` with the guide on the whole observation
         (:func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`): below it (a
         lower bound of the error), or above it where its weights are reliable (a guide
         fitted to whole observations proposing too narrowly for masked ones). ``MPTLoss``
-        measures it on its checked steps and warns past :attr:`gap_tolerance`. Not measured
-        for pooled draws (``share_samples``), whose estimate depends on the caller's masks
-        per observation, nor for ``context`` (the check of given entries): ``(None, None)``.
+        measures it on its checked steps and warns past :attr:`gap_tolerance`. Pooled draws
+        (``share_samples``) make an estimate that depends on the masks per observation: they
+        are measured with the caller's ``num_masks``, and not where it is not given. Not
+        measured for ``context`` (the check of given entries): ``(None, None)``.
         """
-        if context is not None or self.share_samples:
+        if context is not None or (self.share_samples and num_masks is None):
             return None, None
         # Here, not at the top: the check prepares importance conditionals of its own.
-        from pyro_mpt.conditionals.reference_check import mpt_gap_to_reference
+        from pyro_mpt.conditionals.reference_check import NUM_CHECK_MASKS, mpt_gap_to_reference
 
         if restore is not None:
             restore()
-        return mpt_gap_to_reference(prepared, model, guide, args, kwargs)
+        if not self.share_samples:
+            num_masks = NUM_CHECK_MASKS  # each mask's draws are its own
+        return mpt_gap_to_reference(prepared, model, guide, args, kwargs, num_masks=num_masks)
 
     def prepare(self, model, guide, args, kwargs, max_plate_nesting=math.inf, signature=None):
         """See :meth:`Conditionals.prepare`.

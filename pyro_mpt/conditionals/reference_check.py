@@ -31,7 +31,9 @@ NUM_REFERENCE_SAMPLES = 64
 NUM_CHECK_MASKS = 4
 
 
-def mpt_gap_to_reference(prepared, model, guide, args, kwargs, above=True):
+def mpt_gap_to_reference(
+    prepared, model, guide, args, kwargs, above=True, num_masks=NUM_CHECK_MASKS
+):
     """How far the uniform-rate MPT estimate of ``prepared``'s conditionals lies from the
     reference, per observation on the batch's mean, less four standard errors (0 when not
     past them): ``(gap, compared_with)`` with ``compared_with`` ``"importance"`` for an
@@ -39,7 +41,8 @@ def mpt_gap_to_reference(prepared, model, guide, args, kwargs, above=True):
     ``"importance above"`` for one above a reference whose weights are reliable, less that
     reference's own first-order bias (only with ``above``). ``(None, None)`` where importance
     sampling does not apply to the model and guide, or for fewer than two observations.
-    Leaves the random state as it found it."""
+    ``num_masks``: uniform-size masks per observation of the estimate (the caller's, for
+    conditionals whose masks pool their draws). Leaves the random state as it found it."""
     observed = prepared.observed
     with same_random_state(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference's own weights are judged below
@@ -52,7 +55,7 @@ def mpt_gap_to_reference(prepared, model, guide, args, kwargs, above=True):
         log_p = reference.log_marginal()
         masks, sizes = sample_masks(
             UniformRate(),
-            NUM_CHECK_MASKS,
+            num_masks,
             observed.batch_shape,
             observed.value.shape[-1],
             device=observed.value.device,
