@@ -312,10 +312,11 @@ def gap_sentence(strategy, gap, compared_with):
         )
     if compared_with == "importance above":
         return (
-            f"{strategy!r} estimates log p(x) about {gap.mean:.2g} nats per observation "
+            f"{strategy!r} estimates log p(x) {gap.mean:.2g} nats per observation or more "
             f"above an importance-sampling estimate of it with the guide on the whole "
             f"observation, whose weights are reliable (the batch's mean excess, less that "
-            f"estimate's own first-order bias and four standard errors), as when a guide "
+            f"estimate's own first-order bias and four standard errors, so that the figure "
+            f"tends to understate it), as when a guide "
             f"fitted to whole observations proposes too narrowly for masked ones, whose "
             f"conditionals then come out too high"
         )

@@ -150,7 +150,7 @@ def _warn_if_coarse(strategy, gap, compared_with, caller, context=None, complete
         warnings.warn(
             f"{caller} with {sentence}, so its values are "
             f"{'at least ' if below else ''}about that far off (the figure is "
-            f"{'a lower bound of' if below else 'an estimate of'} the error; "
+            f"{'a lower bound of' if below else 'a conservative estimate of'} the error; "
             f"{tolerance:g} nats per observation is tolerated). Fix: "
             f"{strategy.accuracy_fix}",
             strategy.accuracy_warning,
