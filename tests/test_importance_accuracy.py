@@ -514,7 +514,7 @@ def test_a_heavy_tailed_row_resting_on_few_draws_fails_on_its_own_and_a_benign_o
         s2 = 1.0 - k
         z = torch.randn(num_samples, rows, generator=generator, dtype=torch.float64) * s2**0.5
         log_w = z**2 * (1.0 / s2 - 1.0) / 2
-        return float(ImportanceDiagnostics.of(log_w)._failing_rows().double().mean())
+        return float(ImportanceDiagnostics.of(log_w).failing_rows().double().mean())
 
     assert failing_share(0.3) == 0.0
     # 4000 rows at 1/400: 10 expected; 4 standard errors (about 12.6 rows) above that.

@@ -154,3 +154,56 @@ def test_every_mask_is_refused_before_a_check_of_drawn_masks_spends_runs():
     with pytest.raises(ValueError, match="closed form only when all masks weight the same"):
         loss.estimate(model, guide, data)
     assert loss.rule_check is None
+
+
+def _poisson_problem():
+    """A one-latent Poisson model whose counts reach the hundreds on a few observations, its
+    data, its ``log p(x)`` on a fine grid (exact to far below the tolerances here), and the
+    prior as guide: a valid proposal that misses the sharp posteriors of those few."""
+    generator = torch.Generator().manual_seed(0)
+    num_obs = 200
+    weight = 0.8 * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
+    bias = 0.5 * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
+    z = torch.randn(num_obs, generator=generator, dtype=torch.float64)
+    data = torch.poisson(torch.exp(z[:, None] * weight + bias), generator=generator)
+
+    def model(x):
+        with pyro.plate("data", x.shape[-2]):
+            latent = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+            rate = torch.exp(latent.unsqueeze(-1) * weight + bias)
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    def prior_guide(x):
+        with pyro.plate("data", x.shape[-2]):
+            pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+
+    grid = torch.linspace(-12, 12, 24001, dtype=torch.float64)
+    log_joint = dist.Normal(0.0, 1.0).log_prob(grid)[:, None] + dist.Poisson(
+        torch.exp(grid[:, None, None] * weight + bias)
+    ).log_prob(data).sum(-1)
+    exact = torch.logsumexp(log_joint, 0) + torch.log(grid[1] - grid[0])
+    return model, data, exact, prior_guide
+
+
+def test_a_few_observations_whose_posteriors_the_guide_misses_are_warned_of():
+    """Two or three observations of 200 whose estimates rest on one draw of the guide, too
+    few for the weights' share-based tests, put the batch's estimate nats per observation
+    low; their spread hides it from the batch's mean and its standard error. The check
+    counts those observations apart: it warns, with a figure below the true error."""
+    pyro.set_rng_seed(0)
+    model, data, exact, guide = _poisson_problem()
+    loss = MPTLoss(conditionals=ImportanceSampling(64), num_masks=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = loss.estimate(model, guide, data)
+        figure, kind = loss.rule_check["mean_gap"], loss.rule_check["compared_with"]
+        errors = [first] + [loss.estimate(model, guide, data) for _ in range(7)]
+    per_call = (torch.stack([e.detach() for e in errors]) - exact).mean(-1)
+    true_error = float(per_call.mean())
+    stderr = float(per_call.std()) / len(per_call) ** 0.5
+    assert true_error < -1.0  # nats per observation too low: the case the check is for
+    assert kind == "importance, one draw"
+    assert 0.1 < figure < -true_error + 4 * stderr
+    found = [w for w in _reference_warnings(caught) if "(step 1;" in str(w.message)]
+    assert found and issubclass(found[0].category, ImportanceAccuracyWarning)
+    assert "rests on one draw of the guide" in str(found[0].message)

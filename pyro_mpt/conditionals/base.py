@@ -310,6 +310,16 @@ def gap_sentence(strategy, gap, compared_with):
             f"below an importance-sampling lower bound of it (the batch's mean shortfall, "
             f"less four standard errors)"
         )
+    if compared_with == "importance, one draw":
+        return (
+            f"{strategy!r} estimates log p(x) {gap.mean:.2g} nats per observation of the batch "
+            f"below an importance-sampling estimate of it with the guide on the whole "
+            f"observation, counting only the observations on which that estimate rests on "
+            f"one draw of the guide: the guide misses their posteriors, too few of them for "
+            f"the weights' share-based tests, and their conditionals are off by nats, so the "
+            f"figure, against an estimate that is low there too, tends to understate the "
+            f"error"
+        )
     if compared_with == "importance above":
         return (
             f"{strategy!r} estimates log p(x) {gap.mean:.2g} nats per observation or more "

@@ -357,8 +357,9 @@ class EncodeDecode(Conditionals):
         """How far below ``log p(x)`` the conditionals' MPT estimate lies at least, on the
         call's data (below an importance-sampling lower bound of it,
         :func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`):
-        ``(gap, "importance")``, or ``(None, None)``
-        where it cannot be measured. ``MPTLoss`` measures it on the 1st and 2nd step, the
+        ``(gap, "importance")`` (or ``"importance, one draw"``, counting only the
+        observations whose reference rests on one draw), or ``(None, None)`` where it
+        cannot be measured. ``MPTLoss`` measures it on the 1st and 2nd step, the
         16th and every 64th, and warns past a hundredth of a nat per observation; ``context`` (the
         check of given entries) is not measured."""
         if context is not None:

@@ -174,11 +174,11 @@ class ImportanceDiagnostics(NamedTuple):
             max_k=float(k.max()) if k.numel() else nan,
             median_ess=float(ess.median()) if ess.numel() else nan,
             single_draw=float((ess < SINGLE_DRAW_ESS).double().mean()) if ess.numel() else nan,
-            failing_rows=int(self._failing_rows().sum()),
+            failing_rows=int(self.failing_rows().sum()),
             rows=ess.numel(),
         )
 
-    def _failing_rows(self):
+    def failing_rows(self):
         """Which rows fail on their own: resting on one draw (ESS below
         :data:`SINGLE_DRAW_ESS`), with k-hat above :data:`MAX_PARETO_K` and ESS below
         :data:`MIN_ROW_ESS_SHARE` of the draws, or, from :data:`MIN_SAMPLES_FOR_ROW_K`

@@ -128,6 +128,15 @@ def _check_rule(strategy, prepared, call, structure, before, caller, context=Non
     _warn_if_coarse(strategy, gap, compared_with, caller, context=context)
 
 
+#: What the figure of each comparison with an importance-sampling reference is
+#: (:func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`), in words.
+_REFERENCE_KINDS = {
+    "importance": "a lower bound of",
+    "importance, one draw": "likely to understate",
+    "importance above": "a conservative estimate of",
+}
+
+
 def _measure(strategy, prepared, call, structure, before, context=None):
     """``strategy.checked_gap(...)`` from the random state ``before``, leaving the caller's."""
     after = RandomState()
@@ -144,13 +153,13 @@ def _warn_if_coarse(strategy, gap, compared_with, caller, context=None, complete
     if gap is None or not gap.measured() or not too_coarse(gap, strategy.gap_tolerance):
         return
     sentence = gap_sentence(strategy, gap, compared_with)
-    if compared_with in ("importance", "importance above"):
+    if compared_with in _REFERENCE_KINDS:
         tolerance = ACCURACY_TOL if strategy.gap_tolerance is None else strategy.gap_tolerance
-        below = compared_with == "importance"
+        below = compared_with != "importance above"
         warnings.warn(
             f"{caller} with {sentence}, so its values are "
             f"{'at least ' if below else ''}about that far off (the figure is "
-            f"{'a lower bound of' if below else 'a conservative estimate of'} the error; "
+            f"{_REFERENCE_KINDS[compared_with]} the error; "
             f"{tolerance:g} nats per observation is tolerated). Fix: "
             f"{strategy.accuracy_fix}",
             strategy.accuracy_warning,
