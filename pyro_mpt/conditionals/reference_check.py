@@ -39,8 +39,9 @@ def mpt_gap_to_reference(
     reference, per observation on the batch's mean, less four standard errors (0 when not
     past them): ``(gap, compared_with)`` with ``compared_with`` ``"importance"`` for an
     estimate below the reference (the figure is a lower bound of its error),
-    ``"importance, one draw"`` where the shortfall on the observations whose reference rests
-    on one draw, without standard errors, says more (:func:`_single_draw_shortfall`), and
+    ``"importance, one draw"`` where the shortfall on the few observations whose reference
+    rests on one draw, in a batch whose reference weights pass the share-based tests, says
+    more (:func:`_single_draw_shortfall`), and
     ``"importance above"`` for one above a reference whose weights are reliable, less that
     reference's own first-order bias (only with ``above``). ``(None, None)`` where importance
     sampling does not apply to the model and guide, or for fewer than two observations.
@@ -72,11 +73,12 @@ def mpt_gap_to_reference(
     stderr = float(difference.std()) / math.sqrt(difference.numel())
     below = max(0.0, -float(difference.mean()) - 4 * stderr)
     weights = reference.diagnostics
-    found = [
-        (below, "importance"),
-        (_single_draw_shortfall(difference, weights), "importance, one draw"),
-    ]
-    if below == 0 and above and weights.reliable():
+    found = [(below, "importance")]
+    reliable = weights.reliable()
+    if reliable:
+        # Where the shares fail, the conditionals' own weights fail them too, and say so.
+        found.append((_single_draw_shortfall(difference, weights), "importance, one draw"))
+    if below == 0 and above and reliable:
         # The reference lies below log p(x) by about its first-order bias: an estimate that
         # high is not counted against the conditionals.
         allowance = 0.5 * (1 / weights.ess.double() - 1 / weights.num_samples)
