@@ -182,7 +182,8 @@ class ImportanceDiagnostics(NamedTuple):
         """Which rows fail on their own: resting on one draw (ESS below
         :data:`SINGLE_DRAW_ESS`), with k-hat above :data:`MAX_PARETO_K` and ESS below
         :data:`MIN_ROW_ESS_SHARE` of the draws, or, from :data:`MIN_SAMPLES_FOR_ROW_K`
-        draws, with k-hat above :data:`MAX_ROW_PARETO_K` (NaN rows pass)."""
+        draws, with k-hat above :data:`MAX_ROW_PARETO_K` (NaN rows pass): booleans of the
+        rows' shape, on their device."""
         failing = self.ess < SINGLE_DRAW_ESS
         heavy = self.pareto_k > MAX_PARETO_K
         failing = failing | (heavy & (self.ess < MIN_ROW_ESS_SHARE * self.num_samples))
