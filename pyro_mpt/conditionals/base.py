@@ -315,10 +315,9 @@ def gap_sentence(strategy, gap, compared_with):
             f"{strategy!r} estimates log p(x) {gap.mean:.2g} nats per observation of the batch "
             f"below an importance-sampling estimate of it with the guide on the whole "
             f"observation, counting only the observations on which that estimate rests on "
-            f"one draw of the guide: the guide misses their posteriors, too few of them for "
-            f"the weights' share-based tests, and their conditionals are off by nats, so the "
-            f"figure, against an estimate that is low there too, tends to understate the "
-            f"error"
+            f"one draw of the guide (a figure that tends to understate the error, that "
+            f"estimate being low there too): the guide misses their posteriors, too few of "
+            f"them for the weights' share-based tests, and their conditionals are off by nats"
         )
     if compared_with == "importance above":
         return (

@@ -129,11 +129,12 @@ def _check_rule(strategy, prepared, call, structure, before, caller, context=Non
 
 
 #: What the figure of each comparison with an importance-sampling reference is
-#: (:func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`), in words.
+#: (:func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`), in words, where
+#: its sentence (:func:`~pyro_mpt.conditionals.base.gap_sentence`) does not say it.
 _REFERENCE_KINDS = {
-    "importance": "a lower bound of",
-    "importance, one draw": "likely to understate",
-    "importance above": "a conservative estimate of",
+    "importance": "the figure is a lower bound of the error; ",
+    "importance, one draw": "",
+    "importance above": "the figure is a conservative estimate of the error; ",
 }
 
 
@@ -158,9 +159,9 @@ def _warn_if_coarse(strategy, gap, compared_with, caller, context=None, complete
         below = compared_with != "importance above"
         warnings.warn(
             f"{caller} with {sentence}, so its values are "
-            f"{'at least ' if below else ''}about that far off (the figure is "
-            f"{_REFERENCE_KINDS[compared_with]} the error; "
-            f"{tolerance:g} nats per observation is tolerated). Fix: "
+            f"{'at least ' if below else ''}about that far off "
+            f"({_REFERENCE_KINDS[compared_with]}{tolerance:g} nats per observation is "
+            f"tolerated). Fix: "
             f"{strategy.accuracy_fix}",
             strategy.accuracy_warning,
             stacklevel=user_stacklevel(),
