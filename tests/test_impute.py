@@ -438,6 +438,9 @@ def test_errors_name_argument_value_and_fix():
         impute(ppca.model, x, missing=torch.zeros(3, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"shape \(3, 5\).*shape \(3, 6\) of the observed site"):
         impute(ppca.model, x, missing=torch.ones(3, 5, dtype=torch.bool))
+    # A mask of the wrong shape is refused for its shape, whatever it holds.
+    with pytest.raises(ValueError, match=r"shape \(3, 5\).*shape \(3, 6\) of the observed site"):
+        impute(ppca.model, x, missing=torch.zeros(3, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="num_samples must be at least 1, got 0"):
         impute(ppca.model, x, missing=good, num_samples=0)
     with pytest.raises(ValueError, match="conditionals='nope' is not a known strategy"):

@@ -272,8 +272,8 @@ class Auto(Conditionals):
                 )
             warnings.warn(
                 f"conditionals='auto' uses {best.rule!r} for {_describe_model(model)}, but "
-                f"{_gap_text(best)}, so its conditionals may be coarse: off {how_far}. Give "
-                f"MPTLoss a guide that proposes well (importance sampling then applies).",
+                f"{_gap_text(best)}, so its conditionals may be coarse: off {how_far}. Pass "
+                f"a guide that proposes well (importance sampling then applies).",
                 QuadratureAccuracyWarning,
                 stacklevel=user_stacklevel(),
             )

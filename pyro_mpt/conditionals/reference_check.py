@@ -20,16 +20,32 @@ import torch
 
 from pyro_mpt.conditionals.base import RuleGap
 from pyro_mpt.conditionals.importance import ImportanceSampling
-from pyro_mpt.errors import NotApplicableError
+from pyro_mpt.errors import NotApplicableError, UnmeasuredAccuracyWarning, user_stacklevel
 from pyro_mpt.ops.masks import UniformRate, mpt_estimate, sample_masks
 from pyro_mpt.trace.trace_utils import same_random_state
 
-__all__ = ["NUM_CHECK_MASKS", "NUM_REFERENCE_SAMPLES", "mpt_gap_to_reference"]
+__all__ = [
+    "NUM_CHECK_MASKS",
+    "NUM_REFERENCE_SAMPLES",
+    "SINGLE_DRAW_MARGIN",
+    "UNMEASURED_WEIGHT_GAP",
+    "mpt_gap_to_reference",
+]
 
 #: Draws of the guide on the whole observation for the reference.
 NUM_REFERENCE_SAMPLES = 64
 #: Uniform-size masks per observation of the MPT estimate compared with it.
 NUM_CHECK_MASKS = 4
+#: Nats by which the estimate may lie below a reference that rests on one draw, at one
+#: observation, before the excess counts (:func:`_single_draw_shortfall`): both rest on a
+#: few draws there and move by nats from one set of draws to the next (1 to 10 nats on a
+#: Poisson observation whose average error was 0.8), while a guide that misses a posterior
+#: leaves tens or thousands of nats.
+SINGLE_DRAW_MARGIN = 10.0
+#: Nats by which every other draw's weight must lie below the largest for an observation's
+#: reference to rest wholly on one draw (:func:`_warn_if_unmeasured`): from a guide that
+#: covers the posterior, 64 draws essentially never leave such a gap.
+UNMEASURED_WEIGHT_GAP = 10.0
 
 
 def mpt_gap_to_reference(
@@ -40,8 +56,8 @@ def mpt_gap_to_reference(
     past them): ``(gap, compared_with)`` with ``compared_with`` ``"importance"`` for an
     estimate below the reference (the figure is a lower bound of its error),
     ``"importance, one draw"`` where the shortfall on the few observations whose reference
-    rests on one draw, in a batch whose reference weights pass the share-based tests, says
-    more (:func:`_single_draw_shortfall`), and
+    rests on one draw says more (:func:`_single_draw_shortfall`; not where the conditionals'
+    own weights fail their share-based tests, which warn of it), and
     ``"importance above"`` for one above a reference whose weights are reliable, less that
     reference's own first-order bias (only with ``above``). ``(None, None)`` where importance
     sampling does not apply to the model and guide, or for fewer than two observations.
@@ -74,11 +90,12 @@ def mpt_gap_to_reference(
     below = max(0.0, -float(difference.mean()) - 4 * stderr)
     weights = reference.diagnostics
     found = [(below, "importance")]
-    reliable = weights.reliable()
-    if reliable:
-        # Where the shares fail, the conditionals' own weights fail them too, and say so.
+    own = getattr(prepared, "diagnostics", None)  # of the masks drawn above
+    if own is None or own.reliable():
+        # Where the conditionals' own weights fail their share-based tests, they say so.
         found.append((_single_draw_shortfall(difference, weights), "importance, one draw"))
-    if below == 0 and above and reliable:
+        _warn_if_unmeasured(estimate.double().flatten(), weights)
+    if below == 0 and above and weights.reliable():
         # The reference lies below log p(x) by about its first-order bias: an estimate that
         # high is not counted against the conditionals.
         allowance = 0.5 * (1 / weights.ess.double() - 1 / weights.num_samples)
@@ -91,17 +108,50 @@ def mpt_gap_to_reference(
 
 def _single_draw_shortfall(difference, weights):
     """The estimate's shortfall below the reference on the observations whose reference fails
-    on its own (``weights.failing_rows()``: it rests on one draw of the guide), summed with
-    its sign and divided by the batch size: nats per observation of the batch; 0 where no
-    observation's reference fails.
+    on its own (``weights.failing_rows()``: it rests on one draw of the guide), beyond
+    :data:`SINGLE_DRAW_MARGIN` nats at each, summed and divided by the batch size: nats per
+    observation of the batch; 0 where none is that far below.
 
     A few such observations, too few for the share-based tests of the weights, can carry the
     batch's whole error: a guide that misses their posteriors puts their conditionals tens
-    of nats low, and the spread of the differences that they make hides the shortfall from
-    the batch's mean and its standard error. Their references are low too (one that rests on
-    one draw underestimates), so the sum with its sign tends to understate their error, and
-    the noise of the estimate's masks, of either sign, cancels in it."""
+    or thousands of nats low, and the spread of the differences that they make hides the
+    shortfall from the batch's mean and its standard error. Their references are low too
+    (one that rests on one draw mostly underestimates), so the figure tends to understate
+    their error."""
     failing = weights.failing_rows().flatten()
     if not bool(failing.any()):
         return 0.0
-    return max(0.0, -float(difference[failing].sum()) / difference.numel())
+    beyond = (-difference[failing] - SINGLE_DRAW_MARGIN).clamp(min=0)
+    return float(beyond.sum()) / difference.numel()
+
+
+def _warn_if_unmeasured(estimate, weights):
+    """Warns (:class:`~pyro_mpt.errors.UnmeasuredAccuracyWarning`) of observations whose
+    reference rests wholly on one draw: every other draw's weight below
+    :data:`UNMEASURED_WEIGHT_GAP` nats under the largest, so the guide's draws miss a
+    posterior far narrower than their spread. The conditionals draw from the same guide and
+    may be off by tens to thousands of nats there, in either direction, where the reference
+    is off as far: nothing on the call's draws measures them."""
+    ess = weights.ess.double().flatten()
+    # ESS = (1 + r)^2 / (1 + r2) ~ 1 + 2r, with r the other weights' sum over the largest.
+    alone = ess < 1 + 2 * math.exp(-UNMEASURED_WEIGHT_GAP)
+    if not bool(alone.any()):
+        return
+    count, total = int(alone.sum()), alone.numel()
+    median = float(estimate.median())
+    values = ", ".join(f"{v:.4g}" for v in estimate[alone][:3].tolist())
+    warnings.warn(
+        f"The check of the conditionals against an importance-sampling estimate of log p(x) "
+        f"with the guide on the whole observation cannot measure {count} of the {total} "
+        f"observations: that estimate rests wholly on one draw of the guide there (every "
+        f"other draw's weight at least {UNMEASURED_WEIGHT_GAP:g} nats below it), so the "
+        f"guide's draws miss a posterior far narrower than their spread. The conditionals "
+        f"draw from the same guide and may be off there by tens to thousands of nats, in "
+        f"either direction, with no other word; their estimates of log p(x) are {values}"
+        f"{' ...' if count > 3 else ''} against a median of {median:.4g} over the batch. "
+        f"Fix: a guide that proposes near each observation's posterior (an amortized one "
+        f"trained by Trace_ELBO, or MPTLoss(guide_loss='wake')), more samples, or exact or "
+        f"quadrature conditionals where the model allows.",
+        UnmeasuredAccuracyWarning,
+        stacklevel=user_stacklevel(),
+    )

@@ -27,7 +27,8 @@ def check_count(name, value, low, high=None, hint=""):
 
 
 def check_missing(missing):
-    """Checks that ``missing`` is a boolean tensor with at least one ``True`` entry."""
+    """Checks that ``missing`` is a boolean tensor (its shape and its ``True`` entries are
+    checked against the observed site by :func:`flat_missing`)."""
     if not torch.is_tensor(missing) or missing.dtype != torch.bool:
         got = (
             f"a {missing.dtype} tensor"
@@ -38,17 +39,13 @@ def check_missing(missing):
             f"missing must be a boolean tensor, True at the entries to impute, got {got}. "
             f"Pass e.g. torch.isnan(x) or x_mask == 0."
         )
-    if not bool(missing.any()):
-        raise ValueError(
-            f"missing has no True entry (shape {tuple(missing.shape)}): nothing to impute. "
-            f"Set missing[i, j] = True at each entry of the data to draw."
-        )
 
 
 def flat_missing(missing, observed):
     """``missing``, broadcast to the observed site's shape, as ``batch + (D,)`` booleans.
 
-    :raises ValueError: if it does not broadcast to the observed site's shape.
+    :raises ValueError: if it does not broadcast to the observed site's shape, or, after
+        that, has no ``True`` entry.
     """
     full_shape = tuple(observed.full_shape)
     try:
@@ -60,5 +57,10 @@ def flat_missing(missing, observed):
             f"missing has shape {tuple(missing.shape)}, which does not broadcast to the shape "
             f"{full_shape} of the observed site {observed.name!r}. Pass a boolean tensor of "
             f"the data's shape (or one that broadcasts to it, e.g. one row of features)."
+        )
+    if not bool(missing.any()):
+        raise ValueError(
+            f"missing has no True entry (shape {tuple(missing.shape)}): nothing to impute. "
+            f"Set missing[i, j] = True at each entry of the data to draw."
         )
     return flatten_tail(missing.expand(full_shape), observed.num_feature_dims)
