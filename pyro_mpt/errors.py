@@ -63,7 +63,10 @@ class UnmeasuredAccuracyWarning(UserWarning):
     figure passes its limit, or one draw leaves the call with none (at the 1st, 10th,
     100th, ... such call of an ``MPTLoss``, once per call of a function); and by ``MPTLoss``
     with the measured figure when, on a step where it checks them (the 1st, 2nd, 16th, every
-    64th), their estimate lies below an importance-sampling lower bound of ``log p(x)``."""
+    64th), their estimate lies below an importance-sampling lower bound of ``log p(x)``. Also
+    given, for importance and encode-decode conditionals alike, where that check cannot
+    measure some observations: its own estimate rests wholly on one draw of the guide there
+    (:func:`~pyro_mpt.conditionals.reference_check.mpt_gap_to_reference`)."""
 
 
 class StaleStructureError(Exception):

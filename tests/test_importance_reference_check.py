@@ -12,7 +12,7 @@ import torch
 
 from pyro_mpt import MPTLoss, log_marginal, mpt_curve
 from pyro_mpt.conditionals import ImportanceSampling
-from pyro_mpt.errors import ImportanceAccuracyWarning
+from pyro_mpt.errors import ImportanceAccuracyWarning, UnmeasuredAccuracyWarning
 
 NUM_OBS, NUM_FEATURES = 20, 6
 
@@ -58,7 +58,13 @@ def _problem(noise):
 
 
 def _reference_warnings(caught):
-    return [w for w in caught if "importance-sampling estimate of it" in str(w.message)]
+    """The warnings of the check against the whole-observation reference, of any kind."""
+    return [
+        w
+        for w in caught
+        if "importance-sampling estimate of it" in str(w.message)
+        or issubclass(w.category, UnmeasuredAccuracyWarning)
+    ]
 
 
 def test_an_estimate_too_high_for_a_narrow_proposal_is_warned_of_with_its_size():
@@ -156,15 +162,17 @@ def test_every_mask_is_refused_before_a_check_of_drawn_masks_spends_runs():
     assert loss.rule_check is None
 
 
-def _poisson_problem():
-    """A one-latent Poisson model whose counts reach the hundreds on a few observations, its
-    data, its ``log p(x)`` on a fine grid (exact to far below the tolerances here), and the
-    prior as guide: a valid proposal that misses the sharp posteriors of those few."""
+def _poisson_problem(num_obs=200, scale=0.8, extreme=None):
+    """A one-latent Poisson model whose counts reach the hundreds on a few observations (the
+    first one's latent at ``extreme``, if given), its data, its ``log p(x)`` on a fine grid
+    (exact to far below the tolerances here), and the prior as guide: a valid proposal that
+    misses the sharp posteriors of those few."""
     generator = torch.Generator().manual_seed(0)
-    num_obs = 200
-    weight = 0.8 * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
+    weight = scale * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
     bias = 0.5 * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
     z = torch.randn(num_obs, generator=generator, dtype=torch.float64)
+    if extreme is not None:
+        z[0] = extreme
     data = torch.poisson(torch.exp(z[:, None] * weight + bias), generator=generator)
 
     def model(x):
@@ -207,3 +215,23 @@ def test_a_few_observations_whose_posteriors_the_guide_misses_are_warned_of():
     found = [w for w in _reference_warnings(caught) if "(step 1;" in str(w.message)]
     assert found and issubclass(found[0].category, ImportanceAccuracyWarning)
     assert "rests on one draw of the guide" in str(found[0].message)
+
+
+def test_observations_whose_reference_rests_wholly_on_one_draw_are_said_unmeasured():
+    """Counts in the thousands under the prior as guide: a few observations' estimates are
+    thousands of nats low, and so are their references, so no comparison shows it, while the
+    conditionals' own weights pass their share-based tests. The check says that it cannot
+    measure those observations, and shows their estimates beside the batch's median."""
+    model, data, exact, guide = _poisson_problem(num_obs=50, scale=1.0)
+    assert data.max() > 1000
+    for seed in range(4):
+        pyro.set_rng_seed(seed)
+        loss = MPTLoss(conditionals=ImportanceSampling(64), num_masks=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            error = float((loss.estimate(model, guide, data).detach() - exact).mean())
+        assert error < -10.0  # nats per observation: the case the warning is for
+        found = [w for w in caught if issubclass(w.category, UnmeasuredAccuracyWarning)]
+        assert found, f"seed {seed}: no word of {error:.1f} nats per observation"
+        message = str(found[0].message)
+        assert "cannot measure" in message and "against a median of" in message

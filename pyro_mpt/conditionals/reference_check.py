@@ -11,7 +11,9 @@ bias of a log-mean of weights), and an estimate above it by more than that is to
 about the excess: a proposal fitted to the whole observation is too narrow for the broader
 posteriors of masked contexts, misses part of their mass, and the conditionals then come
 out too high, which their own weights may not show. A few observations whose posteriors
-the guide misses altogether are counted apart (:func:`_single_draw_shortfall`)."""
+the guide misses altogether are counted apart (:func:`_single_draw_shortfall`), and those
+whose reference rests wholly on one draw, which nothing measures, are named
+(:func:`_warn_if_unmeasured`)."""
 
 import math
 import warnings
@@ -130,8 +132,9 @@ def _warn_if_unmeasured(estimate, weights):
     reference rests wholly on one draw: every other draw's weight below
     :data:`UNMEASURED_WEIGHT_GAP` nats under the largest, so the guide's draws miss a
     posterior far narrower than their spread. The conditionals draw from the same guide and
-    may be off by tens to thousands of nats there, in either direction, where the reference
-    is off as far: nothing on the call's draws measures them."""
+    may be off by nats there, thousands where the posterior is sharpest, in either
+    direction, where the reference is off as far: nothing on the call's draws measures them.
+    Not where the conditionals' own weights fail their share-based tests, which warn."""
     ess = weights.ess.double().flatten()
     # ESS = (1 + r)^2 / (1 + r2) ~ 1 + 2r, with r the other weights' sum over the largest.
     alone = ess < 1 + 2 * math.exp(-UNMEASURED_WEIGHT_GAP)
@@ -146,8 +149,9 @@ def _warn_if_unmeasured(estimate, weights):
         f"observations: that estimate rests wholly on one draw of the guide there (every "
         f"other draw's weight at least {UNMEASURED_WEIGHT_GAP:g} nats below it), so the "
         f"guide's draws miss a posterior far narrower than their spread. The conditionals "
-        f"draw from the same guide and may be off there by tens to thousands of nats, in "
-        f"either direction, with no other word; their estimates of log p(x) are {values}"
+        f"draw from the same guide and may be off there by nats, thousands where the "
+        f"posterior is sharpest, in either direction, with no other word; their estimates "
+        f"of log p(x) are {values}"
         f"{' ...' if count > 3 else ''} against a median of {median:.4g} over the batch. "
         f"Fix: a guide that proposes near each observation's posterior (an amortized one "
         f"trained by Trace_ELBO, or MPTLoss(guide_loss='wake')), more samples, or exact or "
