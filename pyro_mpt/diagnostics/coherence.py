@@ -128,9 +128,14 @@ class OrderingLogLikelihoods(NamedTuple):
         elif s["max_spread"] <= self._rounding(s["mean"]):
             text = f"{head}, the same for every ordering up to rounding: coherent conditionals"
         else:
+            spread = (
+                f"{s['spread']:.4g} +/- {s['spread_se']:.2g} nats ("
+                if math.isfinite(s["spread_se"])
+                else f"{s['spread']:.4g} nats (no standard error from two orderings; "
+            )
             text = (
-                f"{head}; its spread across orderings is {s['spread']:.4g} +/- "
-                f"{s['spread_se']:.2g} nats (standard deviation per observation, averaged; at "
+                f"{head}; its spread across orderings is {spread}"
+                f"standard deviation per observation, averaged; at "
                 f"most {s['max_spread']:.4g}): the conditionals are not coherent (no one joint "
                 f"distribution has them)"
             )

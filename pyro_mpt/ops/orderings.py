@@ -112,10 +112,11 @@ def summarize_orderings(values):
     orderings, per observation.
 
     The spread is the sample standard deviation ``s`` (``n - 1`` in the denominator) of the
-    ``n`` orderings' sums. Its standard error comes from the variance of the sample variance,
-    ``Var(s^2) = (m_4 - s^4 (n - 3) / (n - 1)) / n`` with ``m_4`` the fourth central moment,
-    carried to ``s`` by the delta method (``SE(s) = SE(s^2) / 2s``); it assumes no shape for
-    the distribution of the sums. With one ordering both are NaN; where ``s = 0`` the
+    ``n`` orderings' sums. Its standard error is the jackknife's, from the ``n`` spreads
+    with one ordering left out: it assumes no shape for the distribution of the sums, and
+    its square errs high rather than low on average (Efron and Stein, 1981), where a
+    fourth-moment formula with the sample's moments falls well short with a few orderings.
+    With one ordering both are NaN, and the standard error with two; where ``s = 0`` the
     standard error is 0.
 
     :param torch.Tensor values: sums, shape ``(num_orderings,) + batch``.
@@ -127,11 +128,13 @@ def summarize_orderings(values):
         nan = torch.full_like(mean, math.nan)
         return mean, nan, nan.clone()
     centred = values - mean
-    variance = centred.pow(2).sum(0) / (n - 1)
-    spread = variance.sqrt()
-    fourth = centred.pow(4).mean(0)
-    variance_of_variance = ((fourth - variance.pow(2) * (n - 3) / (n - 1)) / n).clamp(min=0)
-    spread_se = torch.where(
-        spread > 0, variance_of_variance.sqrt() / (2 * spread), torch.zeros_like(spread)
-    )
+    squares = centred.pow(2)
+    total = squares.sum(0)
+    spread = (total / (n - 1)).sqrt()
+    if n < 3:
+        return mean, spread, torch.full_like(mean, math.nan)
+    # Leaving ordering i out takes n / (n - 1) * centred_i^2 off the sum of squares.
+    left_out = ((total - squares * n / (n - 1)) / (n - 2)).clamp(min=0).sqrt()
+    deviations = left_out - left_out.mean(0)
+    spread_se = (deviations.pow(2).sum(0) * (n - 1) / n).sqrt()
     return mean, spread, spread_se
