@@ -53,10 +53,10 @@ GROUPS = ("PPCA", "deep VAE", "AntiBERTy")
 _PRESETS = {
     "smoke": dict(
         ppca_N=8, ppca_D=10, ppca_K=2, ppca_orderings=4,
-        vae_N=64, vae_held_out=2, vae_hidden=16, vae_latent=4, vae_epochs=2, vae_batch=32,
+        vae_N=64, vae_held_out=4, vae_hidden=16, vae_latent=4, vae_epochs=2, vae_batch=32,
         vae_lr=1e-2, vae_samples=[4, 16], vae_iterations=2, vae_reference_samples=256,
-        vae_orderings=4,
-        bert_sequences=2, bert_residues=12, bert_orderings=3, bert_rates=[0.1, 0.5, 0.9],
+        vae_orderings=8,
+        bert_sequences=4, bert_residues=12, bert_orderings=8, bert_rates=[0.1, 0.5, 0.9],
         bert_masks=2, bert_batch=64,
     ),
     "default": dict(
