@@ -162,17 +162,15 @@ def test_every_mask_is_refused_before_a_check_of_drawn_masks_spends_runs():
     assert loss.rule_check is None
 
 
-def _poisson_problem(num_obs=200, scale=0.8, extreme=None):
-    """A one-latent Poisson model whose counts reach the hundreds on a few observations (the
-    first one's latent at ``extreme``, if given), its data, its ``log p(x)`` on a fine grid
-    (exact to far below the tolerances here), and the prior as guide: a valid proposal that
-    misses the sharp posteriors of those few."""
+def _poisson_problem(num_obs=200, scale=0.8):
+    """A one-latent Poisson model (loadings of size ``scale``) whose counts reach the hundreds
+    on a few observations, its data, its ``log p(x)`` on a fine grid (exact to far below the
+    tolerances here), and the prior as guide: a valid proposal that misses the sharp
+    posteriors of those few."""
     generator = torch.Generator().manual_seed(0)
     weight = scale * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
     bias = 0.5 * torch.randn(NUM_FEATURES, generator=generator, dtype=torch.float64)
     z = torch.randn(num_obs, generator=generator, dtype=torch.float64)
-    if extreme is not None:
-        z[0] = extreme
     data = torch.poisson(torch.exp(z[:, None] * weight + bias), generator=generator)
 
     def model(x):
