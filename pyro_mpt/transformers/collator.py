@@ -142,9 +142,11 @@ class MPTDataCollator:
     Example::
 
         >>> from pyro_mpt.transformers import MPTDataCollator
-        >>> collator = MPTDataCollator(tokenizer, rate="uniform")  # doctest: +SKIP
-        >>> batch = collator([tokenizer("a few words"), tokenizer("more")])  # doctest: +SKIP
-        >>> sorted(batch)  # doctest: +SKIP
+        >>> from pyro_mpt.transformers.antiberty import load_antiberty
+        >>> _, tokenizer = load_antiberty()
+        >>> collator = MPTDataCollator(tokenizer, rate="uniform")
+        >>> batch = collator([tokenizer("E V Q L V E S"), tokenizer("Q V Q L")])
+        >>> sorted(batch)
         ['attention_mask', 'input_ids', 'labels', 'mpt_weights', 'token_type_ids']
 
     **Random streams and data parallelism.** Under ``torchrun`` or ``accelerate launch`` every

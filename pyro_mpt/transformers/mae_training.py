@@ -37,8 +37,20 @@ def mae_loss(model, pixel_values, rate="uniform"):
 
     Example::
 
-        >>> output = mae_loss(model, images, rate=(0.5, 0.95))  # doctest: +SKIP
-        >>> output.loss.backward()  # doctest: +SKIP
+        >>> import torch
+        >>> from transformers import ViTMAEConfig, ViTMAEForPreTraining
+        >>> config = ViTMAEConfig(  # a tiny one: 16 patches of 4x4 pixels
+        ...     image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1,
+        ...     num_attention_heads=2, intermediate_size=64, decoder_hidden_size=32,
+        ...     decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        ...     decoder_intermediate_size=64)
+        >>> model = ViTMAEForPreTraining(config).train()
+        >>> images = torch.randn(4, 3, 16, 16)
+        >>> output = mae_loss(model, images, rate=(0.5, 0.95))
+        >>> output.loss.backward()
+        >>> sizes = output.mask.sum(-1)  # the same number M of masked patches in each image
+        >>> bool((sizes == sizes[0]).all()) and 8 <= int(sizes[0]) <= 15
+        True
     """
     schedule = as_rate_schedule(rate)
     total = num_patches(model)

@@ -255,11 +255,11 @@ def mlm_ordering_log_likelihoods(
     Example::
 
         >>> from pyro_mpt.transformers.antiberty import load_antiberty, spaced
-        >>> model, tokenizer = load_antiberty()  # doctest: +SKIP
+        >>> model, tokenizer = load_antiberty()
         >>> texts = [spaced("EVQLVESGGGLVQPGGSLRLSCAAS")]
-        >>> result = mlm_ordering_log_likelihoods(  # doctest: +SKIP
+        >>> result = mlm_ordering_log_likelihoods(
         ...     model, tokenizer, texts, num_orderings=4, progress=False)
-        >>> result.values.shape  # doctest: +SKIP
+        >>> result.values.shape
         torch.Size([4, 1])
     """
     if num_orderings is None:
