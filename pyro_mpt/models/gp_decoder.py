@@ -11,6 +11,7 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
 from pyro_mpt.errors import check_positive_int
+from pyro_mpt.models._param_store import check_stored_shapes
 
 __all__ = ["GPDecoder"]
 
@@ -145,6 +146,8 @@ class GPDecoder(PyroModule):
         self.noise_scale = PyroParam(
             torch.tensor(float(noise_scale)), constraint=constraints.positive
         )
+        registered = [("kernel", kernel)] + ([("encoder", encoder)] if encoder is not None else [])
+        check_stored_shapes(self, registered)
 
     def _check_data(self, y):
         if not torch.is_tensor(y) or y.dim() != 2:
@@ -170,13 +173,19 @@ class GPDecoder(PyroModule):
         """The latent codes of the rows of ``y``: ``(N, Q)``.
 
         Registers the kernel (and encoder) with ``pyro.module``, so every objective built on
-        :meth:`model`, :meth:`log_marginal` or :meth:`predict` trains their parameters.
+        :meth:`model`, :meth:`log_marginal` or :meth:`predict` trains their parameters. Where
+        Pyro's param store already holds them (a decoder built before, or
+        ``pyro.get_param_store().load(...)``), the decoder computes with the stored ones, as
+        with its ``PyroParam`` s: computing with its own would leave them untrained, since
+        ``SVI``'s optimiser updates the stored ones.
         """
         self._check_data(y)
-        pyro.module("kernel", self.kernel)
+        # Module-local parameters are trained by an optimiser that holds the module's own.
+        shared = not pyro.settings.get("module_local_params")
+        pyro.module("kernel", self.kernel, update_module_params=shared)
         if self.encoder is None:
             return self.codes
-        pyro.module("encoder", self.encoder)
+        pyro.module("encoder", self.encoder, update_module_params=shared)
         codes = self.encoder(y)
         if codes.shape != (y.shape[0], self.latent_dim):
             raise ValueError(

@@ -7,6 +7,7 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, pyro_method
 
 from pyro_mpt.models._data import check_data_dtype
+from pyro_mpt.models._param_store import check_stored_shapes
 
 __all__ = ["PPCA", "FactorAnalysis"]
 
@@ -36,9 +37,12 @@ class PPCA(PyroModule):
     :param int subsample_size: optional mini-batch size for the data plate.
 
     .. note:: Like every ``PyroModule``, its parameters live in Pyro's global param store
-        under their attribute names, so two instances share them. To train several models
-        side by side call ``pyro.settings.set(module_local_params=True)`` first, or
-        ``pyro.clear_param_store()`` between them.
+        under their attribute names, so two instances share them: one built after another
+        (or after ``pyro.get_param_store().load(...)``) starts from the stored values and
+        trains them, and one whose names are stored with other shapes is refused as it is
+        built. To train several models side by side call
+        ``pyro.settings.set(module_local_params=True)`` first, or ``pyro.clear_param_store()``
+        between them. The same holds for every model of :mod:`pyro_mpt.models`.
 
     Example::
 
@@ -78,6 +82,7 @@ class PPCA(PyroModule):
             )
         else:
             self.encoder_scale = PyroParam(torch.ones(latent_dim), constraint=constraints.positive)
+        check_stored_shapes(self)
 
     def _init_noise(self, noise_scale):
         self.noise_scale = PyroParam(

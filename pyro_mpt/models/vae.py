@@ -28,6 +28,7 @@ from pyro.nn import PyroModule, PyroParam, pyro_method
 
 from pyro_mpt.errors import check_positive_int
 from pyro_mpt.models._data import check_data_dtype
+from pyro_mpt.models._param_store import check_stored_shapes
 
 __all__ = ["LinearVAE", "VAE"]
 
@@ -191,6 +192,7 @@ class LinearVAE(_AutoEncoderModel):
         self.encoder_bias = PyroParam(torch.zeros(K))
         # softplus(0.5413) = 1: the encoder starts at unit scale.
         self.encoder_scale_raw = PyroParam(torch.full((K,), 0.5413))
+        check_stored_shapes(self)
 
     def decode(self, z):
         """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
@@ -204,12 +206,24 @@ class LinearVAE(_AutoEncoderModel):
         return loc, scale.expand(loc.shape)
 
 
+def _linear(in_dim, out_dim):
+    """A linear layer whose weight and bias are :class:`~pyro.nn.PyroParam`: a ``PyroModule``
+    takes those from Pyro's param store on every call, as it does ``PPCA``'s, so a VAE built
+    after another of the same sizes, or after ``pyro.get_param_store().load(...)``, computes
+    with the stored values that the optimiser updates. With plain ``nn.Parameter`` s it would
+    compute with its own while ``SVI``'s optimiser updated the stored ones: no training."""
+    layer = PyroModule[torch.nn.Linear](in_dim, out_dim)
+    layer.weight = PyroParam(layer.weight.detach())
+    layer.bias = PyroParam(layer.bias.detach())
+    return layer
+
+
 def _mlp(in_dim, hidden_dim, out_dim, num_layers, activation):
     layers = []
     for i in range(num_layers):
-        layers += [PyroModule[torch.nn.Linear](in_dim if i == 0 else hidden_dim, hidden_dim)]
+        layers += [_linear(in_dim if i == 0 else hidden_dim, hidden_dim)]
         layers += [torch.nn.Tanh() if activation == "tanh" else torch.nn.ReLU()]
-    layers += [PyroModule[torch.nn.Linear](hidden_dim, out_dim)]
+    layers += [_linear(hidden_dim, out_dim)]
     return PyroModule[torch.nn.Sequential](*layers)
 
 
@@ -281,6 +295,7 @@ class VAE(_AutoEncoderModel):
         self.decoder = _mlp(K, hidden_dim, D, num_layers, activation)
         self.encoder = _mlp(2 * D, hidden_dim, 2 * K, num_layers, activation)
         self._init_noise(noise_scale, () if noise == "scalar" else (D,))
+        check_stored_shapes(self)
 
     def decode(self, z):
         """Logits (Bernoulli) or means (normal) of ``x`` given ``z``: ``(..., K) -> (..., D)``."""
