@@ -233,7 +233,7 @@ def test_argument_errors_name_the_argument_and_the_fix(tokenizer):
     with pytest.raises(ValueError, match="sequences must hold 'input_ids'"):
         mlm_ordering_log_likelihoods(model, tokenizer, {"ids": [[2, 5, 3]]}, 2)
     ids = torch.tensor([[CLS, 5, 6, SEP]])
-    with pytest.raises(ValueError, match="attention_mask must have the shape"):
+    with pytest.raises(ValueError, match="mask of sequences has 3 entries in row 0, .* 4 tokens"):
         mlm_ordering_log_likelihoods(model, tokenizer, ids, 2, attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match=r"orderings must be long permutations of shape"):
         mlm_ordering_log_likelihoods(

@@ -346,7 +346,7 @@ def test_starts_the_model_cannot_read_raise_clear_errors(model, tokenizer):
     assert sample_mlm(model, tokenizer, length=30, method="parallel").sequences.shape == (1, 32)
     with pytest.raises(TypeError, match=r"input_ids\[0\] must be a list of token ids, got str"):
         sample_mlm(model, tokenizer, ["a [MASK] b"])
-    with pytest.raises(ValueError, match=r"attention_mask\[0\] has 3 entries for the 4 ids"):
+    with pytest.raises(ValueError, match=r"mask of input_ids has 3 entries in row 0, .* 4 tokens"):
         sample_mlm(model, tokenizer, [[CLS, MASK, A, SEP]], attention_mask=[[1, 1, 1]])
     with pytest.raises(ValueError, match="input_ids is a mapping with keys \\['ids'\\]"):
         sample_mlm(model, tokenizer, {"ids": [[CLS, MASK, SEP]]})

@@ -103,6 +103,39 @@ def test_an_attention_mask_with_a_hole_inside_a_row_is_refused_everywhere(model,
         assert "leaves out position 2 of row 0, inside the sequence" in _message(call)
 
 
+def test_an_attention_mask_shorter_than_its_row_is_refused_everywhere(model, tokenizer):
+    # It used to cut the sequence: [CLS] A B C [SEP] with a mask of 3 entries was scored as
+    # [CLS] A B, with no word.
+    ids = [[CLS, 5, 6, 7, SEP]]
+    short = [[1, 1, 1]]
+    calls = [
+        lambda: mlm_mpt_curve(model, tokenizer, {"input_ids": ids, "attention_mask": short}),
+        lambda: mlm_mpt_curve(
+            model,
+            tokenizer,
+            {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(short)},
+            progress=False,
+        ),
+        lambda: mlm_ordering_log_likelihoods(
+            model, tokenizer, ids, 2, attention_mask=short, progress=False
+        ),
+        lambda: mlm_ordering_log_likelihoods(
+            model, tokenizer, torch.tensor(ids), 2, attention_mask=torch.tensor(short)
+        ),
+        lambda: sample_mlm(model, tokenizer, ids, attention_mask=short),
+        lambda: sample_mlm(model, tokenizer, torch.tensor(ids), attention_mask=torch.tensor(short)),
+    ]
+    for call in calls:
+        assert "has 3 entries in row 0, whose sequence has 5 tokens" in _message(call)
+    two_rows = [[CLS, 5, SEP], [CLS, 6, 7, SEP]]
+    message = _message(
+        lambda: mlm_ordering_log_likelihoods(
+            model, tokenizer, two_rows, 2, attention_mask=[[1, 1, 1]]
+        )
+    )
+    assert "has 1 rows for 2 sequences" in message
+
+
 @pytest.mark.parametrize(
     "mask, holed",
     [

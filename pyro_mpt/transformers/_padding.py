@@ -2,6 +2,7 @@
 lists of tokenized examples into a batch of tensors without a tokenizer call per batch
 (``tokenizer.pad`` converts every example one by one, which dominates a collator's cost)."""
 
+import math
 import numbers
 
 import torch
@@ -61,8 +62,44 @@ def read_encoding(value, attention_mask, name):
             attention_mask = value["attention_mask"]
         value = value["input_ids"]
     if attention_mask is not None:
+        _check_one_entry_per_token(value, attention_mask, name)
         check_padding_only(attention_mask, name)
     return value, attention_mask
+
+
+def _row_lengths(value):
+    """The length of each row of ``value`` (a tensor, an array, or lists of numbers), or
+    None for text (nothing to compare a mask with)."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "shape"):
+        shape = tuple(value.shape)
+        return None if not shape else [shape[-1]] * math.prod(shape[:-1])
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        return None
+    if not value or isinstance(value[0], numbers.Number):
+        return [len(value)]
+    if any(isinstance(row, str) for row in value):
+        return None
+    return [len(_as_list(row)) for row in value]
+
+
+def _check_one_entry_per_token(ids, attention_mask, name):
+    """Raises unless ``attention_mask`` has one entry per token of ``ids``, row by row: a
+    shorter row would drop the tokens past its end without a word."""
+    id_lengths, mask_lengths = _row_lengths(ids), _row_lengths(attention_mask)
+    if id_lengths is None or mask_lengths is None or id_lengths == mask_lengths:
+        return
+    if len(id_lengths) != len(mask_lengths):
+        raise ValueError(
+            f"The attention mask of {name} has {len(mask_lengths)} rows for "
+            f"{len(id_lengths)} sequences; pass one row per sequence, or leave the attention "
+            "mask out (0 at padding)."
+        )
+    row = next(i for i, (a, b) in enumerate(zip(id_lengths, mask_lengths)) if a != b)
+    raise ValueError(
+        f"The attention mask of {name} has {mask_lengths[row]} entries in row {row}, whose "
+        f"sequence has {id_lengths[row]} tokens; pass one entry per token, or leave the "
+        "attention mask out (0 at padding)."
+    )
 
 
 def _has_nonzero(values):

@@ -153,26 +153,14 @@ def _start(tokenizer, input_ids, attention_mask, length, num_sequences, device):
         ids = input_ids.long().reshape(-1, input_ids.shape[-1])
         if attention_mask is None:
             attention_mask = default_attention(ids, tokenizer)
-        attention_mask = torch.as_tensor(attention_mask)
-        if attention_mask.numel() != ids.numel():
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} for input_ids of shape "
-                f"{tuple(input_ids.shape)}; give one entry per token, or leave it out (0 at "
-                f"the padding token)."
-            )
-        attention_mask = attention_mask.reshape(ids.shape)
+        # One entry per token (read_encoding checked it).
+        attention_mask = torch.as_tensor(attention_mask).reshape(ids.shape)
         return ids.clone().to(device), attention_mask.long().to(device)
     rows = _id_lists(input_ids)
     examples = [{"input_ids": row} for row in rows]
-    if attention_mask is not None:
-        for index, (example, keep) in enumerate(zip(examples, attention_mask)):
+    if attention_mask is not None:  # one entry per token (read_encoding checked it)
+        for example, keep in zip(examples, attention_mask):
             example["attention_mask"] = keep.tolist() if hasattr(keep, "tolist") else list(keep)
-            if len(example["attention_mask"]) != len(example["input_ids"]):
-                raise ValueError(
-                    f"attention_mask[{index}] has {len(example['attention_mask'])} entries "
-                    f"for the {len(example['input_ids'])} ids of input_ids[{index}]; give one "
-                    "per token, or leave attention_mask out (0 at padding)."
-                )
     padding_side = getattr(tokenizer, "padding_side", "right")
     batch = pad_examples(examples, tokenizer.pad_token_id, padding_side=padding_side)
     ids, attention = batch["input_ids"], batch["attention_mask"]

@@ -62,13 +62,8 @@ def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
         if attention_mask is None:
             attention = default_attention(ids, tokenizer)
         else:
-            attention = torch.as_tensor(attention_mask).long().cpu()
-            if attention.numel() != ids.numel():
-                raise ValueError(
-                    f"attention_mask must have the shape of the input ids {tuple(ids.shape)}, "
-                    f"got {tuple(attention.shape)}."
-                )
-            attention = attention.reshape(ids.shape)
+            # One entry per token (read_encoding checked it).
+            attention = torch.as_tensor(attention_mask).long().cpu().reshape(ids.shape)
         ids, attention, _ = left_aligned(ids, attention)
         return _truncated_rows(tokenizer, ids, attention, max_length)
     if attention_mask is not None:  # lists of ids: drop what the mask leaves out
