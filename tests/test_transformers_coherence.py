@@ -222,8 +222,13 @@ def test_argument_errors_name_the_argument_and_the_fix(tokenizer):
         mlm_ordering_log_likelihoods(model, tokenizer, ["a b"], 0, progress=False)
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
         mlm_ordering_log_likelihoods(model, tokenizer, ["a b"], 2, batch_size=0)
-    with pytest.raises(ValueError, match=r"sequences\[1\] has no maskable token"):
+    with pytest.raises(ValueError, match=r"sequences\[1\] has no maskable token \(.* give it"):
         mlm_ordering_log_likelihoods(model, tokenizer, ["a b", ""], 2, progress=False)
+    with pytest.raises(ValueError, match=r"after truncation to max_length=2 .* raise max_length"):
+        mlm_ordering_log_likelihoods(model, tokenizer, ["a b"], 2, max_length=2)
+    # Read as ids 0 and 1 before, and refused for holding no maskable token.
+    with pytest.raises(ValueError, match="sequences must be token ids, .* got a torch.bool"):
+        mlm_ordering_log_likelihoods(model, tokenizer, torch.ones(1, 4, dtype=torch.bool), 2)
     with pytest.raises(ValueError, match="sequences must be a non-empty list"):
         mlm_ordering_log_likelihoods(model, tokenizer, [], 2, progress=False)
     with pytest.raises(TypeError, match=r"sequences\[1\] must be a string .* sequences mixes"):

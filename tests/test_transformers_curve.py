@@ -244,8 +244,10 @@ def test_bad_arguments_raise_clear_errors(tokenizer):
         mlm_mpt_curve(model, tokenizer, texts, rates=[0.5, 1.5])
     with pytest.raises(ValueError, match=r"rates must be a non-empty"):
         mlm_mpt_curve(model, tokenizer, texts, rates=[])
-    with pytest.raises(ValueError, match=r"texts\[1\] has no maskable token"):
+    with pytest.raises(ValueError, match=r"texts\[1\] has no maskable token \(.* give it some"):
         mlm_mpt_curve(model, tokenizer, ["a b", ""])
+    with pytest.raises(ValueError, match=r"after truncation to max_length=2 .* raise max_length"):
+        mlm_mpt_curve(model, tokenizer, ["a b"], max_length=2)
     with pytest.raises(ValueError, match="texts must be a non-empty list"):
         mlm_mpt_curve(model, tokenizer, "a b c")
     with pytest.raises(TypeError, match=r"texts\[1\] must be a string or a list of token ids"):

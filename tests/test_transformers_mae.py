@@ -145,11 +145,21 @@ def test_curve_refuses_rates_that_hide_every_patch_and_non_image_batches():
     images = torch.rand(4, 1, 8, 8, device=DEVICE)
     with pytest.raises(ValueError, match="mask all 16 patches at their largest"):
         mae_mpt_curve(model, images, rates=[0.5, 1.0])
-    with pytest.raises(ValueError, match="pixel_values must be a batch of images"):
+    with pytest.raises(ValueError, match="pixel_values must be a non-empty batch of images"):
         mae_mpt_curve(model, images[0], rates=[0.5])
+    # An empty batch gave an area of NaN, with torch's own warning only.
+    with pytest.raises(ValueError, match=r"non-empty batch .* got shape \(0, 1, 8, 8\)"):
+        mae_mpt_curve(model, images[:0], rates=[0.5])
     other = torch.float32 if images.dtype == torch.float64 else torch.float64
     with pytest.raises(TypeError, match=rf"pixel_values is {other} but the model's parameters"):
         mae_mpt_curve(model, images.to(other), rates=[0.5])
+    # The fix named was to convert the model to uint8.
+    with pytest.raises(TypeError, match=r"torch.uint8, but the model reads floating .* / 255"):
+        mae_mpt_curve(model, (255 * images).to(torch.uint8), rates=[0.5])
+    holed = images.clone()
+    holed[1, 0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="pixel_values holds 1 NaN or infinite values"):
+        mae_mpt_curve(model, holed, rates=[0.5])
 
 
 def test_mae_loss_draws_mask_sizes_from_the_schedule():

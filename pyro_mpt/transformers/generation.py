@@ -4,7 +4,11 @@ Three samplers share one state, a batch of token ids in which some positions are
 
 * ``"sequential"``: a ``k``-block Gibbs step masks ``k`` random free positions and unmasks
   them one at a time, each drawn from the model's conditional given everything unmasked so
-  far: an exact draw from the model's block conditional, in ``k`` forward passes.
+  far, in ``k`` forward passes: an exact draw from the block conditional where the model's
+  conditionals are those of one joint. An MLM's seldom are (its orderings' chain rules give
+  different joints, :func:`~pyro_mpt.transformers.mlm_ordering_log_likelihoods` measures
+  by how much): the draw is then from the mixture, over the random order, of those chain
+  rules' block conditionals.
 * ``"parallel"``: the same block, one forward pass, each position drawn from its own
   conditional given the rest. Not a draw from the block conditional: with the whole
   sequence masked it draws every position independently of the others.
@@ -261,8 +265,11 @@ def sample_mlm(
     """Draws sequences from the conditionals of a masked language model.
 
     The start's mask tokens are filled first, one per pass in a random order
-    (``"sequential"``: an exact draw from the model's joint, chained by its conditionals),
-    or all in one pass (``"parallel"``). Then ``num_steps`` block Gibbs steps each resample
+    (``"sequential"``: each from its conditional given those filled before it, the chain
+    rule of one ordering; an exact draw from the model's joint where its conditionals are
+    those of one joint, and otherwise from the mixture over orderings of the joints their
+    chain rules give, which need not be the law the Gibbs steps converge to), or all in one
+    pass (``"parallel"``). Then ``num_steps`` block Gibbs steps each resample
     a uniformly random block of ``k = block_size`` free positions:
 
     .. math::

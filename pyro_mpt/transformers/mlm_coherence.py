@@ -53,7 +53,11 @@ def _batch(tokenizer, sequences, attention_mask, max_length, mask_id):
     padding (attention 0, or the padding token) at the start of a row is moved to its end."""
     sequences, attention_mask = read_encoding(sequences, attention_mask, "sequences")
     if isinstance(sequences, torch.Tensor):
-        if sequences.dim() not in (1, 2) or sequences.is_floating_point():
+        if (
+            sequences.dim() not in (1, 2)
+            or sequences.is_floating_point()
+            or sequences.dtype == torch.bool
+        ):
             raise ValueError(
                 "sequences must be token ids, a long (B, L) or (L,) tensor, got a "
                 f"{sequences.dtype} tensor of shape {tuple(sequences.shape)}."
@@ -274,9 +278,12 @@ def mlm_ordering_log_likelihoods(
     maskable = content_positions(ids, tokenizer, attention)
     empty = (~maskable.any(-1)).nonzero().flatten().tolist()
     if empty:
+        truncated = max_length is not None and int(attention[empty[0]].sum()) >= max_length
+        cut = f" after truncation to max_length={max_length}" if truncated else ""
         raise ValueError(
-            f"sequences[{empty[0]}] has no maskable token (only special tokens or padding: "
-            f"{ids[empty[0]].tolist()}); remove it or give it some content."
+            f"sequences[{empty[0]}] has no maskable token{cut} (only special tokens or padding: "
+            f"{ids[empty[0]].tolist()}); "
+            + ("raise max_length." if cut else "remove it or give it some content.")
         )
     if orderings is None:
         orderings = random_orderings(num_orderings, ids.shape[:1], ids.shape[1], entries=maskable)

@@ -240,9 +240,11 @@ class _Plan:
         for index, ids in enumerate(self.ids):
             positions = [j for j, t in enumerate(ids) if t not in special]
             if not positions:
+                truncated = max_length is not None and len(ids) >= max_length
+                cut = f" after truncation to max_length={max_length}" if truncated else ""
                 raise ValueError(
-                    f"texts[{index}] has no maskable token (only special tokens: {ids}); "
-                    "remove it or give it some content."
+                    f"texts[{index}] has no maskable token{cut} (only special tokens: {ids}); "
+                    + ("raise max_length." if cut else "remove it or give it some content.")
                 )
             self.positions.append(torch.tensor(positions))
         self.num_features = torch.tensor([len(p) for p in self.positions])

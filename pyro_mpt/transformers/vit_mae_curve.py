@@ -50,6 +50,13 @@ def mae_mpt_curve(
     with the sizes that no rate gives interpolated between the nearest given ones
     (:func:`~pyro_mpt.diagnostics.curve.area_weights`).
 
+    .. note:: The area's last term, ``S(x; L)`` (every patch hidden), is never measured:
+        ViT-MAE keeps one patch visible, so no rate may mask all ``L``. The area holds it at
+        the score of the largest size given (at best ``L - 1``), so it is not the sum the
+        identity with ``log p(x)`` needs by that one term, a ``1/L`` share of it. Predicting
+        a patch from nothing is usually the hardest term, so the area tends to overstate.
+        Compare areas with one another (models, training steps), not with a log-likelihood.
+
     The score is an affine function of the mean squared error of the masked patches, the
     MAE loss: ``S = -(n/2) log(2 pi sigma^2) - n MSE / (2 sigma^2)`` for patches of ``n``
     values, so ``scale`` sets the units, not the shape, of the curve. With
@@ -86,17 +93,28 @@ def mae_mpt_curve(
             f"rates {rates.tolist()} mask all {total} patches at their largest; ViT-MAE needs one "
             f"visible patch: use rates below {1 - 0.5 / total:.3f}."
         )
-    if pixel_values.dim() != 4:
+    if pixel_values.dim() != 4 or pixel_values.shape[0] == 0:
         raise ValueError(
-            f"pixel_values must be a batch of images (N, C, H, W), got shape "
+            f"pixel_values must be a non-empty batch of images (N, C, H, W), got shape "
             f"{tuple(pixel_values.shape)}."
         )
     dtype = next(model.parameters()).dtype
+    if not pixel_values.is_floating_point():
+        raise TypeError(
+            f"pixel_values is {pixel_values.dtype}, but the model reads floating pixels: "
+            f"pass them scaled as the model was trained on, e.g. pixel_values.to({dtype}) / 255 "
+            f"for 8-bit images (then check the scale, {scale!r}, suits that range)."
+        )
     if pixel_values.dtype != dtype:
         raise TypeError(
             f"pixel_values is {pixel_values.dtype} but the model's parameters are {dtype}: "
             f"pass pixel_values.to({dtype}), or convert the model with model.to("
             f"{pixel_values.dtype})."
+        )
+    if not bool(torch.isfinite(pixel_values).all()):
+        raise ValueError(
+            f"pixel_values holds {int((~torch.isfinite(pixel_values)).sum())} NaN or infinite "
+            f"values, which would make the curve NaN; drop or repair those images first."
         )
     num_images = pixel_values.shape[0]
     rows = num_images * num_masks
