@@ -367,7 +367,10 @@ def mlm_mpt_curve(
         tokenizer's output (its ``input_ids`` where its
         ``attention_mask`` keeps them; one segment each: sentence pairs, whose
         ``token_type_ids`` mark a second segment, are refused).
-    :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%).
+    :param rates: masking rates in ``(0, 1]`` (default: 1%, 2%, ..., 99%, the paper's). For
+        a sequence of more than 50 maskable tokens 99% masks fewer than all of them, and the
+        area holds ``S(x; D)`` at the score of the largest size given: add the rate ``1.0``
+        to measure every term of the sum.
     :param int num_masks: random masks per sequence and rate.
     :param int batch_size: masked sequences per forward pass.
     :param int max_length: truncate sequences to this many tokens; a closing special token
