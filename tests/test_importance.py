@@ -386,6 +386,13 @@ def test_models_outside_its_scope_are_rejected():
     vae = LinearVAE(num_features=6, latent_dim=2, subsample_size=2)
     with pytest.raises(NotApplicableError, match=r"subsampled data plates are not supported"):
         ImportanceSampling().prepare(vae.model, vae.guide, (vae.sample(4),), {})
+    # Data given by keyword: named as such, not as a subsampled plate.
+    full = LinearVAE(num_features=6, latent_dim=2)
+    with pytest.raises(
+        NotApplicableError,
+        match=r"got 'NoneType' \(the call passes only keywords, \['x'\]: pass the data first\)\.$",
+    ):
+        ImportanceSampling().prepare(full.model, full.guide, (), {"x": full.sample(4)})
 
 
 def test_bad_arguments():

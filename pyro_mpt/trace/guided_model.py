@@ -153,11 +153,16 @@ def prepare_guided(model, guide, args, kwargs, max_plate_nesting, what):
     full_shape = obs_fn.batch_shape + obs_fn.event_shape
     if not torch.is_tensor(data) or data.shape != full_shape:
         got = f"shape {tuple(data.shape)}" if torch.is_tensor(data) else repr(type(data).__name__)
+        if torch.is_tensor(data):
+            # A tensor of another shape: the model observes a part of it.
+            got += "; subsampled data plates are not supported"
+        elif not args and kwargs:
+            got += f" (the call passes only keywords, {sorted(kwargs)}: pass the data first)"
         raise NotApplicableError(
             f"{what} passes filled copies of the data to the guide, so "
             f"{_convention(local.observed)}. The "
             f"first argument must be the tensor observed at site {local.observed.name!r} "
-            f"(shape {tuple(full_shape)}), got {got}; subsampled data plates are not supported."
+            f"(shape {tuple(full_shape)}), got {got}."
         )
     num_pad = max(0, local.max_plate_nesting - len(obs_fn.batch_shape))
     guided = GuidedModel(
