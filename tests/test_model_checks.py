@@ -363,3 +363,25 @@ def test_a_local_latent_fixed_by_condition_is_named_as_the_cause():
     clamped = poutine.condition(model, data={"c": torch.ones(4)})
     with pytest.raises(ValueError, match="found 2 observed sites.*poutine.condition"):
         log_marginal(clamped, torch.randn(4, 3), conditionals="auto")
+
+
+def test_a_class_labelled_for_some_observations_is_named_with_the_way_round_it():
+    # A semi-supervised model's class, observed where known (obs_mask), beside the data:
+    # the message used to advise concatenating the observations, which cannot apply.
+    def model(x, y, known):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("y", dist.Categorical(torch.ones(3) / 3), obs=y, obs_mask=known)
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            loc = (z.sum(-1) + c).unsqueeze(-1).expand(x.shape)
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    known = torch.tensor([True, True, False, False, True, False])
+    expected = (
+        r"pyro_mpt found 2 observed sites \['y_observed', 'x'\]: 'y' is observed in part "
+        r"\(obs_mask\).* Score the labelled observations apart"
+    )
+    with pytest.raises(ValueError, match=expected):
+        log_marginal(model, x, y, known)
+    with pytest.raises(ValueError, match=expected):
+        MPTLoss().loss(model, lambda *args: None, x, y, known)

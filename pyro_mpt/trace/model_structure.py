@@ -215,6 +215,25 @@ def _several_observed_sites(trace, names, latent_names, what):
     globals_ = [n for n in names if any(frames[n] < frames[m] for m in names)]
     local = [n for n in names if n not in globals_]
     if not globals_:
+        # obs_mask splits a site observed in part into "<name>_observed" and the latent
+        # "<name>_unobserved": beside another observed site, a latent labelled for some rows.
+        partial = [
+            n[: -len("_observed")]
+            for n in names
+            if n.endswith("_observed") and n[: -len("_observed")] + "_unobserved" in trace.nodes
+        ]
+        if partial:
+            verb = "is" if len(partial) == 1 else "are"
+            return ValueError(
+                f"{what} found {len(names)} observed sites {names}: "
+                f"{' and '.join(map(repr, partial))} {verb} observed in part (obs_mask), "
+                f"beside the data. A latent known for some observations only "
+                f"(the class of a semi-supervised model) is not supported: {what} scores the "
+                f"features of one observed site. Score the labelled observations apart: pass "
+                f"their labels to the model as an argument, used in place of the pyro.sample "
+                f"site (with pyro.factor for the labels' prior log-probability), and the "
+                f"unlabelled ones with the site left latent; add the two losses."
+            )
         return ValueError(
             f"{what} found {len(names)} observed sites {names}; it scores the features of one "
             f"observed site. Concatenate the observations into one site (pyro.deterministic "
@@ -374,7 +393,7 @@ def shared_reads():
             _SHARED = None
 
 
-def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="MPTLoss"):
+def read_structure(model, args, kwargs, max_plate_nesting=math.inf, what="pyro_mpt"):
     """Traces ``model`` once and reads off its :class:`ModelStructure` (inside
     :func:`shared_reads`, once per call signature).
 
