@@ -49,7 +49,7 @@ def _run(page, blocks):
     """Runs ``blocks`` in one namespace; returns what they printed."""
     namespace = {"__name__": f"docs/{page}"}
     out = io.StringIO()
-    dtype = torch.get_default_dtype()
+    dtype, local = torch.get_default_dtype(), pyro.settings.get("module_local_params")
     torch.set_default_dtype(torch.float32)  # as a reader runs it
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -59,7 +59,7 @@ def _run(page, blocks):
                 exec(compile(block, f"docs/{page} block {number + 1}", "exec"), namespace)
     finally:
         torch.set_default_dtype(dtype)
-        pyro.settings.set(module_local_params=False)
+        pyro.settings.set(module_local_params=local)  # the deep-VAE page sets it
         pyro.clear_param_store()
     return out.getvalue(), namespace
 
