@@ -178,6 +178,23 @@ def test_plot_mpt_curve_draws_the_area_in_the_legend():
     assert len(ax.lines) == 1
 
 
+def test_plot_mpt_curve_draws_rates_given_in_any_order_as_one_line():
+    # Rates given out of order were joined in that order: a zigzag.
+    model = PPCA(6, 2)
+    x = model.sample(20)
+    curve = mpt_curve(model.model, x, rates=[0.9, 0.2, 0.5, 0.35], num_masks=3)
+    xs, ys = plot_mpt_curve(curve).lines[0].get_data()
+    order = curve.rates.argsort()
+    assert list(xs) == sorted(xs) == (100 * curve.rates[order]).tolist()
+    assert list(ys) == curve.scores[order].tolist()
+    with pytest.raises(TypeError, match="curve must be an MPTCurve .* got Tensor"):
+        plot_mpt_curve(curve.scores)
+    with pytest.raises(TypeError, match="log_marginal must be a number, .* got 'high'"):
+        plot_mpt_curve(curve, log_marginal="high")
+    with pytest.raises(TypeError, match="ax must be a matplotlib axis, got str"):
+        plot_mpt_curve(curve, ax="left")
+
+
 def test_log_marginal_by_quadrature_matches_exact():
     from pyro_mpt.conditionals import Quadrature
 

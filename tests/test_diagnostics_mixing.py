@@ -1,5 +1,7 @@
 """``pyro_mpt.diagnostics.mixing_diagnostics`` against chains whose mixing is known."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -83,3 +85,20 @@ def test_a_chain_that_never_moves_has_no_effective_sample_size():
     with pytest.warns(RuntimeWarning, match="never change"):
         d = mixing_diagnostics(torch.ones(4, 100))
     assert torch.isnan(d.ess) and torch.isnan(d.ess_per_step)
+
+
+def test_non_finite_draws_are_refused_and_a_draws_first_array_warns():
+    # One NaN left every figure NaN, and one inf gave a finite bulk ESS, with no word.
+    chains = torch.randn(4, 200, generator=torch.Generator().manual_seed(0))
+    for bad in (float("nan"), float("inf")):
+        holed = chains.clone()
+        holed[2, 17] = bad
+        with pytest.raises(ValueError, match="samples holds 1 NaN or infinite draws"):
+            mixing_diagnostics(holed)
+    # Four chains of 200 draws passed draws first read as 200 chains of 4 draws.
+    with pytest.warns(RuntimeWarning, match=r"200 chains of 4 draws .*movedim\(0, 1\)"):
+        transposed = mixing_diagnostics(chains.T)
+    assert float(transposed.ess) > 200  # what it reports: more than the draws there are
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        mixing_diagnostics(torch.randn(40, 50))  # many short chains, chains first: no word

@@ -109,7 +109,9 @@ def mixing_diagnostics(samples, evaluations_per_step=1, method="bulk"):
     :param str method: ArviZ's ESS method: ``"bulk"`` (rank-normalised, the default),
         ``"tail"`` or ``"mean"`` (of the statistic itself).
     :returns: :class:`Mixing`, float64 tensors.
-    :raises ValueError: for fewer than 2 chains or 4 draws, or an unknown ``method``.
+    :raises ValueError: for fewer than 2 chains or 4 draws, a NaN or infinite draw, or an
+        unknown ``method``. Ten times as many chains as draws or more, the sign of a
+        draws-first array, warns.
 
     Example::
 
@@ -136,6 +138,22 @@ def mixing_diagnostics(samples, evaluations_per_step=1, method="bulk"):
         raise ValueError(
             f"samples has {num_chains} chain(s) of {num_draws} draws; R-hat needs at least 2 "
             "chains of at least 4 draws. Run several chains from different starts."
+        )
+    if not np.isfinite(array).all():
+        count = int((~np.isfinite(array)).sum())
+        raise ValueError(
+            f"samples holds {count} NaN or infinite draws, which leave the effective sample "
+            f"size and R-hat NaN or meaningless; drop the statistic or the steps that hold "
+            f"them."
+        )
+    if num_chains >= 10 * num_draws:
+        warnings.warn(
+            f"samples has {num_chains} chains of {num_draws} draws each, ten times as many "
+            f"chains as draws or more. Chains come first; a draws-first array (a gibbs chain "
+            f"is steps first) gives an effective sample size and R-hat of nothing. If so, "
+            f"pass samples.movedim(0, 1) (or .T).",
+            RuntimeWarning,
+            stacklevel=2,
         )
     az = _arviz()
     # A chain whose statistic never moves is stuck (or the statistic is constant): ArviZ

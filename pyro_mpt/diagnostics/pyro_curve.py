@@ -86,7 +86,8 @@ def mpt_curve(
         given here are held to an importance-sampling lower bound of ``log p(x)`` (64 draws
         of the guide, as ``MPTLoss`` holds them on its checked steps), warning with the
         figure when their estimate falls below it.
-    :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``.
+    :returns: an :class:`~pyro_mpt.MPTCurve` whose rates are ``M / D``. Its scores are per
+        observation and ignore ``poutine.scale``, as :func:`~pyro_mpt.log_marginal` does.
     :raises ValueError: for ``Quadrature(center="guide")``, whose nodes miss the
         conditionals of masked inputs.
 
