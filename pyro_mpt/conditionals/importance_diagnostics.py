@@ -79,8 +79,9 @@ MAX_RATIO_BIAS = 0.1
 #: one by one (``log_marginal``): past it an observation is off by more than half a nat,
 #: the limit at any one observation, about one time in twenty, and more often where the
 #: weights' tail is heavy, where the figure itself understates. Within the other
-#: thresholds, observations of a linear-Gaussian model were 0.77 to 1.0 nats off from 64
-#: draws of a guide three times as wide as the posterior (``tests/test_importance_accuracy.py``).
+#: thresholds, observations of a linear-Gaussian model come out more than half a nat off
+#: from 64 draws of a guide three times as wide as the posterior
+#: (``tests/test_importance_accuracy.py``).
 MAX_ROW_STDERR = 0.25
 
 
