@@ -82,7 +82,7 @@ class GaussianForm(NamedTuple):
     :ivar torch.Tensor covariance: ``batch + (D, D)`` (broadcastable) or None.
     :ivar tuple latent_names: the latent sites integrated out.
     :ivar pending_check: with Pyro's validation off, a boolean scalar tensor, ``True`` when
-        the model failed this call's check of the form (:func:`_form_failures`), left on
+        the model failed this call's check of the form (:func:`_check_form`), left on
         the device to spare a synchronisation; ``None`` when the check was read (or made no
         sense: no latents).
     """
@@ -178,7 +178,7 @@ def extract_gaussian_form(model, args, kwargs, structure):
     """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
     the model at the whitened points of :func:`_probe_points`; ``structure`` was read from
     an earlier trace (:func:`~pyro_mpt.trace.model_structure.read_structure`). The form is
-    verified at the check points (:func:`_verify_affine`) on every call while Pyro's
+    verified at the check points (:func:`_check_form`) on every call while Pyro's
     validation is enabled, else on the first with the structure.
 
     :raises NotGaussianError: if the model is not linear-Gaussian.
@@ -233,14 +233,13 @@ def extract_gaussian_form(model, args, kwargs, structure):
     once = not is_validation_enabled() and not _EVERY_CALL.get()
     first = layout is None or layout not in _VERIFIED
     if first or not once:
-        _verify_affine(form, locs, scales, checks)
+        _check_form(form, locs, scales, checks)
         if first or _EVERY_CALL.get():
             _verify_derivatives(form, locs, scales, checks)
         if layout is not None:
             _VERIFIED.add(layout)
     else:
-        not_affine, scale_varies = _form_failures(form, locs, scales, checks)
-        form = form._replace(pending_check=not_affine | scale_varies)
+        form = form._replace(pending_check=_check_form(form, locs, scales, checks, read=False))
     return form, run.extra_log_prob
 
 
@@ -290,10 +289,15 @@ def verify_every_call():
         _EVERY_CALL.reset(token)
 
 
-def _form_failures(form, locs, scales, checks):
-    """Whether the likelihood's ``locs`` at the ``checks`` points depart from those the
-    affine ``form`` predicts, and whether its ``scales`` differ between points: two boolean
-    scalar tensors, not read."""
+def _check_form(form, locs, scales, checks, read=True):
+    """Whether the likelihood's ``locs`` at the ``checks`` points (those of
+    :func:`_probe_points` past the origin and the unit vectors) are those the affine
+    ``form`` predicts, and its ``scales`` are the same at every point.
+
+    With ``read``, raises :class:`NotGaussianError` when they are not (a read of the
+    device) and returns None; else returns a boolean scalar tensor, ``True`` when the check
+    failed, left unread on the device.
+    """
     # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
     tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
     num_fitted = locs.shape[0] - checks.shape[0]
@@ -307,15 +311,9 @@ def _form_failures(form, locs, scales, checks):
         not_affine = ~((predicted - actual).abs() <= tol * (size + 1)).all()
         scales64 = scales.double()
         scale_varies = ~((scales64 - scales64[:1]).abs() <= tol * scales64[:1].abs()).all()
-    return not_affine, scale_varies
-
-
-def _verify_affine(form, locs, scales, checks):
-    """Raises :class:`NotGaussianError` unless the likelihood's ``locs`` at the ``checks``
-    points (those of :func:`_probe_points` past the origin and the unit vectors) are those
-    the affine ``form`` predicts, and its ``scales`` are the same at every point."""
+    if not read:
+        return not_affine | scale_varies
     observed, latents = form.observed, list(form.latent_names)
-    not_affine, scale_varies = _form_failures(form, locs, scales, checks)
     if bool(not_affine):
         raise NotGaussianError(
             f"The loc of observed site {observed.name!r} is not affine in the latent sites "
@@ -329,6 +327,7 @@ def _verify_affine(form, locs, scales, checks):
             f"{latents}; exact conditionals need a noise scale that does not. Use "
             f"conditionals='quadrature' or 'importance'."
         )
+    return None
 
 
 def _verify_derivatives(form, locs, scales, checks):

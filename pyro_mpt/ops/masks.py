@@ -250,7 +250,7 @@ def sort_rows(keys, use_numpy=None):
     return keys.sort(dim=-1).values
 
 
-def masks_of_sizes(sizes, num_features, entries=None, generator=None):
+def masks_of_sizes(sizes, num_features, entries=None, generator=None, key_dtype=None):
     """Uniformly random masks with the given sizes.
 
     :param torch.Tensor sizes: integer mask sizes, any shape ``S``.
@@ -260,6 +260,9 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None):
         missing ones).
     :param torch.Generator generator: where the random keys come from, on the device of
         ``sizes``; ``None`` for torch's global generator.
+    :param torch.dtype key_dtype: on the CPU, the dtype of the random keys: by default
+        16-bit integers for rows of up to 4096 features, the cheapest to draw, sort and
+        compare, and float32 for longer rows, whose 16-bit keys would tie often.
     :returns: a boolean tensor of shape ``S + (D,)``, ``True`` at masked features; each row
         is uniform among the masks of its size.
     """
@@ -273,16 +276,30 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None):
     if sizes.device.type != "cpu":
         return _unique_key_masks(sizes, num_features, generator)
     # A feature is masked when its random key is among the M smallest of its row: one sort
-    # finds each row's M-th smallest key. 16-bit keys are the cheapest to draw, sort and
-    # compare; they tie often in long rows, which take float32 keys instead.
-    dtype = torch.int16 if num_features <= _MAX_FEATURES_FOR_SHORT_KEYS else torch.float32
-    masks, tied = _masks_below_threshold(sizes, num_features, dtype, generator)
+    # (NumPy's, see sort_rows) finds each row's M-th smallest key.
+    if key_dtype is None:
+        key_dtype = torch.int16 if num_features <= _MAX_FEATURES_FOR_SHORT_KEYS else torch.float32
+    shape = sizes.shape + (num_features,)
+    if key_dtype.is_floating_point:
+        keys = torch.rand(shape, dtype=key_dtype, device="cpu", generator=generator)
+    else:  # the four 16-bit pieces of uniform 64-bit integers: four times fewer draws
+        size = math.prod(shape)
+        bits = torch.empty(-(-size // 4), dtype=torch.int64, device="cpu")
+        bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
+        keys = bits.view(torch.int16)[:size].reshape(shape)
+    sorted_keys = torch.from_numpy(np.sort(keys.numpy(), axis=-1))
+    index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
+    threshold = sorted_keys.gather(-1, index)
+    masks = (keys <= threshold) & (sizes > 0).unsqueeze(-1)  # rows of size 0 mask nothing
+    if key_dtype == torch.float64:
+        return masks
     # A tie between the M-th and the next key would mask one feature too many: those rows
     # (about 1 row in 100 of 784 features with 16-bit keys, 1 in 40000 with float32 keys) are
     # drawn again with float64 keys. The test reads a CPU tensor: no device to wait for.
+    following = sorted_keys.gather(-1, (index + 1).clamp(max=num_features - 1))
+    tied = ((following == threshold) & (index + 1 < num_features)).squeeze(-1) & (sizes > 0)
     if bool(tied.any()):
-        redrawn = _masks_below_threshold(sizes[tied], num_features, torch.float64, generator)
-        masks[tied] = redrawn[0]
+        masks[tied] = masks_of_sizes(sizes[tied], num_features, None, generator, torch.float64)
     return masks
 
 
@@ -315,28 +332,6 @@ def plain_masks_of_sizes(sizes, num_features):
 
 #: The most features per row for which masks use 16-bit keys.
 _MAX_FEATURES_FOR_SHORT_KEYS = 4096
-
-
-def _masks_below_threshold(sizes, num_features, dtype, generator=None):
-    """Masks of the given sizes from random CPU keys, and which rows' M-th and (M+1)-th keys
-    tie. Keys of a floating ``dtype`` come from ``torch.rand``; ``int16`` keys are the four
-    16-bit pieces of uniform 64-bit integers, four times fewer draws. NumPy sorts them (see
-    :func:`sort_rows`)."""
-    shape = sizes.shape + (num_features,)
-    if dtype.is_floating_point:
-        keys = torch.rand(shape, dtype=dtype, device="cpu", generator=generator)
-    else:
-        size = math.prod(shape)
-        bits = torch.empty(-(-size // 4), dtype=torch.int64, device="cpu")
-        bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
-        keys = bits.view(torch.int16)[:size].reshape(shape)
-    sorted_keys = torch.from_numpy(np.sort(keys.numpy(), axis=-1))
-    index = (sizes - 1).clamp(min=0, max=num_features - 1).unsqueeze(-1)
-    threshold = sorted_keys.gather(-1, index)
-    following = sorted_keys.gather(-1, (index + 1).clamp(max=num_features - 1))
-    tied = ((following == threshold) & (index + 1 < num_features)).squeeze(-1)
-    masks = (keys <= threshold) & (sizes > 0).unsqueeze(-1)  # rows of size 0 mask nothing
-    return masks, tied & (sizes > 0)
 
 
 def sample_masks(
@@ -462,4 +457,8 @@ def mpt_estimate(log_conditionals, masks, num_features=None, sizes=None):
     """
     if num_features is None:
         num_features = log_conditionals.shape[-1]
-    return num_features * mask_scores(log_conditionals, masks, sizes).mean(0)
+    if sizes is None:
+        sizes = masks.expand(log_conditionals.shape).sum(-1)
+    # Each mask's score, as mask_scores gives it.
+    scores = masked_sum(log_conditionals, masks) / sizes.to(log_conditionals.dtype).clamp(min=1)
+    return num_features * scores.mean(0)

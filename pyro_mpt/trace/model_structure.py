@@ -20,7 +20,6 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.trace.observed_site import (
     ObservedSite,
-    observed_in_run,
     read_observed_site,
     site_scale,
 )
@@ -35,7 +34,6 @@ __all__ = [
     "latent_names_in",
     "observed_names_in",
     "points_dtype",
-    "observed_in_run",
     "read_structure",
     "shared_reads",
 ]

@@ -3,6 +3,7 @@ entries count (masks, ``obs_mask``), its scale, and the checks ``log_prob`` woul
 (dtype; NaN and support while Pyro's validation is enabled); and the check that a later run
 of a model read before still matches the read around that site (:func:`check_run_matches`)."""
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -12,12 +13,11 @@ from torch.distributions import constraints
 
 from pyro_mpt.errors import StaleStructureError
 from pyro_mpt.trace.structure_checks import scale_mismatch
-from pyro_mpt.trace.trace_utils import distribution_mask, flatten_tail, unwrap_independent
+from pyro_mpt.trace.trace_utils import flatten_tail, unwrap_independent
 
 __all__ = [
     "ObservedSite",
     "check_run_matches",
-    "observed_in_run",
     "read_observed_site",
     "site_scale",
 ]
@@ -101,27 +101,29 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     if validate or not checked:
         _check_value(name, site["value"], fn, full_shape)
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
-    value = given = flatten_tail(site["value"].expand(full_shape), num_feature_dims)
-    dtype = _parameter_dtype(fn)
-    if value.is_floating_point() and dtype is not None and dtype != value.dtype:
+    # The features flattened into one dim (a new one for a site with none).
+    num_features = math.prod(full_shape[num_batch:])
+    value = given = site["value"].expand(full_shape).reshape(batch_shape + (num_features,))
+    base, inner = unwrap_independent(fn, with_mask=True)  # inner: from .mask(...) on fn
+    if value.is_floating_point():
         # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
-        # are computed in the model's dtype.
-        value = value.to(dtype)
-    mask, inner = site["mask"], distribution_mask(fn)  # inner: from .mask(...) on fn
+        # are computed in the model's dtype: that of its first floating parameter.
+        for key in base.arg_constraints:
+            param = base.__dict__.get(key)
+            if torch.is_tensor(param) and param.is_floating_point():
+                value = value.to(param.dtype)
+                break
+    mask = site["mask"]
     entries = None
     if not (mask is None or mask is True) or inner is not None:
         entries = _entry_mask(name, mask, inner, fn.event_shape, full_shape, num_feature_dims)
     # The data checks read the data back (a device synchronisation): like Pyro's own checks
     # of observations, they run while validation is enabled (the default).
-    if validate and value.is_floating_point():
-        _check_nan(name, value, entries)
+    if validate:
+        _check_data(name, base, value, entries)
     if entries is not None:
         value = _fill_missing(value, entries)
     unfilled = None if value is given else given
-    base = unwrap_independent(fn)
-    # A real support holds every finite value: the NaN check above covers it.
-    if validate and base.support is not constraints.real:
-        _check_support(name, base, value, entries, num_feature_dims)
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
 
 
@@ -166,7 +168,7 @@ def _check_value(name, value, fn, full_shape):
         )
 
 
-#: What to do about each kind of non-finite observed value (see :func:`_check_nan`).
+#: What to do about each kind of non-finite observed value (see :func:`_check_data`).
 _NON_FINITE_FIXES = {
     "infinite": (
         ": no likelihood gives them a finite density, and the loss and every parameter "
@@ -184,57 +186,30 @@ _NON_FINITE_FIXES = {
 }
 
 
-def _check_nan(name, value, entries):
-    """Raises for an infinite or NaN value among the entries of ``value`` that count: one
-    read of the device when there is none."""
-    finite = torch.isfinite(value)
-    if bool((finite if entries is None else finite | ~entries).all()):
+def _check_data(name, fn, value, entries):
+    """Raises ``ValueError`` for an infinite or NaN value among the entries of ``value``
+    that count, or for one outside the support of ``fn`` when that support does not depend
+    on the distribution's parameters: one read of the device for each check when the data
+    pass it."""
+    if value.is_floating_point():
+        finite = torch.isfinite(value)
+        if not bool((finite if entries is None else finite | ~entries).all()):
+            for kind, stray in (("infinite", torch.isinf(value)), ("NaN", torch.isnan(value))):
+                if entries is not None:
+                    stray = stray & entries
+                if bool(stray.any()):
+                    raise ValueError(
+                        f"Observed site {name!r} contains {int(stray.sum())} {kind} values "
+                        f"out of {value.numel()} among the entries that count"
+                        f"{_NON_FINITE_FIXES[kind]}"
+                    )
+    # A real support holds every finite value: the check above covers it. Whole events'
+    # supports are not checked here.
+    if fn.support is constraints.real or fn.event_shape:
         return
-    for kind, stray in (("infinite", torch.isinf(value)), ("NaN", torch.isnan(value))):
-        if entries is not None:
-            stray = stray & entries
-        if bool(stray.any()):
-            raise ValueError(
-                f"Observed site {name!r} contains {int(stray.sum())} {kind} values out of "
-                f"{value.numel()} among the entries that count{_NON_FINITE_FIXES[kind]}"
-            )
-
-
-def _parameter_dtype(fn):
-    """The floating dtype of the distribution's parameters, or ``None``."""
-    base = unwrap_independent(fn)
-    for key in base.arg_constraints:
-        value = base.__dict__.get(key)
-        if torch.is_tensor(value) and value.is_floating_point():
-            return value.dtype
-    return None
-
-
-def _fill_missing(value, entries):
-    """Missing entries are never scored, but every likelihood is evaluated on them: each
-    gets an observed value of the same feature (any observed value if the feature has none),
-    which lies in the likelihood's support, so no log-probability or gradient is NaN."""
-    flat_value, flat_entries = (
-        value.reshape(-1, value.shape[-1]),
-        entries.reshape(-1, value.shape[-1]),
-    )
-    if not bool(flat_entries.any()):
-        return torch.zeros_like(value)
-    first = flat_entries.to(torch.uint8).argmax(0)  # first observed row of each feature
-    filler = flat_value.gather(0, first.unsqueeze(0)).squeeze(0)
-    anywhere = flat_value[flat_entries][0]
-    filler = torch.where(flat_entries.any(0), filler, anywhere)
-    return torch.where(entries, value, filler)
-
-
-def _check_support(name, fn, value, entries, num_feature_dims):
-    """Raises ``ValueError`` for observed entries outside the support of ``fn``, when the
-    support does not depend on the distribution's parameters."""
     # Boolean tests are slow on CPUs: the common binary support is checked by arithmetic.
     if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
         return
-    if fn.event_shape:
-        return  # the support concerns whole events
     try:
         inside = fn.support.check(value)
     except (NotImplementedError, RuntimeError, TypeError):
@@ -253,6 +228,23 @@ def _check_support(name, fn, value, entries, num_feature_dims):
         f"(x > 0.5).float()), or choose a likelihood that covers it; "
         f"pyro.enable_validation(False) skips this check."
     )
+
+
+def _fill_missing(value, entries):
+    """Missing entries are never scored, but every likelihood is evaluated on them: each
+    gets an observed value of the same feature (any observed value if the feature has none),
+    which lies in the likelihood's support, so no log-probability or gradient is NaN."""
+    flat_value, flat_entries = (
+        value.reshape(-1, value.shape[-1]),
+        entries.reshape(-1, value.shape[-1]),
+    )
+    if not bool(flat_entries.any()):
+        return torch.zeros_like(value)
+    first = flat_entries.to(torch.uint8).argmax(0)  # first observed row of each feature
+    filler = flat_value.gather(0, first.unsqueeze(0)).squeeze(0)
+    anywhere = flat_value[flat_entries][0]
+    filler = torch.where(flat_entries.any(0), filler, anywhere)
+    return torch.where(entries, value, filler)
 
 
 def site_scale(site, batch_shape, num_feature_dims=0):
@@ -278,22 +270,6 @@ def site_scale(site, batch_shape, num_feature_dims=0):
             f"across the features of an observation; MPTLoss supports one scale per "
             f"observation (shape broadcastable to {tuple(batch_shape)})."
         ) from None
-
-
-def observed_in_run(structure, trace):
-    """The observed site and its scale in another run of a model whose
-    :class:`~pyro_mpt.trace.model_structure.ModelStructure` is ``structure`` (at points, or
-    against samples), read and checked as the structure's own: ``(observed, scale)``.
-    """
-    site = trace.nodes.get(structure.observed.name)
-    if site is None:
-        raise ValueError(
-            f"The model did not sample observed site {structure.observed.name!r} on this run; "
-            f"MPTLoss needs the same sites on every run of the model."
-        )
-    first = structure.observed
-    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    return observed, site_scale(site, observed.batch_shape, observed.num_feature_dims)
 
 
 def check_run_matches(structure, trace, scale):

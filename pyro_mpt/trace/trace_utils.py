@@ -39,26 +39,29 @@ def latent_sites(trace):
     ]
 
 
-def unwrap_independent(fn):
+def unwrap_independent(fn, with_mask=False):
     """Strips ``Independent`` (``.to_event``) and ``MaskedDistribution`` (``.mask``) wrappers
-    from a distribution."""
+    from a distribution.
+
+    :param bool with_mask: return ``(base, mask)`` instead of the base alone, where ``mask``
+        is that of the ``.mask(...)`` wrappers as booleans of ``fn``'s batch and event shape,
+        or ``None`` when it has none (see :func:`distribution_mask`).
+    """
+    full_shape = fn.batch_shape + fn.event_shape
+    mask = None
     while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
+        if with_mask and isinstance(fn, dist.MaskedDistribution) and fn._mask is not None:
+            level = torch.as_tensor(fn._mask, dtype=torch.bool).expand(fn.batch_shape)
+            level = level.reshape(level.shape + (1,) * len(fn.event_shape)).expand(full_shape)
+            mask = level if mask is None else mask & level
         fn = fn.base_dist
-    return fn
+    return (fn, mask) if with_mask else fn
 
 
 def distribution_mask(fn):
     """The mask of ``.mask(...)`` wrappers of ``fn`` as booleans of its batch and event
     shape, or ``None`` when it has none."""
-    full_shape = fn.batch_shape + fn.event_shape
-    mask = None
-    while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
-        if isinstance(fn, dist.MaskedDistribution) and fn._mask is not None:
-            level = torch.as_tensor(fn._mask, dtype=torch.bool).expand(fn.batch_shape)
-            level = level.reshape(level.shape + (1,) * len(fn.event_shape)).expand(full_shape)
-            mask = level if mask is None else mask & level
-        fn = fn.base_dist
-    return mask
+    return unwrap_independent(fn, with_mask=True)[1]
 
 
 class RandomState:

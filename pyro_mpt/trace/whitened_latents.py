@@ -32,9 +32,9 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_mpt.errors import NotApplicableError, unsupported_prior_error, without_trace_shapes
 from pyro_mpt.trace.factors import check_factors, factor_log_prob
-from pyro_mpt.trace.observed_site import check_run_matches, observed_in_run
+from pyro_mpt.trace.observed_site import check_run_matches, read_observed_site, site_scale
 from pyro_mpt.trace.points_check import check_model_at_points
-from pyro_mpt.trace.trace_utils import flatten_tail, narrow_broadcast_dims, unwrap_independent
+from pyro_mpt.trace.trace_utils import narrow_broadcast_dims, unwrap_independent
 
 __all__ = [
     "PointsRun",
@@ -331,9 +331,18 @@ def run_at_points(
             f"The model did not sample latent sites {missing} on its second run. MPTLoss "
             f"needs the same latent sites on every run of the model."
         )
-    observed, scale = observed_in_run(structure, trace)
+    # The observed site, read and checked as the structure's own.
+    first = structure.observed
+    site = trace.nodes.get(first.name)
+    if site is None:
+        raise ValueError(
+            f"The model did not sample observed site {first.name!r} on this run; MPTLoss "
+            f"needs the same sites on every run of the model."
+        )
+    observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
+    scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
     check_run_matches(structure, trace, scale)
-    fn = trace.nodes[observed.name]["fn"]
+    fn = site["fn"]
     rows_differ = latents.rows_differ
     if not structure.factor_names:
         return PointsRun(fn, trace, observed, scale, 0.0, rows_differ)
@@ -373,29 +382,6 @@ def enumerated_log_prob(structure, trace):
     return _narrow_equal_rows(total, range(1, total.dim()))
 
 
-def _unexpanded(tensor, num_dims):
-    """The tensor that ``tensor`` was broadcast from, when it is a plain ``expand`` view (as
-    plates make), left-padded to ``num_dims`` dims; else ``tensor``, padded.
-
-    Narrowing a broadcast view would make autograd allocate the full broadcast shape in the
-    backward pass; taking the view's base keeps the graph small.
-    """
-    base = tensor._base
-    if base is not None and base.dim() <= tensor.dim():
-        padded = base.reshape((1,) * (tensor.dim() - base.dim()) + base.shape)
-        try:
-            same = padded.expand(tensor.shape)
-        except RuntimeError:
-            same = None
-        if (
-            same is not None
-            and same.stride() == tensor.stride()
-            and same.data_ptr() == tensor.data_ptr()
-        ):
-            tensor = padded
-    return tensor.reshape((1,) * (num_dims - tensor.dim()) + tensor.shape)
-
-
 def point_parameter(param, fn, observed):
     """A parameter of the observed distribution ``fn`` of a :func:`run_at_points` run as
     ``(Q,) + batch + (D,)``, with dims of size 1 where it is the same for every point or
@@ -406,11 +392,30 @@ def point_parameter(param, fn, observed):
     """
     full = fn.batch_shape + fn.event_shape
     num_lead = len(full) - observed.num_feature_dims
-    param = _unexpanded(param, len(full))
+    # A plain ``expand`` view (as plates make) is replaced by the tensor it was broadcast
+    # from: narrowing the view would make autograd allocate the full broadcast shape in the
+    # backward pass, while the base keeps the graph small.
+    base = param._base
+    if base is not None and base.dim() <= param.dim():
+        padded = base.reshape((1,) * (param.dim() - base.dim()) + base.shape)
+        try:
+            same = padded.expand(param.shape)
+        except RuntimeError:
+            same = None
+        if (
+            same is not None
+            and same.stride() == param.stride()
+            and same.data_ptr() == param.data_ptr()
+        ):
+            param = padded
+    param = param.reshape((1,) * (len(full) - param.dim()) + param.shape)
     param = param.expand(param.shape[:num_lead] + full[num_lead:])
     param = narrow_broadcast_dims(param, num_lead)
-    param = flatten_tail(param, observed.num_feature_dims)
-    param = param.reshape(param.shape[:1] + param.shape[-1 - len(observed.batch_shape) :])
+    # (Q,), then the dims that index observations (those between are plates' of size one),
+    # then the features flattened into one dim.
+    lead = param.shape[:num_lead]
+    num_features = math.prod(param.shape[num_lead:])
+    param = param.reshape(lead[:1] + lead[num_lead - len(observed.batch_shape) :] + (num_features,))
     target = (param.shape[0],) + observed.batch_shape + observed.value.shape[-1:]
     torch.broadcast_shapes(param.shape, target)
     return param
