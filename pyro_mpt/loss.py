@@ -576,6 +576,7 @@ class MPTLoss(ELBO):
         observed = prepared.observed
         every_mask = self.num_masks == ALL_MASKS
         if not every_mask:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             batch_shape = observed.batch_shape
             if self.share_masks and observed.entries is not None:
                 raise ValueError(
@@ -591,8 +592,8 @@ class MPTLoss(ELBO):
                 device=observed.value.device,
                 entries=observed.entries,
                 # The global generator in one process; each data-parallel process a seed of
-                # its own.
-                generator=process_generator(observed.value.device),
+                # its own (looked for only once torch.distributed is initialised).
+                generator=process_generator(observed.value.device) if distributed else None,
             )
             if self.share_masks:
                 shape = (self.num_masks,) + (1,) * len(batch_shape) + masks.shape[-1:]

@@ -151,19 +151,18 @@ def test_masks_have_their_exact_sizes_when_keys_tie(monkeypatch):
     # in about 6 rows of 100, which are drawn again with float64 keys.
     from pyro_mpt.ops import masks as masks_module
 
-    draws = masks_module._masks_below_threshold
+    draws = masks_module.masks_of_sizes
     redrawn = []
 
-    def counted(sizes, num_features, dtype, generator=None):
-        masks, tied = draws(sizes, num_features, dtype, generator)
-        if dtype == torch.float64:
+    def counted(sizes, num_features, entries=None, generator=None, key_dtype=None):
+        if key_dtype == torch.float64:
             redrawn.append(sizes.numel())
-        return masks, tied
+        return draws(sizes, num_features, entries, generator, key_dtype)
 
-    monkeypatch.setattr(masks_module, "_masks_below_threshold", counted)
+    monkeypatch.setattr(masks_module, "masks_of_sizes", counted)
     torch.manual_seed(0)
     sizes = torch.randint(0, 4097, (500,))
-    masks = masks_of_sizes(sizes, 4096)
+    masks = masks_module.masks_of_sizes(sizes, 4096)
     assert torch.equal(masks.sum(-1), sizes)
     assert redrawn and redrawn[0] > 0  # the tied rows were drawn again
 

@@ -178,15 +178,16 @@ def _case(name):
 def test_a_steady_step_finds_its_structure_by_identity(name, validation, monkeypatch):
     pyro.clear_param_store()
     model, guide, loss, data = _case(name)
-    # Whether each check of the linear-Gaussian form was read (verified) or left pending.
+    # Whether each step's check of the linear-Gaussian form was read (verified) or left
+    # pending on the device.
     form_checks = []
-    check_form = exact_module._check_form
+    build = exact_module.GaussianSelfPredictive.__init__
 
-    def spied_check_form(*args, read=True):
-        form_checks.append(read)
-        return check_form(*args, read=read)
+    def spied_build(self, form, *args):
+        form_checks.append(form.pending_check is None)
+        build(self, form, *args)
 
-    monkeypatch.setattr(exact_module, "_check_form", spied_check_form)
+    monkeypatch.setattr(exact_module.GaussianSelfPredictive, "__init__", spied_build)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
     with pyro.validation_enabled(validation):
         with _called() as first:
@@ -196,12 +197,12 @@ def test_a_steady_step_finds_its_structure_by_identity(name, validation, monkeyp
         form_checks.clear()
         with _called() as names:
             svi.step(data[32:48])
-    assert {"call_signature", "read_structure", "_check_value"} <= first
+    assert {"call_signature", "read_structure", "_check_observed"} <= first
     assert "call_signature" not in names
     assert "_Same.__eq__" not in names
     assert "read_structure" not in names
     # Data whose shape and dtype the key fixes is checked again only under validation.
-    assert ("_check_value" in names) == validation
+    assert ("_check_observed" in names) == validation
     if name == "exact":
         # The first step verified the affine form; later ones again only under validation,
         # and leave the check on the device otherwise.

@@ -82,8 +82,8 @@ class GaussianForm(NamedTuple):
     :ivar torch.Tensor covariance: ``batch + (D, D)`` (broadcastable) or None.
     :ivar tuple latent_names: the latent sites integrated out.
     :ivar pending_check: with Pyro's validation off, a boolean scalar tensor, ``True`` when
-        the model failed this call's check of the form (:func:`_check_form`), left on
-        the device to spare a synchronisation; ``None`` when the check was read (or made no
+        the model failed this call's check of the form (:func:`extract_gaussian_form`), left
+        on the device to spare a synchronisation; ``None`` when the check was read (or made no
         sense: no latents).
     """
 
@@ -178,8 +178,9 @@ def extract_gaussian_form(model, args, kwargs, structure):
     """The :class:`GaussianForm` of ``model`` and its ``pyro.factor`` terms, from one run of
     the model at the whitened points of :func:`_probe_points`; ``structure`` was read from
     an earlier trace (:func:`~pyro_mpt.trace.model_structure.read_structure`). The form is
-    verified at the check points (:func:`_check_form`) on every call while Pyro's
-    validation is enabled, else on the first with the structure.
+    verified at the check points, where the loc must be affine and the scale constant, on
+    every call while Pyro's validation is enabled, else on the first with the structure
+    (later calls leave the outcome on the device, :attr:`GaussianForm.pending_check`).
 
     :raises NotGaussianError: if the model is not linear-Gaussian.
     """
@@ -226,20 +227,33 @@ def extract_gaussian_form(model, args, kwargs, structure):
     noise_var = scales[0].expand(torch.broadcast_shapes(bias.shape, scales.shape[1:])) ** 2
     latents = tuple(structure.latent_names)
     form = GaussianForm(observed, run.scale, bias, weight, noise_var, None, latents)
+    # The check: the locs at the check points (past the origin and the unit vectors) must be
+    # those the affine form predicts, and the scales the same at every point. It runs in
+    # float64, so only the model's own rounding (in its dtype) is allowed.
     checks = points[num_latent + 1 :]
+    tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
+    with torch.no_grad():
+        bias64, weight64, checks64 = bias.double(), weight.double(), checks.double()
+        predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks64)
+        size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks64.abs())
+        # Written as "not within", so that NaN fails.
+        not_affine = ~((predicted - locs[num_latent + 1 :].double()).abs() <= tol * (size + 1))
+        scales64 = scales.double()
+        scale_varies = ~((scales64 - scales64[:1]).abs() <= tol * scales64[:1].abs())
+        failed = not_affine.any() | scale_varies.any()
     # Verified on every call while Pyro's validation is enabled, else read once per
     # structure (the check reads the device); on later calls its outcome stays on the
     # device, for MPTLoss to read with the loss (GaussianSelfPredictive.pending_check).
     once = not is_validation_enabled() and not _EVERY_CALL.get()
     first = layout is None or layout not in _VERIFIED
-    if first or not once:
-        _check_form(form, locs, scales, checks)
-        if first or _EVERY_CALL.get():
-            _verify_derivatives(form, locs, scales, checks)
-        if layout is not None:
-            _VERIFIED.add(layout)
-    else:
-        form = form._replace(pending_check=_check_form(form, locs, scales, checks, read=False))
+    if once and not first:
+        return form._replace(pending_check=failed), run.extra_log_prob
+    if bool(failed):
+        raise _not_affine(form, affine=not bool(not_affine.any()))
+    if first or _EVERY_CALL.get():
+        _verify_derivatives(form, locs, scales, checks)
+    if layout is not None:
+        _VERIFIED.add(layout)
     return form, run.extra_log_prob
 
 
@@ -289,45 +303,22 @@ def verify_every_call():
         _EVERY_CALL.reset(token)
 
 
-def _check_form(form, locs, scales, checks, read=True):
-    """Whether the likelihood's ``locs`` at the ``checks`` points (those of
-    :func:`_probe_points` past the origin and the unit vectors) are those the affine
-    ``form`` predicts, and its ``scales`` are the same at every point.
-
-    With ``read``, raises :class:`NotGaussianError` when they are not (a read of the
-    device) and returns None; else returns a boolean scalar tensor, ``True`` when the check
-    failed, left unread on the device.
-    """
-    # The check runs in float64, so only the model's own rounding (in its dtype) is allowed.
-    tol = 10 * math.sqrt(torch.finfo(locs.dtype).eps)
-    num_fitted = locs.shape[0] - checks.shape[0]
-    with torch.no_grad():
-        bias64, weight64 = form.loc.double(), form.weight.double()
-        checks = checks.double()
-        predicted = bias64 + torch.einsum("...dk,ck->c...d", weight64, checks)
-        actual = locs[num_fitted:].double()
-        size = bias64.abs() + torch.einsum("...dk,ck->c...d", weight64.abs(), checks.abs())
-        # Written as "not within", so that NaN fails.
-        not_affine = ~((predicted - actual).abs() <= tol * (size + 1)).all()
-        scales64 = scales.double()
-        scale_varies = ~((scales64 - scales64[:1]).abs() <= tol * scales64[:1].abs()).all()
-    if not read:
-        return not_affine | scale_varies
+def _not_affine(form, affine):
+    """The error for a model whose likelihood's loc is not affine in its latents (``affine``
+    False) or whose scale depends on them."""
     observed, latents = form.observed, list(form.latent_names)
-    if bool(not_affine):
-        raise NotGaussianError(
+    if not affine:
+        return NotGaussianError(
             f"The loc of observed site {observed.name!r} is not affine in the latent sites "
             f"{latents} (checked at random points and at {_FAR_RADIUS:g} prior standard "
             f"deviations); exact conditionals need a linear-Gaussian model. Use "
             f"conditionals='quadrature' or 'importance'."
         )
-    if bool(scale_varies):
-        raise NotGaussianError(
-            f"The scale of observed site {observed.name!r} depends on the latent sites "
-            f"{latents}; exact conditionals need a noise scale that does not. Use "
-            f"conditionals='quadrature' or 'importance'."
-        )
-    return None
+    return NotGaussianError(
+        f"The scale of observed site {observed.name!r} depends on the latent sites "
+        f"{latents}; exact conditionals need a noise scale that does not. Use "
+        f"conditionals='quadrature' or 'importance'."
+    )
 
 
 def _verify_derivatives(form, locs, scales, checks):
@@ -380,8 +371,8 @@ class GaussianSelfPredictive(SelfPredictive):
 
     def log_prob(self, masks):
         form = self.form
-        x = self.observed.value
-        context = self.context(masks)
+        x, entries = self.observed.value, self.observed.entries
+        context = ~masks if entries is None else ~masks & entries  # as self.context(masks)
         if form.covariance is None:
             mean, var = latent_gaussian_conditionals(
                 x, form.weight, form.loc, form.noise_var, context

@@ -96,14 +96,18 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     checked again only while Pyro's validation is enabled. Floating data are computed in
     the dtype of the distribution's parameters in this run: a model whose parameters were
     made float64 since the first read computes in float64."""
-    name, fn = site["name"], site["fn"]
+    name, fn, raw = site["name"], site["fn"], site["value"]
     validate = is_validation_enabled()
-    if validate or not checked:
-        _check_value(name, site["value"], fn, full_shape)
+    if not (checked or validate):
+        _check_observed(name, raw, fn, full_shape)  # under validation: below, with its data
     batch_shape, num_feature_dims = full_shape[:num_batch], len(full_shape) - num_batch
     # The features flattened into one dim (a new one for a site with none).
     num_features = math.prod(full_shape[num_batch:])
-    value = given = site["value"].expand(full_shape).reshape(batch_shape + (num_features,))
+    try:
+        value = given = raw.expand(full_shape).reshape(batch_shape + (num_features,))
+    except (AttributeError, RuntimeError):
+        _check_observed(name, raw, fn, full_shape)  # says what is wrong with it
+        raise
     base, inner = unwrap_independent(fn, with_mask=True)  # inner: from .mask(...) on fn
     if value.is_floating_point():
         # Trace_ELBO accepts float64 data in a float32 model by promotion; the conditionals
@@ -120,55 +124,14 @@ def read_observed_site(site, full_shape, num_batch, checked=False):
     # The data checks read the data back (a device synchronisation): like Pyro's own checks
     # of observations, they run while validation is enabled (the default).
     if validate:
-        _check_data(name, base, value, entries)
+        _check_observed(name, raw, fn, full_shape, value, entries)
     if entries is not None:
         value = _fill_missing(value, entries)
     unfilled = None if value is given else given
     return ObservedSite(name, value, batch_shape, num_feature_dims, entries, full_shape, unfilled)
 
 
-def _check_value(name, value, fn, full_shape):
-    """Raises for an observed value that is not a tensor, holds integers under a continuous
-    likelihood (or booleans, or integers under a Bernoulli), or does not broadcast to the
-    distribution's shape ``full_shape``."""
-    if not torch.is_tensor(value):
-        kind = type(value).__module__ + "." + type(value).__name__
-        raise TypeError(
-            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
-            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
-        )
-    base = unwrap_independent(fn)
-    discrete = getattr(base.support, "is_discrete", False)
-    family = type(base).__name__
-    if value.dtype == torch.bool or (
-        isinstance(base, torch.distributions.Bernoulli) and not value.is_floating_point()
-    ):
-        # Bernoulli's log-density (and others' under bool) does float arithmetic on the
-        # value: torch fails with a casting error of its own.
-        raise TypeError(
-            f"Observed site {name!r} holds {value.dtype} data under a {family} likelihood, "
-            f"which scores floats (0. and 1. for a Bernoulli). Convert it, e.g. x = x.float()."
-        )
-    if not value.is_floating_point() and not discrete:
-        raise TypeError(
-            f"Observed site {name!r} holds integer data ({value.dtype}) under a continuous "
-            f"{family} likelihood. Convert it to floats, e.g. "
-            f"x = x.float()."
-        )
-    shape = value.shape
-    broadcasts = len(shape) <= len(full_shape)
-    for size, target in zip(reversed(shape), reversed(full_shape)):
-        broadcasts = broadcasts and size in (1, target)
-    if not broadcasts:
-        raise ValueError(
-            f"Observed site {name!r} has a value of shape {tuple(shape)} that "
-            f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
-            f"subsampled plate, observe the subsample: obs=pyro.subsample(x, "
-            f"event_dim=...) or x[ind] with the plate's indices."
-        )
-
-
-#: What to do about each kind of non-finite observed value (see :func:`_check_data`).
+#: What to do about each kind of non-finite observed value (see :func:`_check_observed`).
 _NON_FINITE_FIXES = {
     "infinite": (
         ": no likelihood gives them a finite density, and the loss and every parameter "
@@ -186,11 +149,50 @@ _NON_FINITE_FIXES = {
 }
 
 
-def _check_data(name, fn, value, entries):
-    """Raises ``ValueError`` for an infinite or NaN value among the entries of ``value``
-    that count, or for one outside the support of ``fn`` when that support does not depend
-    on the distribution's parameters: one read of the device for each check when the data
-    pass it."""
+def _check_observed(name, raw, fn, full_shape, value=None, entries=None):
+    """Raises for an observed value ``raw`` that is not a tensor, holds integers under a
+    continuous likelihood (or booleans, or integers under a Bernoulli), or does not
+    broadcast to the distribution's shape ``full_shape``. Given ``value`` (``raw`` with its
+    features flattened) and the ``entries`` that count, also raises ``ValueError`` for an
+    infinite or NaN entry, or one outside the support of ``fn`` when that support does not
+    depend on the distribution's parameters: a read of the device per check."""
+    if not torch.is_tensor(raw):
+        kind = type(raw).__module__ + "." + type(raw).__name__
+        raise TypeError(
+            f"Observed site {name!r} holds a {kind}, not a torch.Tensor. Convert the data "
+            f"first, e.g. x = torch.as_tensor(x, dtype=torch.float32)."
+        )
+    base = unwrap_independent(fn)
+    discrete = getattr(base.support, "is_discrete", False)
+    family = type(base).__name__
+    if raw.dtype == torch.bool or (
+        isinstance(base, torch.distributions.Bernoulli) and not raw.is_floating_point()
+    ):
+        # Bernoulli's log-density (and others' under bool) does float arithmetic on the
+        # value: torch fails with a casting error of its own.
+        raise TypeError(
+            f"Observed site {name!r} holds {raw.dtype} data under a {family} likelihood, "
+            f"which scores floats (0. and 1. for a Bernoulli). Convert it, e.g. x = x.float()."
+        )
+    if not raw.is_floating_point() and not discrete:
+        raise TypeError(
+            f"Observed site {name!r} holds integer data ({raw.dtype}) under a continuous "
+            f"{family} likelihood. Convert it to floats, e.g. "
+            f"x = x.float()."
+        )
+    shape = raw.shape
+    broadcasts = len(shape) <= len(full_shape)
+    for size, target in zip(reversed(shape), reversed(full_shape)):
+        broadcasts = broadcasts and size in (1, target)
+    if not broadcasts:
+        raise ValueError(
+            f"Observed site {name!r} has a value of shape {tuple(shape)} that "
+            f"does not broadcast to its distribution's shape {tuple(full_shape)}. In a "
+            f"subsampled plate, observe the subsample: obs=pyro.subsample(x, "
+            f"event_dim=...) or x[ind] with the plate's indices."
+        )
+    if value is None:
+        return
     if value.is_floating_point():
         finite = torch.isfinite(value)
         if not bool((finite if entries is None else finite | ~entries).all()):
@@ -205,13 +207,13 @@ def _check_data(name, fn, value, entries):
                     )
     # A real support holds every finite value: the check above covers it. Whole events'
     # supports are not checked here.
-    if fn.support is constraints.real or fn.event_shape:
+    if base.support is constraints.real or base.event_shape:
         return
     # Boolean tests are slow on CPUs: the common binary support is checked by arithmetic.
-    if fn.support is constraints.boolean and not bool((value * (1 - value)).any()):
+    if base.support is constraints.boolean and not bool((value * (1 - value)).any()):
         return
     try:
-        inside = fn.support.check(value)
+        inside = base.support.check(value)
     except (NotImplementedError, RuntimeError, TypeError):
         return
     if inside.shape != value.shape:
@@ -223,7 +225,7 @@ def _check_data(name, fn, value, entries):
     outside = value[~inside]
     raise ValueError(
         f"Observed site {name!r} has {outside.numel()} values outside the support "
-        f"{fn.support} of its {type(fn).__name__} likelihood, e.g. {outside[0].item()!r}. "
+        f"{base.support} of its {family} likelihood, e.g. {outside[0].item()!r}. "
         f"Bring the data into the support (binary images: binarise them, e.g. "
         f"(x > 0.5).float()), or choose a likelihood that covers it; "
         f"pyro.enable_validation(False) skips this check."

@@ -340,7 +340,9 @@ def run_at_points(
             f"needs the same sites on every run of the model."
         )
     observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
-    scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
+    scale = site["scale"]
+    if torch.is_tensor(scale):  # else a number: the scale of every observation
+        scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
     check_run_matches(structure, trace, scale)
     fn = site["fn"]
     rows_differ = latents.rows_differ
