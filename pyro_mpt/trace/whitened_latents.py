@@ -340,9 +340,12 @@ def run_at_points(
             f"needs the same sites on every run of the model."
         )
     observed = read_observed_site(site, first.full_shape, len(first.batch_shape), checked=True)
+    # A number is the scale of every observation; a tensor is read per observation.
     scale = site["scale"]
-    if torch.is_tensor(scale):  # else a number: the scale of every observation
+    if torch.is_tensor(scale):
         scale = site_scale(site, observed.batch_shape, observed.num_feature_dims)
+    else:
+        scale = float(scale)
     check_run_matches(structure, trace, scale)
     fn = site["fn"]
     rows_differ = latents.rows_differ
