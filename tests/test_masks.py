@@ -214,3 +214,16 @@ def test_sample_masks_returns_the_sizes_its_masks_have(schedule, missing):
     values = torch.randn(masks.shape, generator=generator)
     counted = mask_scores(values, masks)
     assert torch.allclose(mask_scores(values, masks, sizes), counted, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int16, torch.float32, torch.float64])
+def test_masks_have_their_exact_sizes_with_every_key_dtype(key_dtype):
+    torch.manual_seed(0)
+    sizes = torch.randint(0, 301, (200,))
+    masks = masks_of_sizes(sizes, 300, key_dtype=key_dtype)
+    assert torch.equal(masks.sum(-1), sizes)
+
+
+def test_masks_refuse_keys_of_another_dtype():
+    with pytest.raises(ValueError, match=r"key_dtype must be .*torch\.int32"):
+        masks_of_sizes(torch.tensor([1, 2]), 5, key_dtype=torch.int32)

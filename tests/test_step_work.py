@@ -146,6 +146,44 @@ def test_dropout_is_refused_whatever_the_callers_seed(seed):
 
 
 @contextlib.contextmanager
+def _visited():
+    """The ``(file, function)`` pairs of the package whose code runs in the block."""
+    visited = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(PACKAGE):
+            visited.add((code.co_filename, code.co_qualname))
+
+    sys.setprofile(profile)
+    try:
+        yield visited
+    finally:
+        sys.setprofile(None)
+
+
+@pytest.mark.parametrize("validation", [True, False])
+def test_a_steady_step_reaches_the_maths_in_a_few_calls(validation):
+    # A steady step of MPTLoss(conditionals="auto") on a small linear-Gaussian model, which
+    # auto prepares with exact conditionals: at most 8 files and 30 functions of the package
+    # (benchmarks/step_footprint.py --list names them), with Pyro's validation on or off.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    data = torch.randn(64, 6)
+    loss = MPTLoss(conditionals="auto")
+    svi = SVI(_linear_gaussian, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
+    with pyro.validation_enabled(validation):
+        for batch in data[:48].split(16):
+            svi.step(batch)
+        with _visited() as visited:
+            svi.step(data[48:])
+    assert isinstance(loss.conditionals.chosen, Exact)
+    files = {file for file, _ in visited}
+    assert len(files) <= 8, sorted(files)
+    assert len(visited) <= 30, sorted(name for _, name in visited)
+
+
+@contextlib.contextmanager
 def _called():
     """The names of the package's functions called in the block."""
     names = set()

@@ -260,9 +260,11 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None, key_dtype=
         missing ones).
     :param torch.Generator generator: where the random keys come from, on the device of
         ``sizes``; ``None`` for torch's global generator.
-    :param torch.dtype key_dtype: on the CPU, the dtype of the random keys: by default
-        16-bit integers for rows of up to 4096 features, the cheapest to draw, sort and
-        compare, and float32 for longer rows, whose 16-bit keys would tie often.
+    :param torch.dtype key_dtype: on the CPU, the dtype of the random keys, ``torch.int16``,
+        ``float32`` or ``float64``: by default 16-bit integers for rows of up to 4096
+        features, the cheapest to draw, sort and compare, and float32 for longer rows, whose
+        16-bit keys would tie often. Rows whose ``M``-th key ties with the next are drawn
+        again with float64 keys.
     :returns: a boolean tensor of shape ``S + (D,)``, ``True`` at masked features; each row
         is uniform among the masks of its size.
     """
@@ -279,6 +281,11 @@ def masks_of_sizes(sizes, num_features, entries=None, generator=None, key_dtype=
     # (NumPy's, see sort_rows) finds each row's M-th smallest key.
     if key_dtype is None:
         key_dtype = torch.int16 if num_features <= _MAX_FEATURES_FOR_SHORT_KEYS else torch.float32
+    elif key_dtype not in (torch.int16, torch.float32, torch.float64):
+        raise ValueError(
+            f"key_dtype must be torch.int16, torch.float32 or torch.float64, got {key_dtype!r}; "
+            f"leave it unset to have it chosen by the number of features."
+        )
     shape = sizes.shape + (num_features,)
     if key_dtype.is_floating_point:
         keys = torch.rand(shape, dtype=key_dtype, device="cpu", generator=generator)
