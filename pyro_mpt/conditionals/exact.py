@@ -249,7 +249,11 @@ def extract_gaussian_form(model, args, kwargs, structure):
     if once and not first:
         return form._replace(pending_check=failed), run.extra_log_prob
     if bool(failed):
-        raise _not_affine(form, affine=not bool(not_affine.any()))
+        # Parameters that are NaN or infinite (after a step on unchecked data) fail the check
+        # too: said as such, not as a model that is not affine.
+        params = [p for t in (locs, scales) if t.grad_fn is not None for p in leaf_tensors(t)]
+        finite = all(bool(torch.isfinite(p).all()) for p in params)
+        raise _not_affine(form, affine=not bool(not_affine.any()), finite=finite)
     if first or _EVERY_CALL.get():
         _verify_derivatives(form, locs, scales, checks)
     if layout is not None:
@@ -303,10 +307,20 @@ def verify_every_call():
         _EVERY_CALL.reset(token)
 
 
-def _not_affine(form, affine):
+def _not_affine(form, affine, finite=True):
     """The error for a model whose likelihood's loc is not affine in its latents (``affine``
-    False) or whose scale depends on them."""
+    False) or whose scale depends on them, or whose parameters are not ``finite`` (a
+    ``ValueError``: no strategy applies then)."""
     observed, latents = form.observed, list(form.latent_names)
+    if not finite:
+        return ValueError(
+            f"The loc or scale of observed site {observed.name!r} depends on parameters that "
+            f"are NaN or infinite, as after a step "
+            f"on data with NaN or infinite values while Pyro's validation was off (the data "
+            f"are checked only while it is on). Check the data (torch.isfinite(x).all()), "
+            f"mark missing entries with obs_mask, and restore the parameters (pyro's param "
+            f"store) from before the first NaN loss."
+        )
     if not affine:
         return NotGaussianError(
             f"The loc of observed site {observed.name!r} is not affine in the latent sites "
