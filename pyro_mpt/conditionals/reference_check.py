@@ -23,7 +23,7 @@ import torch
 from pyro_mpt.conditionals.base import RuleGap
 from pyro_mpt.conditionals.importance import ImportanceSampling
 from pyro_mpt.errors import NotApplicableError, UnmeasuredAccuracyWarning, user_stacklevel
-from pyro_mpt.ops.masks import UniformRate, mpt_estimate, sample_masks
+from pyro_mpt.ops.masks import UniformRate, mask_scores, sample_masks
 from pyro_mpt.trace.trace_utils import same_random_state
 
 __all__ = [
@@ -51,7 +51,7 @@ UNMEASURED_WEIGHT_GAP = 10.0
 
 
 def mpt_gap_to_reference(
-    prepared, model, guide, args, kwargs, above=True, num_masks=NUM_CHECK_MASKS
+    prepared, model, guide, args, kwargs, above=True, num_masks=NUM_CHECK_MASKS, own_noise=False
 ):
     """How far the uniform-rate MPT estimate of ``prepared``'s conditionals lies from the
     reference, per observation on the batch's mean, less four standard errors (0 when not
@@ -64,7 +64,16 @@ def mpt_gap_to_reference(
     reference's own first-order bias (only with ``above``). ``(None, None)`` where importance
     sampling does not apply to the model and guide, or for fewer than two observations.
     ``num_masks``: uniform-size masks per observation of the estimate (the caller's, for
-    conditionals whose masks pool their draws). Leaves the random state as it found it."""
+    conditionals whose masks pool their draws). Leaves the random state as it found it.
+
+    The standard error of the batch's mean difference comes from the spread of the
+    differences between observations, or with ``own_noise`` (and ``num_masks >= 2``) from
+    each observation's own noise: the spread of its masks' estimates over ``num_masks`` and
+    the reference's first-order variance (:meth:`~pyro_mpt.conditionals.
+    importance_diagnostics.ImportanceDiagnostics.row_stderr`). The first also counts how
+    far the error varies between observations, which is no noise in a statement about this
+    batch, and can hide a bias of several nats on every observation of a small batch; the
+    second needs masks whose draws are their own (not pooled)."""
     observed = prepared.observed
     with same_random_state(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference's own weights are judged below
@@ -84,13 +93,20 @@ def mpt_gap_to_reference(
             entries=observed.entries,
         )
         counts = None if observed.entries is None else observed.feature_counts()
-        estimate = mpt_estimate(prepared.log_prob(masks), masks, counts, sizes)
+        # Each mask's estimate D / M sum_{j in mask} log p(x_j | x_R); mpt_estimate averages them.
+        scores = mask_scores(prepared.log_prob(masks), masks, sizes)
+        per_mask = scores * (observed.value.shape[-1] if counts is None else counts)
+        estimate = per_mask.mean(0)
     difference = (estimate - log_p).double().flatten()
     if difference.numel() < 2:
         return None, None
-    stderr = float(difference.std()) / math.sqrt(difference.numel())
-    below = max(0.0, -float(difference.mean()) - 4 * stderr)
     weights = reference.diagnostics
+    if own_noise and num_masks >= 2:
+        variance = per_mask.double().var(0) / num_masks + weights.row_stderr() ** 2
+        stderr = math.sqrt(float(variance.nansum())) / difference.numel()
+    else:
+        stderr = float(difference.std()) / math.sqrt(difference.numel())
+    below = max(0.0, -float(difference.mean()) - 4 * stderr)
     found = [(below, "importance")]
     own = getattr(prepared, "diagnostics", None)  # of the masks drawn above
     if own is None or own.reliable():
