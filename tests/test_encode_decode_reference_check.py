@@ -40,9 +40,7 @@ def _setup(seed, guide_scale):
     latents = torch.randn(NUM_DATA, LATENT_DIM, generator=generator)
     noise = NOISE * torch.randn(NUM_DATA, NUM_FEATURES, generator=generator)
     x = latents @ weight.T + bias + noise
-    marginal = dist.MultivariateNormal(
-        bias, weight @ weight.T + NOISE**2 * torch.eye(NUM_FEATURES)
-    )
+    marginal = dist.MultivariateNormal(bias, weight @ weight.T + NOISE**2 * torch.eye(NUM_FEATURES))
     return model, guide, x, marginal.log_prob(x)
 
 
