@@ -214,22 +214,12 @@ def test_a_noise_scale_that_differs_by_observation_is_exact(noise):
 def test_parameters_made_nan_by_unchecked_data_are_named_as_such(conditionals):
     # With validation off the data are not checked: a NaN in a batch turns the parameters
     # NaN, and the next check of the form says so rather than calling the model nonlinear.
-    def model(x):
-        weight = pyro.param("weight", lambda: 0.3 * torch.randn(x.shape[-1], 2))
-        with pyro.plate("data", x.shape[-2]):
-            z = pyro.sample("z", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ weight.T, 0.5).to_event(1), obs=x)
-
     pyro.clear_param_store()
     torch.manual_seed(0)
-    data = torch.randn(48, 6)
+    data = torch.randn(48, 3)
     data[3, 2] = float("nan")
-    svi = SVI(
-        model,
-        lambda x: None,
-        pyro.optim.Adam({"lr": 0.01}),
-        loss=MPTLoss(conditionals=conditionals),
-    )
+    loss = MPTLoss(conditionals=conditionals)
+    svi = SVI(_model, _no_guide, pyro.optim.Adam({"lr": 0.01}), loss=loss)
     with pyro.validation_enabled(False), pytest.raises(ValueError, match="NaN or infinite"):
         for batch in data.split(16):
             svi.step(batch)
