@@ -315,11 +315,10 @@ def _not_affine(form, affine, finite=True):
     if not finite:
         return ValueError(
             f"The loc or scale of observed site {observed.name!r} depends on parameters that "
-            f"are NaN or infinite, as after a step "
-            f"on data with NaN or infinite values while Pyro's validation was off (the data "
-            f"are checked only while it is on). Check the data (torch.isfinite(x).all()), "
-            f"mark missing entries with obs_mask, and restore the parameters (pyro's param "
-            f"store) from before the first NaN loss."
+            f"are NaN or infinite, as after a step on data with NaN or infinite values while "
+            f"Pyro's validation was off (the data are checked only while it is on). Check the "
+            f"data (torch.isfinite(x).all()), mark missing entries with obs_mask, and restore "
+            f"the parameters (Pyro's param store) from before the first NaN loss."
         )
     if not affine:
         return NotGaussianError(

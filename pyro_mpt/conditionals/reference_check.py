@@ -69,11 +69,12 @@ def mpt_gap_to_reference(
     The standard error of the batch's mean difference comes from the spread of the
     differences between observations, or with ``own_noise`` (and ``num_masks >= 2``) from
     each observation's own noise: the spread of its masks' estimates over ``num_masks`` and
-    the reference's first-order variance (:meth:`~pyro_mpt.conditionals.
-    importance_diagnostics.ImportanceDiagnostics.row_stderr`). The first also counts how
-    far the error varies between observations, which is no noise in a statement about this
-    batch, and can hide a bias of several nats on every observation of a small batch; the
-    second needs masks whose draws are their own (not pooled)."""
+    the reference's first-order variance
+    (:meth:`~pyro_mpt.conditionals.importance_diagnostics.ImportanceDiagnostics.row_stderr`).
+    The first also counts how far the error varies between observations, which is no noise
+    in a statement about this batch, and can hide a bias of several nats on every
+    observation of a small batch; the second needs masks whose draws are their own (not
+    pooled)."""
     observed = prepared.observed
     with same_random_state(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference's own weights are judged below
