@@ -102,8 +102,11 @@ def mpt_gap_to_reference(
     if difference.numel() < 2:
         return None, None
     weights = reference.diagnostics
+    row_noise = None  # each observation's estimate's own standard error, with own_noise
     if own_noise and num_masks >= 2:
-        variance = per_mask.double().var(0) / num_masks + weights.row_stderr() ** 2
+        estimate_variance = (per_mask.double().var(0) / num_masks).flatten()
+        row_noise = estimate_variance.sqrt()
+        variance = estimate_variance + weights.row_stderr().flatten() ** 2
         stderr = math.sqrt(float(variance.nansum())) / difference.numel()
     else:
         stderr = float(difference.std()) / math.sqrt(difference.numel())
@@ -112,7 +115,8 @@ def mpt_gap_to_reference(
     own = getattr(prepared, "diagnostics", None)  # of the masks drawn above
     if own is None or own.reliable():
         # Where the conditionals' own weights fail their share-based tests, they say so.
-        found.append((_single_draw_shortfall(difference, weights), "importance, one draw"))
+        shortfall = _single_draw_shortfall(difference, weights, row_noise)
+        found.append((shortfall, "importance, one draw"))
         _warn_if_unmeasured(estimate.double().flatten(), weights)
     if below == 0 and above and weights.reliable():
         # The reference lies below log p(x) by about its first-order bias: an estimate that
@@ -125,11 +129,12 @@ def mpt_gap_to_reference(
     return RuleGap(figure, figure), compared_with
 
 
-def _single_draw_shortfall(difference, weights):
+def _single_draw_shortfall(difference, weights, row_noise=None):
     """The estimate's shortfall below the reference on the observations whose reference fails
     on its own (``weights.failing_rows()``: it rests on one draw of the guide), beyond
-    :data:`SINGLE_DRAW_MARGIN` nats at each, summed and divided by the batch size: nats per
-    observation of the batch; 0 where none is that far below.
+    :data:`SINGLE_DRAW_MARGIN` nats at each (and beyond four of the estimate's own standard
+    errors there, ``row_noise``, where given), summed and divided by the batch size: nats
+    per observation of the batch; 0 where none is that far below.
 
     A few such observations, too few for the share-based tests of the weights, can carry the
     batch's whole error: a guide that misses their posteriors puts their conditionals tens
@@ -140,7 +145,10 @@ def _single_draw_shortfall(difference, weights):
     failing = weights.failing_rows().flatten()
     if not bool(failing.any()):
         return 0.0
-    beyond = (-difference[failing] - SINGLE_DRAW_MARGIN).clamp(min=0)
+    margin = SINGLE_DRAW_MARGIN
+    if row_noise is not None:
+        margin = margin + 4 * row_noise[failing].nan_to_num(nan=0.0)
+    beyond = (-difference[failing] - margin).clamp(min=0)
     return float(beyond.sum()) / difference.numel()
 
 

@@ -60,6 +60,25 @@ _CONVENTION = (
 )
 
 
+def _invalid_guide_parameters(guided, data, reason):
+    """The error for a guide whose distribution got NaN or infinite parameters from a batch of
+    filled copies of the data (torch's ``reason`` names the parameter, not its values)."""
+    if not bool(torch.isfinite(data).all()):
+        copies = "the copies hold NaN or infinite entries"
+    else:
+        largest = float(data.abs().max()) if data.numel() else 0.0
+        copies = f"the copies are finite, the largest entry {largest:.3g} in size"
+    return (
+        f"The guide {describe_guide(guided.guide)} gave a distribution NaN or infinite "
+        f"parameters on a batch of filled copies of the data, of shape {tuple(data.shape)} "
+        f"({copies}): {reason.rstrip(':.')}. A guide run on masked inputs must stay finite on "
+        f"every filled copy: encode-decode refills hidden entries with the likelihood's means, "
+        f"which a fast-growing link (a Poisson's exp) can make huge, and the guide's own "
+        f"computation can overflow on them. Bound what the guide computes from its input "
+        f"(e.g. a log1p of counts), or clip it."
+    )
+
+
 def _convention(observed):
     """:data:`_CONVENTION`, for data with no feature dim told how to get one: ``x.shape[-2]``
     then names the wrong dim, and only ``(N, 1)`` data observed with ``.to_event(1)`` work."""
@@ -517,6 +536,8 @@ def run_guided(
                 guide_trace = poutine.trace(guide).get_trace(data, *guided.args[1:], **guide_kwargs)
         except (ValueError, RuntimeError, IndexError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            if "invalid values" in reason:  # torch's check of a distribution's parameters
+                raise NotApplicableError(_invalid_guide_parameters(guided, data, reason)) from error
             raise NotApplicableError(
                 f"The guide {describe_guide(guided.guide)} failed on a batch of filled copies "
                 f"of the data, of shape {tuple(data.shape)}: {reason}. To run the guide on "
